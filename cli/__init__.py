@@ -1,0 +1,1 @@
+"""The ``dbsync`` command line: a thin layer over the library (see ``cli.main``)."""

@@ -1,0 +1,319 @@
+"""``dbsync``: publish weights into a store, inspect it, watch it, verify it, serve it.
+
+Each command is a few lines over the library. Exit codes: 0 success, 1 failure (the message
+names the file or tensor and what to do), 2 usage error (click's). Errors from the library
+(``DBSyncError``) and the OS (``OSError``) are caught here and printed as plain lines; set
+``DBSYNC_DEBUG=1`` to see tracebacks of unexpected errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, NoReturn
+
+import click
+import torch
+
+import dbsync
+from dbsync import sources
+from dbsync.errors import DamagedVersionError, DBSyncError, LeaseExpiredError
+from dbsync.status import receivers_at, store_status
+from dbsync.store import Store
+
+from .checks import current_problems
+from .fmt import human_age, human_bytes, human_time, table
+from .progress import ProgressBar
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Failure(click.ClickException):
+    """A failure the user can act on: printed as ``Error: <message>``, exit status 1."""
+
+    exit_code = 1
+
+
+def fail(message: str) -> NoReturn:
+    raise Failure(message)
+
+
+def _describe_os_error(exc: OSError) -> str:
+    where = exc.filename if exc.filename is not None else ""
+    what = exc.strerror or str(exc)
+    if where:
+        return f"{where}: {what}; check the path and its permissions"
+    return f"{what}; check the paths and their permissions"
+
+
+class _Group(click.Group):
+    """Turns library and OS errors raised by any command into plain one-paragraph failures."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except DBSyncError as exc:
+            raise Failure(str(exc)) from None
+        except OSError as exc:
+            raise Failure(_describe_os_error(exc)) from None
+        except Exception as exc:
+            if os.environ.get("DBSYNC_DEBUG"):
+                raise
+            raise Failure(f"unexpected {type(exc).__name__}: {exc} (this is a bug in dbsync; "
+                          "rerun with DBSYNC_DEBUG=1 and report the traceback)") from None
+
+
+def _existing_store(root: str) -> Store:
+    """A Store for reading; never creates ``root`` (a typo must not make a directory)."""
+    if not os.path.isdir(root):
+        fail(f"{root} is not a directory; check the path (nothing has been published there)")
+    return Store(root, create=False)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(dbsync.__version__, prog_name="dbsync")
+def cli() -> None:
+    """Publish trainer weights into a shared directory (ROOT) and hot-swap them into running
+    vLLM engines."""
+
+
+# ---- push ----------------------------------------------------------------------------------
+@cli.command()
+@click.argument("src", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("root", type=click.Path(file_okay=False, path_type=str))
+@click.option("--threads", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Parallel writer threads.")
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
+              help="Convert floating tensors to this dtype before publishing.")
+@click.option("--wait-for", "wait_for", type=click.IntRange(1), default=None, metavar="N",
+              help="After publishing, wait until N receivers report this version loaded.")
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None, metavar="S",
+              help="With --wait-for: give up (exit 1) after S seconds. Default: wait forever.")
+def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | None,
+         timeout: float | None) -> None:
+    """Publish SRC as the next version in ROOT and print that version.
+
+    SRC: a .safetensors file, an HF checkpoint directory (sharded, with
+    model.safetensors.index.json, or not), a torch .pt/.pth/.bin state dict (loaded with
+    weights_only=True: no code runs), or a tensordict memmap directory. Everything is checked
+    before ROOT is touched: a failed push publishes nothing."""
+    if timeout is not None and wait_for is None:
+        raise click.UsageError("--timeout only applies with --wait-for N")
+    started = time.monotonic()
+    pairs = sources.collect(src, dtype=DTYPES[dtype] if dtype else None)
+    bar = ProgressBar()
+    with dbsync.Sender(root, num_threads=threads) as sender:
+        try:
+            version = sender.push(dict(pairs), progress=bar)
+        finally:
+            bar.finish()
+        store = sender.store
+    nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+    click.echo(f"published version {version} in {store.root}: {len(pairs)} tensors, "
+               f"{human_bytes(nbytes)}, {time.monotonic() - started:.2f} s", err=True)
+    click.echo(version)
+    if wait_for is not None:
+        click.echo(f"waiting for {wait_for} receiver(s) to load version {version} ...",
+                   err=True)
+        loaded = _wait_for_receivers(store, version, wait_for, timeout)
+        if len(loaded) < wait_for:
+            fail(f"version {version} is published, but only {len(loaded)} of {wait_for} "
+                 f"receiver(s) loaded it within {timeout:g} s; see `dbsync status {root}`")
+        click.echo(f"{len(loaded)} receiver(s) loaded version {version}: {', '.join(loaded)}",
+                   err=True)
+
+
+def _wait_for_receivers(store: Store, version: int, count: int, timeout: float | None,
+                        interval: float = 0.2) -> list[str]:
+    """Ids of receivers at ``version`` or newer once ``count`` are, or at the timeout.
+    (Sender.wait_for_receivers does the same but needs the writer lock held.)"""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        loaded = receivers_at(store, version)
+        if len(loaded) >= count or (deadline is not None and time.monotonic() >= deadline):
+            return loaded
+        time.sleep(interval)
+
+
+# ---- status --------------------------------------------------------------------------------
+@cli.command()
+@click.argument("root", type=click.Path(file_okay=False, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status(root: str, as_json: bool) -> None:
+    """Show ROOT's current version and its receivers. Exits 1 if the current version's files
+    are missing or the wrong size (contents are checked by `dbsync verify`)."""
+    store = _existing_store(root)
+    manifest, problems = current_problems(store)
+    info = store_status(store)
+    if manifest is not None and info.get("version") != manifest.version:
+        manifest, problems = current_problems(store)  # published meanwhile: look again
+    info["problems"] = problems
+    if as_json:
+        click.echo(json.dumps(info, indent=1, sort_keys=True))
+    else:
+        for line in _status_lines(info):
+            click.echo(line)
+    if problems:
+        fail(f"version {info['version']} in {store.root} is damaged ({len(problems)} "
+             f"problem(s), listed above); publish again (dbsync push SRC {root})")
+
+
+def _status_lines(info: dict[str, Any]) -> list[str]:
+    lines = [f"store      {info['root']}"]
+    if info["version"] is None:
+        lines.append("version    none published yet")
+    else:
+        writer = info.get("writer") or {}
+        by = f" by {writer.get('host', '?')} pid {writer.get('pid', '?')}" if writer else ""
+        lines += [
+            f"version    {info['version']} (slot {info['slot']})",
+            f"tensors    {info['tensors']} ({human_bytes(info['bytes'])})",
+            f"published  {human_time(info['published_at'])}{by}",
+        ]
+        if not info.get("durable", True):
+            lines.append("durable    no (not fsynced: a power loss may damage it)")
+    for name, problem in info.get("problems", {}).items():
+        lines.append(f"DAMAGED    {name}: {problem}")
+    rx = info["receivers"]
+    lines.append(f"receivers  {len(rx)}")
+    if rx:
+        rows = [[r["id"], str(r.get("host")), str(r.get("state")),
+                 "-" if r["version"] is None else str(r["version"]),
+                 "-" if r["lag"] is None else str(r["lag"]),
+                 human_age(r.get("seconds_since_seen")) + " ago"] for r in rx]
+        lines += ["  " + line for line in table(
+            ["ID", "HOST", "STATE", "LOADED", "LAG", "LAST SEEN"], rows)]
+    return lines
+
+
+# ---- watch ---------------------------------------------------------------------------------
+@cli.command()
+@click.argument("root", type=click.Path(file_okay=False, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per line.")
+@click.option("--poll-interval", type=click.FloatRange(0, min_open=True), default=None,
+              metavar="S", help="Seconds between polls on network filesystems (default 1).")
+@click.option("--count", type=click.IntRange(1), default=None, metavar="N",
+              help="Exit after printing N lines (the current version counts as one).")
+def watch(root: str, as_json: bool, poll_interval: float | None, count: int | None) -> None:
+    """Print the current version of ROOT, then a line per new version, until interrupted.
+
+    Versions published faster than they are noticed are reported once, as the newest."""
+    store = _existing_store(root)
+    printed = [0]
+    done = threading.Event()
+
+    def on_version(version: int) -> None:
+        click.echo(_version_line(store, version, as_json))
+        sys.stdout.flush()
+        printed[0] += 1
+        if count is not None and printed[0] >= count:
+            done.set()
+
+    with dbsync.Watcher(store.root, on_version, poll_interval=poll_interval):
+        try:
+            while not done.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+
+
+def _version_line(store: Store, version: int, as_json: bool) -> str:
+    try:
+        manifest = store.read_manifest()
+    except DBSyncError:
+        manifest = None
+    record: dict[str, Any] = {"version": version}
+    if manifest is not None and manifest.version == version:
+        record.update(slot=manifest.slot, tensors=len(manifest.tensors),
+                      bytes=manifest.total_bytes, published_at=manifest.created_at)
+    if as_json:
+        return json.dumps(record, sort_keys=True)
+    if "slot" not in record:
+        return f"version {version}"
+    return (f"version {version}  slot {record['slot']}  {record['tensors']} tensors  "
+            f"{human_bytes(record['bytes'])}  published {human_time(record['published_at'])}")
+
+
+# ---- verify --------------------------------------------------------------------------------
+@cli.command()
+@click.argument("root", type=click.Path(file_okay=False, path_type=str))
+@click.option("--version", "want", type=click.IntRange(1), default=None, metavar="V",
+              help="Fail unless V is the current version (only the current one is readable).")
+@click.option("--threads", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Parallel checksum threads.")
+def verify(root: str, want: int | None, threads: int) -> None:
+    """Recompute the checksums of ROOT's current version; exit 1 naming every damaged tensor.
+
+    Registers as a receiver while it reads, so a writer will not reuse the slot meanwhile."""
+    store = _existing_store(root)
+    started = time.monotonic()
+    with dbsync.Receiver(store.root) as receiver:
+        try:
+            snap = receiver.open()
+        except LeaseExpiredError:
+            _stamp_failure(store, root)
+        with snap:
+            manifest = snap.manifest
+            if want is not None and want != manifest.version:
+                fail(f"version {want} is not current in {store.root} (current: "
+                     f"{manifest.version}); only the current version can be verified, the "
+                     "other slot may be rewritten at any time")
+            try:
+                snap.verify(threads=threads)
+            except DamagedVersionError as exc:
+                lines = [f"  {name}: {why}" for name, why in exc.damaged.items()]
+                fail(f"version {manifest.version} in {store.root} is damaged: "
+                     f"{len(exc.damaged)} of {len(manifest.tensors)} tensor(s) fail "
+                     "verification:\n" + "\n".join(lines) +
+                     f"\nPublish again to replace it (dbsync push SRC {root}).")
+            except LeaseExpiredError:
+                _stamp_failure(store, root)
+    click.echo(f"version {manifest.version} OK: {len(manifest.tensors)} tensors, "
+               f"{human_bytes(manifest.total_bytes)} verified in "
+               f"{time.monotonic() - started:.2f} s")
+
+
+def _stamp_failure(store: Store, root: str) -> NoReturn:
+    manifest = store.require_manifest()
+    stamp = store.read_stamp(manifest.slot)
+    fail(f"slot {manifest.slot} of {store.root} is stamped {stamp!r}, not version "
+         f"{manifest.version}: a writer reused it while verify read it (run verify again) or "
+         f"its stamp is damaged (publish again: dbsync push SRC {root})")
+
+
+# ---- serve-vllm ----------------------------------------------------------------------------
+@cli.command("serve-vllm", context_settings={"ignore_unknown_options": True})
+@click.argument("root", type=click.Path(file_okay=False, path_type=str))
+@click.option("--model", required=True, type=click.Path(path_type=str), metavar="DIR",
+              help="HF model directory (config, tokenizer, initial weights) to serve.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve_vllm(root: str, model: str, host: str, port: int, vllm_args: tuple[str, ...]) -> None:
+    """Serve --model with vLLM's OpenAI server and hot-swap every version published in ROOT.
+
+    Arguments after `--` go to vLLM (e.g. -- --enforce-eager --max-model-len 512). Adds
+    GET /dbsync/status. Needs vLLM: pip install 'dbsync[vllm]'."""
+    try:
+        from dbsync.vllm import server
+    except ImportError as exc:
+        fail(f"serve-vllm is not available here ({exc}); install vLLM with "
+             "pip install 'dbsync[vllm]'")
+    argv = [root, "--model", model, "--host", host, "--port", str(port), *vllm_args]
+    code = server.main(argv)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="dbsync")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,502 @@
+"""The ``dbsync`` command line, driven with real files: what it publishes (the bytes, the
+version), what it refuses (and that a refused push changes nothing), and its exit codes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+import dbsync
+from cli.main import cli
+from dbsync.format import MANIFEST_FILE
+from dbsync.store import Store
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- helpers -------------------------------------------------------------------------------
+def run(*args: str):
+    result = CliRunner().invoke(cli, list(args))
+    # Failures must be plain messages: SystemExit, never an escaped exception.
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        result.exception)
+    assert "Traceback" not in result.output
+    return result
+
+
+def published(root: str) -> dict[str, torch.Tensor]:
+    """The current version's tensors, copied out through a Receiver (verified)."""
+    out: dict[str, torch.Tensor] = {}
+    with dbsync.Receiver(root) as rx:
+        rx.load(lambda pairs: out.update((n, t.clone()) for n, t in pairs))
+    return out
+
+
+def current_version(root: str) -> int | None:
+    manifest = Store(root).read_manifest()
+    return None if manifest is None else manifest.version
+
+
+def slot_path(root: str, name: str) -> str:
+    store = Store(root)
+    manifest = store.require_manifest()
+    return store.tensor_path(manifest.slot, manifest.entry(name).file)
+
+
+def manifest_bytes(root: str) -> bytes:
+    with open(os.path.join(root, MANIFEST_FILE), "rb") as f:
+        return f.read()
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                ordered: bool = False) -> None:
+    """Same names (in the same order if ``ordered``), dtypes and values."""
+    assert list(got) == list(want) if ordered else sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.fixture
+def weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed.weight": torch.randn(16, 8, generator=g),
+        "model.layers.0.mlp.weight": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.bias": torch.randn(8, generator=g),
+        "lm_head.step": torch.arange(5, dtype=torch.int64),
+    }
+
+
+@pytest.fixture
+def st_file(tmp_path, weights) -> str:
+    path = str(tmp_path / "model.safetensors")
+    save_file(weights, path)
+    return path
+
+
+@pytest.fixture
+def store_v1(root, st_file) -> str:
+    result = run("push", st_file, root)
+    assert result.exit_code == 0, result.output
+    return root
+
+
+# ---- push: good sources --------------------------------------------------------------------
+def test_push_safetensors_prints_versions_and_publishes_the_bytes(root, st_file, weights):
+    first = run("push", st_file, root)
+    assert first.exit_code == 0, first.output
+    assert first.stdout.strip() == "1"
+    assert "published version 1" in first.stderr
+    assert_same(published(root), weights)
+    second = run("push", st_file, root, "--threads", "2")
+    assert second.exit_code == 0 and second.stdout.strip() == "2"
+    assert current_version(root) == 2
+    assert_same(published(root), weights)
+
+
+def test_push_sharded_hf_directory_in_index_order(root, tmp_path, weights):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    names = list(weights)
+    shards = {"model-00001-of-00002.safetensors": names[2:], "model-00002-of-00002.safetensors":
+              names[:2]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, str(ckpt / shard))
+        weight_map.update((k, shard) for k in keys)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (ckpt / "config.json").write_text("{}")
+    result = run("push", str(ckpt), root)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "1"
+    assert_same(published(root), {k: weights[k] for k in weight_map}, ordered=True)
+
+
+def test_push_torch_state_dict_with_dtype_conversion(root, tmp_path, weights):
+    path = str(tmp_path / "model.pt")
+    torch.save(weights, path)
+    result = run("push", path, root, "--dtype", "fp16")
+    assert result.exit_code == 0, result.output
+    want = {k: v.to(torch.float16) if v.is_floating_point() else v for k, v in weights.items()}
+    assert_same(published(root), want)
+
+
+def test_push_tensordict_memmap_directory(root, tmp_path):
+    from tensordict import TensorDict
+
+    td = TensorDict({"encoder": {"w": torch.randn(3, 4)}, "head": torch.ones(2)}, [])
+    td.memmap(str(tmp_path / "td"))
+    result = run("push", str(tmp_path / "td"), root, "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    got = published(root)
+    assert sorted(got) == ["encoder.w", "head"]
+    assert torch.equal(got["encoder.w"], td["encoder", "w"].to(torch.bfloat16))
+    assert torch.equal(got["head"], torch.ones(2, dtype=torch.bfloat16))
+
+
+def test_traversal_looking_names_stay_inside_the_slot(root, tmp_path):
+    evil = {"../../../escaped": torch.full((4,), 7.0), "/etc/passwd": torch.full((2,), 3.0),
+            "a/../../b": torch.arange(3), ".hidden": torch.zeros(1)}
+    src = str(tmp_path / "evil.safetensors")
+    save_file(evil, src)
+    before = sorted(os.listdir(tmp_path))
+    result = run("push", src, root)
+    assert result.exit_code == 0, result.output
+    # Nothing appeared next to the store or above it; every tensor file is in the slot dir.
+    assert sorted(os.listdir(tmp_path)) == sorted([*before, "store"])
+    store = Store(root)
+    manifest = store.require_manifest()
+    slot_dir = store.slot_dir(manifest.slot)
+    for entry in manifest.tensors:
+        assert os.path.dirname(store.tensor_path(manifest.slot, entry.file)) == slot_dir
+        assert "/" not in entry.file and not entry.file.startswith(".")
+    got = published(root)
+    assert sorted(got) == sorted(evil)
+    for name, tensor in evil.items():
+        assert torch.equal(got[name], tensor), name
+    assert run("verify", root).exit_code == 0
+
+
+# ---- push: bad sources ---------------------------------------------------------------------
+def assert_untouched(root: str, before: bytes, weights: dict[str, torch.Tensor]) -> None:
+    assert manifest_bytes(root) == before
+    assert current_version(root) == 1
+    assert_same(published(root), weights)
+
+
+def test_push_corrupt_safetensors_fails_and_changes_nothing(store_v1, tmp_path, weights):
+    before = manifest_bytes(store_v1)
+    bad = tmp_path / "corrupt.safetensors"
+    bad.write_bytes(b"\x20\x00\x00\x00\x00\x00\x00\x00" + b"{not json at all, just garbage}")
+    result = run("push", str(bad), store_v1)
+    assert result.exit_code == 1
+    assert str(bad) in result.stderr and "safetensors" in result.stderr
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) <= 2
+    assert_untouched(store_v1, before, weights)
+
+
+def test_push_truncated_safetensors_fails(store_v1, st_file, tmp_path, weights):
+    before = manifest_bytes(store_v1)
+    data = open(st_file, "rb").read()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[: len(data) - 10])
+    result = run("push", str(cut), store_v1)
+    assert result.exit_code == 1
+    assert str(cut) in result.stderr
+    assert_untouched(store_v1, before, weights)
+
+
+def test_push_missing_file_fails_without_creating_root(tmp_path):
+    root = str(tmp_path / "new-store")
+    missing = str(tmp_path / "nope.safetensors")
+    result = run("push", missing, root)
+    assert result.exit_code == 1
+    assert missing in result.stderr and "does not exist" in result.stderr
+    assert not os.path.exists(root)
+
+
+def test_push_non_tensor_entries_named_and_nothing_published(store_v1, tmp_path, weights):
+    before = manifest_bytes(store_v1)
+    path = str(tmp_path / "ckpt.pt")
+    torch.save({"w": torch.ones(2), "step": 10, "optimizer": {"lr": 0.1}}, path)
+    result = run("push", path, store_v1)
+    assert result.exit_code == 1
+    assert "'step'" in result.stderr and "'optimizer'" in result.stderr
+    assert "nothing was written" in result.stderr
+    assert_untouched(store_v1, before, weights)
+
+
+class _RunsCode:
+    """Pickles to a call of os.mkdir: loading it without weights_only would run it."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_push_pickle_with_code_is_refused_and_code_never_runs(store_v1, tmp_path, weights):
+    before = manifest_bytes(store_v1)
+    marker = str(tmp_path / "code-ran")
+    path = str(tmp_path / "evil.bin")
+    torch.save({"w": torch.ones(2), "x": _RunsCode(marker)}, path)
+    result = run("push", path, store_v1)
+    assert result.exit_code == 1
+    assert path in result.stderr and "weights_only" in result.stderr
+    assert not os.path.exists(marker)
+    assert_untouched(store_v1, before, weights)
+
+
+def test_push_unknown_file_kind(store_v1, tmp_path, weights):
+    path = tmp_path / "weights.npz"
+    path.write_bytes(b"PK")
+    result = run("push", str(path), store_v1)
+    assert result.exit_code == 1
+    assert "unknown kind of file" in result.stderr
+    assert current_version(store_v1) == 1
+
+
+def test_push_into_a_file_fails_plainly(tmp_path, st_file):
+    target = tmp_path / "not-a-dir"
+    target.write_text("x")
+    result = run("push", st_file, str(target))
+    assert result.exit_code == 2  # click refuses a file where a directory is expected
+    assert target.read_text() == "x"
+
+
+@pytest.mark.parametrize("args", [
+    ["push"],
+    ["push", "only-src"],
+    ["push", "a", "b", "--dtype", "int8"],
+    ["push", "a", "b", "--threads", "0"],
+    ["push", "a", "b", "--timeout", "3"],
+    ["push", "a", "b", "--no-such-flag"],
+    ["status"],
+    ["verify", "r", "--version", "zero"],
+    ["watch", "r", "--count", "0"],
+    ["frobnicate"],
+])
+def test_usage_errors_exit_2(args):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert "Usage:" in result.output or "No such command" in result.output
+
+
+# ---- push --wait-for -----------------------------------------------------------------------
+def test_wait_for_receivers(store_v1, st_file):
+    stop = threading.Event()
+    loaded: list[int] = []
+
+    def follower() -> None:
+        with dbsync.Receiver(store_v1, reader_id="follower") as rx:
+            while not stop.is_set():
+                if rx.latest_version() != rx.loaded_version:
+                    loaded.append(rx.load(lambda pairs: [t.sum() for _, t in pairs]))
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=follower)
+    thread.start()
+    try:
+        ok = run("push", st_file, store_v1, "--wait-for", "1", "--timeout", "30")
+        assert ok.exit_code == 0, ok.output
+        assert ok.stdout.strip() == "2"
+        assert "follower" in ok.stderr
+        assert 2 in loaded
+        short = run("push", st_file, store_v1, "--wait-for", "2", "--timeout", "0.5")
+        assert short.exit_code == 1
+        assert short.stdout.strip() == "3"  # published; only the wait failed
+        assert "only 1 of 2" in short.stderr
+    finally:
+        stop.set()
+        thread.join()
+
+
+# ---- status --------------------------------------------------------------------------------
+def test_status_reports_version_and_receivers(store_v1, st_file):
+    with dbsync.Receiver(store_v1, reader_id="engine-0") as rx:
+        rx.load(lambda pairs: None)
+        run("push", st_file, store_v1)
+        result = run("status", store_v1, "--json")
+        assert result.exit_code == 0, result.output
+        info = json.loads(result.stdout)
+        assert info["version"] == 2
+        assert info["tensors"] == 4 and info["problems"] == {}
+        assert info["bytes"] == Store(store_v1).require_manifest().total_bytes
+        [receiver] = info["receivers"]
+        assert (receiver["id"], receiver["version"], receiver["lag"]) == ("engine-0", 1, 1)
+        human = run("status", store_v1)
+        assert human.exit_code == 0
+        assert "version    2 (slot b)" in human.stdout
+        assert "engine-0" in human.stdout and "receivers  1" in human.stdout
+
+
+def test_status_of_empty_and_missing_stores(tmp_path):
+    empty = tmp_path / "empty"
+    Store(str(empty), create=True)
+    result = run("status", str(empty), "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["version"] is None
+    assert "none published yet" in run("status", str(empty)).stdout
+    missing = str(tmp_path / "missing")
+    gone = run("status", missing)
+    assert gone.exit_code == 1 and missing in gone.stderr
+    assert not os.path.exists(missing)
+
+
+def test_status_names_truncated_and_missing_slot_files(store_v1):
+    path = slot_path(store_v1, "model.embed.weight")
+    os.truncate(path, 10)
+    os.unlink(slot_path(store_v1, "lm_head.step"))
+    result = run("status", store_v1, "--json")
+    assert result.exit_code == 1
+    problems = json.loads(result.stdout)["problems"]
+    assert sorted(problems) == ["lm_head.step", "model.embed.weight"]
+    assert "has 10 bytes, expected 512" in problems["model.embed.weight"]
+    human = run("status", store_v1)
+    assert human.exit_code == 1
+    assert "DAMAGED    model.embed.weight" in human.stdout
+    assert "damaged" in human.stderr and "dbsync push" in human.stderr
+
+
+def test_status_on_garbled_manifest(store_v1):
+    with open(os.path.join(store_v1, MANIFEST_FILE), "wb") as f:
+        f.write(b'{"format": "dbsync", "format_')
+    result = run("status", store_v1)
+    assert result.exit_code == 1
+    assert MANIFEST_FILE in result.stderr and "not valid JSON" in result.stderr
+
+
+# ---- verify --------------------------------------------------------------------------------
+def test_verify_good_store_and_version_check(store_v1, st_file):
+    ok = run("verify", store_v1)
+    assert ok.exit_code == 0
+    assert "version 1 OK: 4 tensors" in ok.stdout
+    assert run("verify", store_v1, "--version", "1").exit_code == 0
+    run("push", st_file, store_v1)
+    stale = run("verify", store_v1, "--version", "1")
+    assert stale.exit_code == 1
+    assert "version 1 is not current" in stale.stderr and "current: 2" in stale.stderr
+    # verify registered as a receiver only while it ran
+    assert Store(store_v1).read_leases() == {}
+
+
+def test_verify_names_exactly_the_corrupted_tensor(store_v1):
+    path = slot_path(store_v1, "model.layers.0.mlp.weight")
+    with open(path, "r+b") as f:
+        f.seek(5)
+        byte = f.read(1)
+        f.seek(5)
+        f.write(bytes([byte[0] ^ 0x01]))
+    result = run("verify", store_v1)
+    assert result.exit_code == 1
+    assert "model.layers.0.mlp.weight: checksum" in result.stderr
+    for fine in ("model.embed.weight", "model.layers.0.mlp.bias", "lm_head.step"):
+        assert fine not in result.stderr
+    assert "1 of 4 tensor(s)" in result.stderr
+    # status only checks sizes: it does not see a flipped bit
+    assert run("status", store_v1).exit_code == 0
+
+
+def test_verify_names_truncated_tensor(store_v1):
+    os.truncate(slot_path(store_v1, "model.layers.0.mlp.bias"), 3)
+    result = run("verify", store_v1)
+    assert result.exit_code == 1
+    assert "model.layers.0.mlp.bias: " in result.stderr and "expected 32" in result.stderr
+
+
+def test_verify_damaged_slot_stamp(store_v1):
+    store = Store(store_v1)
+    store.write_stamp(store.require_manifest().slot, "writing", durable=False)
+    result = run("verify", store_v1)
+    assert result.exit_code == 1
+    assert "stamp" in result.stderr and "dbsync push" in result.stderr
+    assert run("status", store_v1).exit_code == 1
+
+
+def test_verify_nothing_published(tmp_path):
+    empty = str(tmp_path / "empty")
+    Store(empty, create=True)
+    result = run("verify", empty)
+    assert result.exit_code == 1
+    assert "no version has been published" in result.stderr
+    assert run("verify", str(tmp_path / "missing")).exit_code == 1
+    assert not os.path.exists(tmp_path / "missing")
+
+
+# ---- watch ---------------------------------------------------------------------------------
+def cli_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", *args]
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_watch_sees_two_flips(store_v1, st_file):
+    proc = subprocess.Popen(cli_cmd("watch", store_v1, "--json", "--count", "3"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env(), cwd=REPO)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        seen = [json.loads(lines.get(timeout=60))]
+        for _ in range(2):
+            assert run("push", st_file, store_v1).exit_code == 0
+            seen.append(json.loads(lines.get(timeout=30)))
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [s["version"] for s in seen] == [1, 2, 3]
+    assert [s["slot"] for s in seen] == ["a", "b", "a"]
+    assert all(s["tensors"] == 4 for s in seen)
+
+
+def test_watch_human_lines(store_v1):
+    result = run("watch", store_v1, "--count", "1")
+    assert result.exit_code == 0
+    assert result.stdout.startswith("version 1  slot a  4 tensors")
+
+
+def test_watch_missing_root(tmp_path):
+    result = run("watch", str(tmp_path / "missing"), "--count", "1")
+    assert result.exit_code == 1
+    assert not os.path.exists(tmp_path / "missing")
+
+
+# ---- the installed entry point -------------------------------------------------------------
+def test_subprocess_errors_are_plain_and_help_lists_commands(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 40)
+    proc = subprocess.run(cli_cmd("push", str(bad), str(tmp_path / "store")),
+                          capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("Error: ") and str(bad) in proc.stderr
+    assert not os.path.exists(tmp_path / "store")
+    helped = run("--help")
+    assert helped.exit_code == 0
+    for command in ("push", "status", "watch", "verify", "serve-vllm"):
+        assert command in helped.stdout
+    assert dbsync.__version__ in run("--version").stdout
+
+
+# ---- progress bar --------------------------------------------------------------------------
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_reaches_the_total(root):
+    from cli.progress import ProgressBar
+
+    weights = {f"w{i}": torch.ones(1024, 256) for i in range(4)}  # 4 MiB
+    terminal, log = _Terminal(), io.StringIO()
+    with dbsync.Sender(root, num_threads=2) as sender:
+        bar = ProgressBar(delay=0, stream=terminal, min_interval=0)
+        sender.push(weights, progress=bar)
+        bar.finish()
+        quiet = ProgressBar(delay=60, stream=log)  # a quick push shows nothing
+        sender.push(weights, progress=quiet)
+        quiet.finish()
+    final = terminal.getvalue().rsplit("\r", 1)[-1]
+    assert "100.0%" in final and "4.0 MiB / 4.0 MiB" in final and final.endswith("\n")
+    assert log.getvalue() == ""

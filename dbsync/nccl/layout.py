@@ -1,0 +1,145 @@
+"""The byte layout of one broadcast version: a header (JSON, sent through the rendezvous store)
+and a byte stream cut into fixed-size buckets.
+
+The stream holds every tensor's raw bytes in manifest order, each starting at a multiple of
+``ALIGN`` bytes (so a tensor lying wholly inside a bucket is handed out as a zero-copy view of
+the bucket buffer, whatever its dtype). A tensor may span buckets; the receiver assembles it.
+
+Hazard: the header arrives over the network and is untrusted: ``Header.loads`` validates every
+field (names, dtypes, shapes, sizes, checksums) before any buffer is sized from it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..format import dtype_from_name, dtype_name, nbytes_of
+from .errors import BroadcastError
+
+ALIGN = 64
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+_CHECKSUM = re.compile(r"[0-9a-f]{16}")
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int  # in the stream
+    checksum: str | None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+
+@dataclass(frozen=True)
+class Header:
+    """Everything a receiver needs to size its buffers and name what it receives."""
+
+    version: int
+    epoch: int
+    seq: int
+    bucket_bytes: int
+    entries: tuple[Entry, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Length of the stream (aligned), i.e. the bytes the broadcast carries."""
+        if not self.entries:
+            return 0
+        last = self.entries[-1]
+        return last.offset + last.nbytes
+
+    @property
+    def has_checksums(self) -> bool:
+        return bool(self.entries) and all(e.checksum is not None for e in self.entries)
+
+    def buckets(self) -> list[tuple[int, int]]:
+        total = self.total_bytes
+        return [(lo, min(lo + self.bucket_bytes, total))
+                for lo in range(0, total, self.bucket_bytes)]
+
+    def dumps(self) -> bytes:
+        return json.dumps({
+            "version": self.version, "epoch": self.epoch, "seq": self.seq,
+            "bucket_bytes": self.bucket_bytes,
+            "tensors": [[e.name, e.dtype, list(e.shape), e.checksum] for e in self.entries],
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes) -> Header:
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            version, epoch, seq = int(data["version"]), int(data["epoch"]), int(data["seq"])
+            bucket_bytes = int(data["bucket_bytes"])
+            tensors = data["tensors"]
+            if not isinstance(tensors, list) or bucket_bytes <= 0 or bucket_bytes % ALIGN:
+                raise ValueError("bad tensors list or bucket size")
+            specs = []
+            for item in tensors:
+                name, dt, shape, checksum = item
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"bad tensor name {name!r}")
+                if not isinstance(shape, list) or not all(
+                        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                    raise ValueError(f"bad shape for {name!r}")
+                if checksum is not None and not (isinstance(checksum, str)
+                                                 and _CHECKSUM.fullmatch(checksum)):
+                    raise ValueError(f"bad checksum for {name!r}")
+                specs.append((name, dtype_from_name(dt), tuple(shape), checksum))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            raise BroadcastError(f"received a malformed broadcast header ({exc}); the sender "
+                                 "runs an incompatible dbsync: upgrade both sides") from None
+        except Exception as exc:  # dtype_from_name raises FormatError
+            raise BroadcastError(f"received an unusable broadcast header ({exc})") from None
+        return cls.build(version, epoch, seq, bucket_bytes, specs)
+
+    @classmethod
+    def build(cls, version: int, epoch: int, seq: int, bucket_bytes: int,
+              specs: Sequence[tuple[str, torch.dtype, tuple[int, ...], str | None]]) -> Header:
+        entries = []
+        offset = 0
+        for name, dtype, shape, checksum in specs:
+            nbytes = nbytes_of(dtype, shape)
+            entries.append(Entry(name, dtype_name(dtype), shape, nbytes, offset, checksum))
+            offset = aligned(offset + nbytes)
+        return cls(version, epoch, seq, bucket_bytes, tuple(entries))
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's bytes on its own device (a copy only if non-contiguous).
+    Works for 0-d, empty, bool, bf16, fp8 and complex tensors."""
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def bucket_plan(header: Header) -> list[list[tuple[int, int, int]]]:
+    """For each bucket, the (entry index, start, end) byte ranges, relative to each tensor,
+    that lie in it. One pass over the entries."""
+    plan: list[list[tuple[int, int, int]]] = [[] for _ in header.buckets()]
+    size = header.bucket_bytes
+    for i, e in enumerate(header.entries):
+        pos, end = e.offset, e.offset + e.nbytes
+        while pos < end:
+            b = pos // size
+            stop = min(end, (b + 1) * size)
+            plan[b].append((i, pos - e.offset, stop - e.offset))
+            pos = stop
+    return plan

@@ -1,0 +1,427 @@
+"""BroadcastReceiver: take versions from the sender's broadcast group when it is reachable, and
+from the filesystem otherwise, through one call: ``receive(load_weights)``.
+
+receive = (re)connect to the rendezvous named by ``ROOT/broadcast.json`` and ask to join ->
+follow the epoch (create the group when this receiver is a member) -> wait for a push header
+or a newer manifest -> acknowledge, take the bucket stream, verify, call ``load_weights`` once
+with (name, tensor) pairs in manifest order -> record the loaded version in the reader lease
+(so ``Sender.wait_for_receivers`` and ``dbsync status`` count it).
+
+On any broadcast failure (timeout, dead peer, checksum mismatch, sender gone) it leaves the
+group, asks to re-join for the next epoch, and loads the same version (or newer) from the
+filesystem, which is always the source of truth.
+
+Hazards, stated plainly:
+- ``load_weights`` may see part of a version over the broadcast before a failure; the fallback
+  then calls it again with the complete version from the filesystem. The final state is always
+  one complete, verified version, but ``load_weights`` must accept being called again.
+- Tensors handed to ``load_weights`` are views of reused buffers: copy what you keep.
+- Without header checksums (the sender's default for CUDA weights) verification happens after
+  ``load_weights`` returns, against the manifest once the version is on the filesystem; on a
+  mismatch the version is re-applied from the filesystem.
+- While a member, this receiver must be inside ``receive`` when the sender pushes, or that push
+  drops it from the group (it reads the version from the filesystem and re-joins).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..leases import DEFAULT_LEASE_TIMEOUT
+from ..receiver import Receiver
+from . import rendezvous as rv
+from .errors import BroadcastError, BroadcastTimeoutError, RendezvousError
+from .group import Group
+from .layout import Header
+from .sender import wait_for_keys
+from .stream import IncomingVersion
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+RETRY_SECONDS = 5.0
+
+
+@dataclass
+class _Connection:
+    record: rv.RendezvousRecord
+    store: Any
+    local_address: str
+
+
+class BroadcastReceiver:
+    """Receives versions of the store at ``root``.
+
+    ``device``: where buckets land ("cpu" for gloo, "cuda:N" for NCCL; must match the sender's
+    backend, otherwise this receiver uses the filesystem alone). ``verify``: check checksums
+    (before applying when the sender sent them, else against the manifest after). ``timeout``:
+    bound of every collective and handshake step. ``fallback_timeout``: how long to wait for an
+    announced version to appear on the filesystem. ``address``: this host's address for the
+    group (default: the one that routes to the sender)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        reader_id: str | None = None,
+        device: torch.device | str = "cpu",
+        verify: bool = True,
+        timeout: float = 30.0,
+        fallback_timeout: float = 600.0,
+        poll_interval: float = 0.005,
+        address: str | None = None,
+        lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+    ):
+        self.fs = Receiver(root, reader_id=reader_id, lease_timeout=lease_timeout, verify=verify)
+        self.reader_id = self.fs.reader_id
+        self.device = torch.device(device)
+        self.verify = verify
+        self.timeout = float(timeout)
+        self.fallback_timeout = float(fallback_timeout)
+        self.poll_interval = poll_interval
+        self.address = address
+        #: "broadcast" or "filesystem": how the last returned version arrived
+        self.last_source: str | None = None
+        #: why the last broadcast was not used (None when it was)
+        self.last_error: str | None = None
+        self.last_stats: dict[str, Any] = {}
+        self.epoch: int | None = None
+        self._conn: _Connection | None = None
+        self._retry_after: dict[str, float] = {}
+        self._group: Group | None = None
+        self._seq = 0
+        self._buffers: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    @property
+    def loaded_version(self) -> int | None:
+        return self.fs.loaded_version
+
+    @property
+    def is_member(self) -> bool:
+        """True while this receiver belongs to the sender's current broadcast group."""
+        return self._group is not None
+
+    # ---- connection and epochs ---------------------------------------------------------
+    def _backend_ok(self, record: rv.RendezvousRecord) -> bool:
+        want = "nccl" if self.device.type == "cuda" else "gloo"
+        if record.backend != want:
+            self.last_error = (f"the sender broadcasts with {record.backend} but this receiver "
+                               f"is on {self.device}; reading from the filesystem (pass a "
+                               f"device that matches, e.g. device='cuda:0' for nccl)")
+            return False
+        return True
+
+    def _connect(self) -> None:
+        try:
+            record = rv.read_record(self.fs.store)
+        except RendezvousError as exc:
+            self.last_error, record = str(exc), None
+        if record is None:
+            self._disconnect()
+            return
+        if self._conn is not None and self._conn.record.sender_id == record.sender_id:
+            return
+        self._disconnect()
+        if self._retry_after.get(record.sender_id, 0.0) > time.monotonic():
+            return
+        if not self._backend_ok(record):
+            self._retry_after[record.sender_id] = float("inf")
+            return
+        try:
+            store = dist.TCPStore(record.address, record.port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=min(self.timeout, 5.0)))
+        except Exception as exc:  # noqa: BLE001 - unreachable: use the filesystem
+            self._retry_after[record.sender_id] = time.monotonic() + RETRY_SECONDS
+            self.last_error = (f"cannot reach the broadcast sender at {record.address}:"
+                               f"{record.port} ({str(exc).splitlines()[0] if str(exc) else exc})"
+                               "; reading from the filesystem")
+            return
+        local = self.address or rv.local_address_towards(record.address)
+        self._conn = _Connection(record, store, local)
+        self.epoch = None
+        self._send("join")
+
+    def _send(self, action: str) -> None:
+        assert self._conn is not None
+        store = self._conn.store
+        n = int(store.add(rv.K_JOINS, 1))
+        store.set(rv.join_key(n), json.dumps({
+            "reader_id": self.reader_id, "action": action, "pid": os.getpid(),
+            "host": os.uname().nodename, "device": str(self.device)}))
+
+    def _disconnect(self) -> None:
+        self._close_group()
+        self._conn = None
+        self.epoch = None
+
+    def _close_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def _leave_group(self, why: str) -> None:
+        """Drop out of the current group after a failure and ask to join the next epoch."""
+        self.last_error = why
+        self._close_group()
+        if self._conn is not None:
+            try:
+                self._send("join")
+            except Exception:  # noqa: BLE001 - sender gone: the next _connect sorts it out
+                self._disconnect()
+
+    def _maintain(self) -> None:
+        self._connect()
+        if self._conn is None:
+            return
+        conn = self._conn
+        try:
+            record = json.loads(conn.store.get(rv.K_EPOCH))
+            epoch, members = int(record["epoch"]), [str(m) for m in record["members"]]
+        except Exception as exc:  # noqa: BLE001 - the sender died or closed
+            self._retry_after[conn.record.sender_id] = time.monotonic() + RETRY_SECONDS
+            self._disconnect()
+            self.last_error = f"lost the broadcast sender ({exc}); reading from the filesystem"
+            return
+        if record.get("closed"):
+            self._retry_after[conn.record.sender_id] = float("inf")
+            self._disconnect()
+            return
+        if epoch == self.epoch:
+            return
+        first_look = self.epoch is None
+        self._close_group()
+        self.epoch, self._seq = epoch, 0
+        if self.reader_id in members:
+            conn.store.set(rv.ready_key(epoch, self.reader_id), "1")
+            try:
+                self._group = Group.create(
+                    conn.store, rv.pg_prefix(epoch), members.index(self.reader_id) + 1,
+                    len(members) + 1, conn.record.backend, self.device, self.timeout,
+                    conn.local_address)
+            except BroadcastError as exc:
+                self._leave_group(f"could not join epoch {epoch}: {exc}")
+        elif not first_look:
+            self._send("join")  # a new epoch formed without us: ask for the next one
+
+    def _poll_push(self) -> Header | None:
+        if self._group is None or self._conn is None or self.epoch is None:
+            return None
+        key = rv.push_key(self.epoch, self._seq + 1)
+        try:
+            if not self._conn.store.check([key]):
+                return None
+            raw = self._conn.store.get(key)
+        except Exception as exc:  # noqa: BLE001
+            self._disconnect()
+            self.last_error = f"lost the broadcast sender ({exc}); reading from the filesystem"
+            return None
+        return Header.loads(raw)
+
+    # ---- receiving ---------------------------------------------------------------------
+    def receive(self, load_weights: LoadWeights, newer_than: int | None = None,
+                timeout: float | None = None) -> int | None:
+        """Call ``load_weights`` once with the next version newer than ``newer_than`` (default:
+        the loaded one), from the broadcast if this receiver is in the group, else from the
+        filesystem. Returns that version, or None if none came within ``timeout`` seconds
+        (None: wait as long as it takes). Never hangs on a broken group: every step is bounded
+        by ``self.timeout``."""
+        with self._lock:
+            floor = self.loaded_version if newer_than is None else newer_than
+            floor = 0 if floor is None else floor
+            deadline = None if timeout is None else time.monotonic() + timeout
+            newer_seen_at: float | None = None
+            pause = self.poll_interval
+            while True:
+                try:
+                    self._maintain()
+                    header = self._poll_push()
+                except BroadcastError as exc:
+                    self._leave_group(str(exc))
+                    header = None
+                if header is not None:
+                    version = self._take(header, load_weights, floor)
+                    if version is not None:
+                        return version
+                    continue
+                latest = self.fs.latest_version()
+                if latest is not None and latest > floor:
+                    now = time.monotonic()
+                    if self._group is None:
+                        return self._load_fs(load_weights, latest)
+                    if newer_seen_at is None:
+                        newer_seen_at = now
+                    elif now - newer_seen_at > self.timeout:
+                        self._leave_group(f"version {latest} was published without a "
+                                          "broadcast to this member")
+                        return self._load_fs(load_weights, latest)
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.05) if self._group is None else self.poll_interval
+
+    def _take(self, header: Header, load_weights: LoadWeights, floor: int) -> int | None:
+        """Take one announced push. Returns the version applied, or None when it was not newer
+        than ``floor`` (its bytes are drained: every member must take part)."""
+        assert self._conn is not None and self._group is not None and self.epoch is not None
+        store, epoch, seq = self._conn.store, self.epoch, header.seq
+        self._seq = seq
+        t0 = time.perf_counter()
+        try:
+            if header.epoch != epoch:
+                raise BroadcastError(f"push header names epoch {header.epoch}, not {epoch}")
+            store.set(rv.ack_key(epoch, seq, self.reader_id), "1")
+            if wait_for_keys(store, [rv.go_key(epoch, seq)], 2 * self.timeout):
+                raise BroadcastTimeoutError(f"no go for version {header.version} within "
+                                            f"{2 * self.timeout:.1f} s")
+            go = store.get(rv.go_key(epoch, seq))
+        except BroadcastError as exc:
+            self._leave_group(str(exc))
+            return self._load_fs(load_weights, header.version)
+        except Exception as exc:  # noqa: BLE001 - the store connection broke
+            self._disconnect()
+            self.last_error = f"lost the broadcast sender ({exc})"
+            return self._load_fs(load_weights, header.version)
+        if go != b"go":
+            self._leave_group(f"the sender aborted the broadcast of version {header.version} "
+                              "(another member did not acknowledge)")
+            return self._load_fs(load_weights, header.version)
+        wanted = header.version > floor
+        incoming = IncomingVersion(
+            self._group, header, self._bucket_buffers(header), verify_now=self.verify,
+            hash_after=self.verify and wanted and not header.has_checksums)
+        try:
+            if wanted:
+                load_weights(incoming)
+            incoming.drain()  # whatever load_weights left unread (or all of it)
+        except BroadcastError as exc:
+            self._leave_group(str(exc))
+            return self._load_fs(load_weights, header.version)
+        except BaseException:
+            self._leave_group("load_weights raised during a broadcast")
+            raise
+        self.last_stats = {"version": header.version, "bytes": header.total_bytes,
+                           "seconds": time.perf_counter() - t0,
+                           "buckets": len(header.buckets())}
+        if not wanted:
+            return None
+        if incoming.hash_after:
+            problem = self._check_against_manifest(header, incoming.checksums)
+            if problem is not None:
+                self.last_error = problem
+                return self._load_fs(load_weights, header.version)
+        self.fs.mark_loaded(header.version)
+        self.last_source, self.last_error = "broadcast", None
+        return header.version
+
+    def _bucket_buffers(self, header: Header) -> list[torch.Tensor]:
+        size = min(header.bucket_bytes, header.total_bytes)
+        if not self._buffers or self._buffers[0].numel() < size:
+            self._buffers = []
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                             for _ in range(2)]
+        return self._buffers
+
+    def _wait_published(self, version: int) -> int:
+        deadline = time.monotonic() + self.fallback_timeout
+        pause = 0.005
+        while True:
+            latest = self.fs.latest_version()
+            if latest is not None and latest >= version:
+                return latest
+            if time.monotonic() >= deadline:
+                raise BroadcastTimeoutError(
+                    f"version {version} was announced but is not on the filesystem after "
+                    f"{self.fallback_timeout:.0f} s (the sender died before publishing?); "
+                    "call receive again to load the newest published version")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.1)
+
+    def _check_against_manifest(self, header: Header, sums: list[str]) -> str | None:
+        self._wait_published(header.version)
+        manifest = self.fs.manifest()
+        if manifest.version != header.version:
+            return None if manifest.version > header.version else "manifest went backwards"
+        got = [(e.name, e.dtype, tuple(e.shape), s)
+               for e, s in zip(header.entries, sums, strict=True)]
+        want = [(t.name, t.dtype, tuple(t.shape), t.checksum) for t in manifest.tensors]
+        if got != want:
+            bad = [w[0] for g, w in zip(got, want, strict=False) if g != w][:5]
+            return (f"version {header.version} as broadcast differs from the manifest "
+                    f"({', '.join(bad) or 'tensor list'}); re-applied from the filesystem")
+        return None
+
+    def _load_fs(self, load_weights: LoadWeights, version: int) -> int:
+        self._wait_published(version)
+        loaded = self.fs.load(load_weights)
+        self.last_source = "filesystem"
+        return loaded
+
+    def close(self) -> None:
+        """Leave the group (the sender forms a new epoch without us) and drop the lease."""
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._send("leave")
+                except Exception:  # noqa: BLE001 - sender gone
+                    pass
+            self._disconnect()
+            self.fs.close()
+
+    def __enter__(self) -> BroadcastReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_RECEIVERS: dict[tuple[str, str], BroadcastReceiver] = {}
+_RECEIVERS_LOCK = threading.Lock()
+
+
+def receive_weights(
+    root: str | os.PathLike[str],
+    load_weights: LoadWeights,
+    *,
+    device: torch.device | str | None = None,
+    newer_than: int | None = None,
+    timeout: float | None = None,
+    reader_id: str | None = None,
+    **options: Any,
+) -> int | None:
+    """Receive the next version of ``root`` into ``load_weights`` inside this process (e.g. a
+    vLLM worker): over the broadcast group when the sender's group is reachable and matches
+    ``device`` (NCCL on CUDA, gloo on CPU), else from the filesystem.
+
+    One ``BroadcastReceiver`` per (root, device) is kept for the life of the process, so the
+    group membership persists between calls. Returns the version applied, or None when nothing
+    newer than ``newer_than`` (default: the last one applied here) came within ``timeout``.
+    ``options`` go to ``BroadcastReceiver`` on first use (verify, timeout is ``timeout=`` of
+    each step: pass it as ``step_timeout``)."""
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    key = (os.path.abspath(os.fspath(root)), str(torch.device(device)))
+    with _RECEIVERS_LOCK:
+        receiver = _RECEIVERS.get(key)
+        if receiver is None:
+            if "step_timeout" in options:
+                options["timeout"] = options.pop("step_timeout")
+            receiver = BroadcastReceiver(root, reader_id=reader_id, device=device, **options)
+            _RECEIVERS[key] = receiver
+    return receiver.receive(load_weights, newer_than=newer_than, timeout=timeout)
+
+
+def close_receivers() -> None:
+    """Close every receiver ``receive_weights`` opened in this process."""
+    with _RECEIVERS_LOCK:
+        for receiver in _RECEIVERS.values():
+            receiver.close()
+        _RECEIVERS.clear()

@@ -1,0 +1,67 @@
+"""A receiver process for the broadcast tests, driven by JSON commands over a queue (the test
+plumbing only; the broadcast itself carries no pickled objects)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from dbsync import fileio
+
+
+def digest(t: torch.Tensor) -> list[Any]:
+    host = t.detach().to("cpu").contiguous()
+    return [str(host.dtype).removeprefix("torch."), list(host.shape),
+            fileio.checksum(fileio.tensor_bytes(host))]
+
+
+class Collector:
+    """A load_weights that records each tensor's digest (optionally dying at the first)."""
+
+    def __init__(self, die: bool = False):
+        self.die = die
+        self.calls = 0
+        self.got: dict[str, list[Any]] = {}
+
+    def __call__(self, pairs: Any) -> None:
+        self.calls += 1
+        self.got.clear()
+        for name, tensor in pairs:
+            if self.die:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.got[name] = digest(tensor)
+
+
+def run(root: str, reader_id: str, timeout: float, commands: Any, results: Any) -> None:
+    from dbsync.nccl import BroadcastReceiver
+
+    receiver = BroadcastReceiver(root, reader_id=reader_id, timeout=timeout,
+                                 fallback_timeout=60.0, address="127.0.0.1")
+    results.put(json.dumps({"ready": os.getpid()}))
+    while True:
+        command = json.loads(commands.get())
+        op = command["op"]
+        if op == "exit":
+            receiver.close()
+            results.put(json.dumps({"bye": True}))
+            return
+        if op == "sleep":
+            time.sleep(command["seconds"])
+            results.put(json.dumps({"slept": command["seconds"]}))
+            continue
+        collector = Collector(die=command.get("die", False))
+        try:
+            version = receiver.receive(collector, timeout=command.get("timeout"))
+            results.put(json.dumps({
+                "version": version, "source": receiver.last_source, "epoch": receiver.epoch,
+                "error": receiver.last_error, "calls": collector.calls, "tensors": collector.got,
+                "member": receiver.is_member}))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            results.put(json.dumps({"exception": repr(exc),
+                                    "traceback": traceback.format_exc()}))

@@ -1,0 +1,226 @@
+"""The broadcast fast path across real processes (gloo on CPU, multiprocessing spawn, free
+ports on 127.0.0.1): bit-exact delivery of every dtype, fallback when a receiver is killed
+mid-broadcast, a late joiner served from the filesystem then joining the next epoch, and a
+member that stops receiving costing the sender no more than the timeout."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import broadcast_worker
+import pytest
+import torch
+
+from dbsync import Receiver, Sender, fileio
+from dbsync.format import _DTYPES
+from dbsync.nccl import BroadcastSender, read_record
+
+TIMEOUT = 3.0  # every collective and handshake step
+SLACK = 3.0  # scheduling noise on a loaded 2-core CI machine
+
+
+class Worker:
+    def __init__(self, ctx: Any, root: str, reader_id: str):
+        self.commands, self.results = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=broadcast_worker.run, daemon=True,
+                                   args=(root, reader_id, TIMEOUT, self.commands, self.results))
+        self.process.start()
+
+    def send(self, **command: Any) -> None:
+        self.commands.put(json.dumps(command))
+
+    def result(self, timeout: float = 60.0) -> dict[str, Any]:
+        out = json.loads(self.results.get(timeout=timeout))
+        assert "exception" not in out, out.get("traceback")
+        return out
+
+
+@contextmanager
+def workers(root: str, *ids: str) -> Iterator[list[Worker]]:
+    ctx = mp.get_context("spawn")
+    started = [Worker(ctx, root, i) for i in ids]
+    try:
+        for w in started:
+            w.result()  # ready
+        yield started
+    finally:
+        for w in started:
+            if w.process.is_alive():
+                w.send(op="exit")
+        for w in started:
+            w.process.join(10)
+            if w.process.is_alive():
+                w.process.kill()
+
+
+@pytest.fixture
+def bsender(tmp_path: Any) -> Iterator[BroadcastSender]:
+    sender = Sender(tmp_path / "store", durable=False)
+    bs = BroadcastSender(sender, address="127.0.0.1", device="cpu", bucket_bytes=4096,
+                         timeout=TIMEOUT, join_timeout=15.0)
+    try:
+        yield bs
+    finally:
+        bs.close()
+        sender.close()
+
+
+def random_bytes_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator
+                        ) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def all_dtype_weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for name, dtype in _DTYPES.items():
+        weights[f"{name}.matrix"] = random_bytes_tensor(dtype, (33, 7), gen)
+        weights[f"{name}.scalar"] = random_bytes_tensor(dtype, (), gen)
+        weights[f"{name}.empty"] = random_bytes_tensor(dtype, (0, 5), gen)
+    # spans several 4 KiB buckets; a transposed (non-contiguous) view; an odd-sized tail
+    weights["big.bf16"] = random_bytes_tensor(torch.bfloat16, (50, 171), gen)
+    weights["transposed"] = random_bytes_tensor(torch.float32, (40, 30), gen).t()
+    weights["layers.0/odd name ünicode"] = random_bytes_tensor(torch.int8, (4099,), gen)
+    return weights
+
+
+def expected(weights: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
+    return {name: broadcast_worker.digest(t) for name, t in weights.items()}
+
+
+def manifest_digests(root: str) -> dict[str, list[Any]]:
+    got: dict[str, list[Any]] = {}
+
+    def load(pairs: Any) -> None:
+        for name, t in pairs:
+            got[name] = broadcast_worker.digest(t)
+
+    with Receiver(root) as r:
+        r.load(load)
+    return got
+
+
+def test_every_dtype_bit_exact_to_two_receivers(bsender: BroadcastSender) -> None:
+    root = bsender.sender.root
+    with workers(root, "rx-a", "rx-b") as (a, b):
+        for version, seed in ((1, 1), (2, 2)):
+            weights = all_dtype_weights(seed)
+            for w in (a, b):
+                w.send(op="receive", timeout=60)
+            assert bsender.wait_for_joins(2, 30)
+            assert bsender.push(weights) == version
+            stats = bsender.last_push_stats
+            assert stats["broadcast"] and stats["members"] == 2, stats
+            assert stats["buckets"] > 3 and stats["checksums"]
+            if version == 2:
+                assert stats["setup_seconds"] == 0.0  # same epoch: no new group
+            want = expected(weights)
+            for w in (a, b):
+                got = w.result()
+                assert got["version"] == version and got["source"] == "broadcast", got
+                assert got["calls"] == 1
+                assert list(got["tensors"]) == list(want)  # manifest (push) order
+                assert got["tensors"] == want
+            assert manifest_digests(root) == want  # the filesystem has the same version
+        record = read_record(bsender.sender.store)
+        assert record is not None and record.members == ("rx-a", "rx-b")
+        assert record.world_size == 3 and record.epoch == bsender.epoch
+
+
+def test_receiver_killed_mid_broadcast(bsender: BroadcastSender) -> None:
+    root = bsender.sender.root
+    gen = torch.Generator().manual_seed(7)
+    weights = {f"layer{i}": random_bytes_tensor(torch.bfloat16, (256, 128), gen)
+               for i in range(48)}  # 3 MiB in 768 buckets of 4 KiB
+    with workers(root, "victim", "survivor") as (victim, survivor):
+        for w in (victim, survivor):
+            w.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(2, 30)
+        assert bsender.push(weights) == 1
+        assert [w.result()["source"] for w in (victim, survivor)] == ["broadcast"] * 2
+        epoch = bsender.epoch
+
+        weights2 = {k: v + 1 for k, v in weights.items()}
+        victim.send(op="receive", timeout=60, die=True)
+        survivor.send(op="receive", timeout=60)
+        time.sleep(0.3)  # both inside receive()
+        t0 = time.monotonic()
+        assert bsender.push(weights2) == 2
+        elapsed = time.monotonic() - t0
+        stats = bsender.last_push_stats
+        victim.process.join(10)
+        assert victim.process.exitcode == -9
+        assert stats["error"] is not None and not stats["broadcast"], stats
+        assert elapsed < TIMEOUT + SLACK, elapsed
+        assert Receiver(root).latest_version() == 2  # published on the filesystem anyway
+        got = survivor.result()
+        assert got["version"] == 2 and got["tensors"] == expected(weights2), got["source"]
+
+        # the survivor re-joins; the next push forms a new epoch without the dead receiver
+        survivor.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(1, 30)
+        weights3 = {k: v + 2 for k, v in weights.items()}
+        assert bsender.push(weights3) == 3
+        got = survivor.result()
+        assert got["source"] == "broadcast" and got["tensors"] == expected(weights3)
+        assert bsender.members == ("survivor",) and bsender.epoch > epoch
+        assert bsender.last_push_stats["broadcast"]
+
+
+def test_late_joiner_then_next_epoch_and_unresponsive_member(bsender: BroadcastSender) -> None:
+    root = bsender.sender.root
+    gen = torch.Generator().manual_seed(3)
+    weights = {"w": random_bytes_tensor(torch.float16, (64, 64), gen),
+               "b": random_bytes_tensor(torch.float32, (64,), gen)}
+    assert bsender.push(weights) == 1  # nobody joined: filesystem only
+    assert not bsender.last_push_stats["broadcast"]
+    with workers(root, "late") as (late,):
+        late.send(op="receive", timeout=60)
+        got = late.result()
+        assert got["version"] == 1 and got["source"] == "filesystem"
+        assert got["tensors"] == expected(weights)
+
+        late.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(1, 30)
+        weights2 = {k: v * 2 for k, v in weights.items()}
+        assert bsender.push(weights2) == 2
+        got = late.result()
+        assert got["source"] == "broadcast" and got["version"] == 2, got
+        assert got["tensors"] == expected(weights2)
+        assert bsender.members == ("late",)
+
+        # A member busy elsewhere (not inside receive) costs one push at most the timeout.
+        late.send(op="sleep", seconds=TIMEOUT + 2)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        weights3 = {k: v * 3 for k, v in weights.items()}
+        assert bsender.push(weights3) == 3
+        assert time.monotonic() - t0 < TIMEOUT + SLACK
+        assert "did not acknowledge" in bsender.last_push_stats["error"]
+        late.result(timeout=30)  # slept
+        late.send(op="receive", timeout=60)
+        got = late.result()
+        assert got["version"] == 3 and got["source"] == "filesystem"
+        assert got["tensors"] == expected(weights3)
+
+
+def test_checksums_match_manifest(tmp_path: Any) -> None:
+    """The header's checksums are the manifest's (same function, same bytes)."""
+    weights = all_dtype_weights(5)
+    with Sender(tmp_path, durable=False) as sender:
+        sums = [fileio.checksum(fileio.tensor_bytes(t.contiguous())) for t in weights.values()]
+        sender.push(weights)
+        manifest = sender.store.require_manifest()
+        assert [t.checksum for t in manifest.tensors] == sums

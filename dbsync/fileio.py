@@ -51,7 +51,8 @@ def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically: temp file in the same directory, flush,
     fsync, ``os.replace``, fsync the directory. The temp file is removed on any failure."""
     directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".tmp-{os.path.basename(path)}-{os.getpid()}-{os.urandom(4).hex()}")
+    unique = f"{os.getpid()}-{os.urandom(4).hex()}"
+    tmp = os.path.join(directory, f".tmp-{os.path.basename(path)}-{unique}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:

@@ -27,8 +27,7 @@ import torch
 
 from . import fileio, sources
 from .errors import DBSyncError
-from .format import SLOTS, Manifest, TensorEntry, dtype_name, file_stems_for
-from .format import FILE_SUFFIX
+from .format import FILE_SUFFIX, SLOTS, Manifest, TensorEntry, dtype_name, file_stems_for
 from .leases import DEFAULT_LEASE_TIMEOUT, LeaseMonitor
 from .store import WRITING, Store
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,11 +49,8 @@ def _pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
 
             return _tensordict_pairs(TensorDict.from_module(weights))
         return list(weights.state_dict().items())
-    try:
-        from tensordict import TensorDictBase
-    except ImportError:  # pragma: no cover - tensordict is a dependency
-        TensorDictBase = ()  # type: ignore[assignment,misc]
-    if isinstance(weights, TensorDictBase):
+    tensordict = sys.modules.get("tensordict")  # no TensorDict exists unless it was imported
+    if tensordict is not None and isinstance(weights, tensordict.TensorDictBase):
         return _tensordict_pairs(weights)
     if isinstance(weights, Mapping):
         return list(weights.items())

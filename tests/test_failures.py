@@ -1,0 +1,113 @@
+"""Bad input, damaged stores, and what is never allowed to happen because of them."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import dbsync
+from dbsync.format import MANIFEST_FILE
+
+
+def publish(root, weights, **kw):
+    with dbsync.Sender(root, **kw) as sender:
+        return sender.push(weights)
+
+
+def slot_file(root, name):
+    manifest = dbsync.Receiver(root).manifest()
+    entry = manifest.entry(name)
+    return os.path.join(root, "slots", manifest.slot, entry.file)
+
+
+def test_bad_input_lists_every_bad_key_and_publishes_nothing(root):
+    publish(root, {"good": torch.ones(3)})
+    before = open(os.path.join(root, MANIFEST_FILE), "rb").read()
+    with dbsync.Sender(root) as sender, pytest.raises(dbsync.InvalidWeightsError) as err:
+        sender.push({"ok": torch.ones(1), "lr": 0.1, "step": "ten", 3: torch.ones(1)})
+    message = str(err.value)
+    assert "'lr'" in message and "'step'" in message and "3" in message and "nothing" in message
+    assert open(os.path.join(root, MANIFEST_FILE), "rb").read() == before
+    assert dbsync.Receiver(root).latest_version() == 1
+
+
+def test_push_failing_midway_leaves_current_version(root, tmp_path):
+    publish(root, {"w": torch.ones(8)})
+    with dbsync.Sender(root) as sender:
+        with pytest.raises(dbsync.InvalidWeightsError):
+            sender.push(str(tmp_path / "missing.safetensors"))
+        bad = tmp_path / "corrupt.safetensors"
+        bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+        with pytest.raises(dbsync.InvalidWeightsError, match="corrupt.safetensors"):
+            sender.push(str(bad))
+        assert sender.latest_version() == 1
+        assert sender.push({"w": torch.full((8,), 2.0)}) == 2
+
+
+def test_second_writer_is_refused(root):
+    with dbsync.Sender(root), pytest.raises(dbsync.StoreBusyError, match="one Sender"):
+        dbsync.Sender(root)
+
+
+def test_receiver_on_empty_store_says_what_to_do(root):
+    receiver = dbsync.Receiver(root)
+    assert receiver.latest_version() is None
+    with pytest.raises(dbsync.NothingPublishedError, match="push"):
+        receiver.load(lambda pairs: None)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+def test_damaged_version_never_reaches_load_weights(root, damage):
+    publish(root, {"a": torch.randn(100), "b": torch.randn(50), "c": torch.randn(10)})
+    path_b, path_c = slot_file(root, "b"), slot_file(root, "c")
+    for path in (path_b, path_c):
+        if damage == "corrupt":
+            with open(path, "r+b") as f:
+                f.seek(17)
+                byte = f.read(1)
+                f.seek(17)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        elif damage == "truncate":
+            os.truncate(path, 12)
+        else:
+            os.unlink(path)
+    calls = []
+    with pytest.raises(dbsync.DamagedVersionError) as err:
+        dbsync.Receiver(root).load(lambda pairs: calls.append(list(pairs)))
+    assert calls == []
+    assert set(err.value.damaged) == {"b", "c"}  # one error naming every damaged tensor
+    assert "'b'" not in str(err.value) or "b" in str(err.value)
+
+
+def test_manifest_pointing_outside_the_slot_is_refused(root):
+    publish(root, {"w": torch.ones(2)})
+    path = os.path.join(root, MANIFEST_FILE)
+    data = json.loads(open(path, "rb").read())
+    data["tensors"][0]["file"] = "../../../etc/passwd.memmap"
+    open(path, "w").write(json.dumps(data))
+    calls = []
+    with pytest.raises(dbsync.FormatError, match="plain"):
+        dbsync.Receiver(root).load(lambda pairs: calls.append(1))
+    assert calls == []
+
+
+def test_future_format_version_is_refused_with_upgrade_hint(root):
+    publish(root, {"w": torch.ones(2)})
+    path = os.path.join(root, MANIFEST_FILE)
+    data = json.loads(open(path, "rb").read())
+    data["format_version"] = 99
+    open(path, "w").write(json.dumps(data))
+    with pytest.raises(dbsync.FormatError, match="upgrade"):
+        dbsync.Receiver(root).latest_version()
+
+
+def test_reader_sees_rewritten_slot_afresh(root):
+    """Close-to-open: each load opens the files again, so a reused slot shows new bytes."""
+    with dbsync.Sender(root) as sender:
+        receiver = dbsync.Receiver(root)
+        for value in range(1, 6):  # slot a holds versions 1, 3, 5 in the same files
+            sender.push({"w": torch.full((1024,), float(value))})
+            got = {}
+            receiver.load(lambda pairs, got=got: got.update({n: t.clone() for n, t in pairs}))
+            assert torch.equal(got["w"], torch.full((1024,), float(value)))

@@ -1,0 +1,222 @@
+"""The protocol guarantees of docs/FORMAT.md, each shown with real processes and files."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from conftest import worker_cmd
+
+import dbsync
+from dbsync.leases import LeaseMonitor
+from dbsync.store import Store
+
+
+def wait_for_file(path: str, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and os.path.getsize(path):
+            return open(path).read()
+        time.sleep(0.02)
+    raise AssertionError(f"{path} never appeared")
+
+
+def test_slow_readers_never_apply_a_mixed_set(root, tmp_path, worker_env):
+    """A fast writer and three slow readers in separate processes: every applied set holds
+    exactly one version's values, and the writer kept publishing meanwhile."""
+    writer = subprocess.Popen(worker_cmd("writer", root, "0", "0.005"), env=worker_env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        readers = [
+            subprocess.Popen(worker_cmd("reader", root, "4", delay, str(tmp_path / f"r{i}.json")),
+                             env=worker_env)
+            for i, delay in enumerate(["0.01", "0.03", "0.002"])
+        ]
+        for r in readers:
+            assert r.wait(timeout=120) == 0
+    finally:
+        writer.kill()
+        out, _ = writer.communicate()
+    pushed = [int(x) for x in out.split()]
+    applied = []
+    for i in range(3):
+        for record in json.load(open(tmp_path / f"r{i}.json")):
+            assert record["values"] == [float(record["version"])], record  # one version only
+            applied.append(record["version"])
+    assert len(pushed) > 10, "the writer should have published many versions meanwhile"
+    assert len(set(applied)) > 3, "readers should have seen several versions"
+
+
+def test_sigkill_of_writer_at_random_points_leaves_last_version_loadable(root, worker_env):
+    rng = random.Random(1234)
+    with dbsync.Sender(root) as sender:
+        last = sender.push({"w": torch.ones(1)})
+    for _ in range(5):
+        writer = subprocess.Popen(worker_cmd("writer", root, "0", "0", "8", "262144"),
+                                  env=worker_env, stdout=subprocess.PIPE, text=True)
+        writer.stdout.readline()  # it has published once: now kill it somewhere mid-push
+        time.sleep(rng.uniform(0.0, 0.15))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        writer.stdout.close()
+        receiver = dbsync.Receiver(root)
+        seen: list[set[float]] = []
+        version = receiver.load(lambda pairs, seen=seen: seen.append(
+            {float(v) for _, t in pairs for v in t.float().unique()}))
+        receiver.close()
+        assert version > last
+        assert seen == [{float(version)}], "the published version must be whole"
+        last = version
+    with dbsync.Sender(root) as sender:  # a new writer continues from the last version
+        assert sender.push({"w": torch.ones(1)}) == last + 1
+
+
+def test_live_reader_blocks_reuse_of_its_slot(root):
+    with dbsync.Sender(root, lease_timeout=30) as sender:
+        sender.push({"w": torch.full((4,), 1.0)})
+        receiver = dbsync.Receiver(root, lease_timeout=30)
+        with receiver.open() as snap:  # holds slot a (version 1)
+            assert sender.push({"w": torch.full((4,), 2.0)}) == 2  # slot b: free
+            future = sender.push({"w": torch.full((4,), 3.0)}, blocking=False)  # slot a: held
+            time.sleep(1.0)
+            assert not future.done(), "the writer must wait for the reader's slot"
+            assert [float(t[0]) for _, t in snap.tensors()] == [1.0]
+        assert future.result(timeout=10) == 3
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_dead_reader_stops_blocking_the_writer(root, tmp_path, worker_env, how):
+    """A killed reader (pid gone) frees its slot at once; a frozen one (SIGSTOP: alive but no
+    heartbeat) after the lease timeout, measured on the writer's clock."""
+    timeout = 2.0
+    with dbsync.Sender(root, lease_timeout=timeout) as sender:
+        sender.push({"w": torch.ones(4)})
+        ready = tmp_path / "ready"
+        holder = subprocess.Popen(worker_cmd("hold", root, str(ready)),
+                                  env={**worker_env, "LEASE": "2"})
+        try:
+            assert wait_for_file(str(ready)) == "1"
+            if how == "killed":
+                holder.kill()
+                holder.wait()  # reaped, as a dead reader on another process tree would be
+            else:
+                holder.send_signal(signal.SIGSTOP)
+            sender.push({"w": torch.full((4,), 2.0)})
+            start = time.monotonic()
+            assert sender.push({"w": torch.full((4,), 3.0)}) == 3  # reuses the held slot
+            waited = time.monotonic() - start
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+    if how == "killed":
+        assert waited < 1.0
+    else:
+        assert timeout * 0.9 <= waited < timeout + 3.0
+
+
+def test_default_lease_timeout_is_30_seconds(root):
+    assert LeaseMonitor(Store(root, create=True)).timeout == 30.0
+
+
+def test_stalled_reader_finds_out_its_lease_expired(root):
+    """A reader frozen past the lease timeout must not silently trust what it read."""
+    with dbsync.Sender(root, lease_timeout=0.5) as sender:
+        sender.push({"w": torch.ones(4)})
+        receiver = dbsync.Receiver(root, lease_timeout=1000)  # beats too rarely to keep it
+        with pytest.raises(dbsync.LeaseExpiredError, match="load again"):
+            def stall(pairs):
+                list(pairs)
+                sender.push({"w": torch.full((4,), 2.0)})
+                sender.push({"w": torch.full((4,), 3.0)})  # reuses the stalled reader's slot
+
+            receiver.load(stall)
+
+
+def test_wait_sees_a_flip_with_polling_only(root):
+    """Where no inotify events arrive, polling alone must notice the flip."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(1)})
+        receiver = dbsync.Receiver(root, poll_interval=0.05)
+        seen: list[int] = []
+        watcher = dbsync.Watcher(root, seen.append, poll_interval=0.05, use_polling=True).start()
+        try:
+            sender.push({"w": torch.ones(1)})
+            sender.push({"w": torch.ones(1)})
+            deadline = time.monotonic() + 5
+            while seen[-1:] != [3] and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            watcher.stop()
+        assert watcher.mode == "polling" and seen == [1, 3] or seen == [1, 2, 3]
+        assert receiver.wait(newer_than=2, timeout=1) == 3
+
+
+def test_mount_type_picks_polling_for_network_and_fuse(tmp_path):
+    from dbsync.watch import mount_type
+
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "22 1 8:1 / / rw - ext4 /dev/vda rw\n"
+        "40 22 0:50 / /mnt/nfs rw - nfs4 server:/export rw\n"
+        "41 22 0:51 / /mnt/view rw - fuse bindfs rw\n"
+        "42 22 0:52 / /mnt/lus rw - lustre mgs@tcp:/fs rw\n"
+    )
+    assert mount_type("/mnt/nfs/store", str(info)) == "nfs4"
+    assert mount_type("/mnt/view/x", str(info)) == "fuse"
+    assert mount_type("/mnt/lus", str(info)) == "lustre"
+    assert mount_type("/home/x", str(info)) == "ext4"
+
+
+def _bindfs_view(tmp_path):
+    import shutil
+
+    if shutil.which("bindfs") is None or not os.path.exists("/dev/fuse"):
+        pytest.skip("bindfs/FUSE not available here (.ci/run installs it)")
+    base, view = tmp_path / "base", tmp_path / "view"
+    base.mkdir()
+    view.mkdir()
+    subprocess.run(["bindfs", str(base), str(view)], check=True)
+    return str(base), str(view)
+
+
+def test_fuse_view_without_inotify_events_is_polled(tmp_path):
+    """Publish into the backing directory, watch through a FUSE view of it: the view gets no
+    inotify events (as on NFS from another host), so only automatic polling sees the flips."""
+    base, view = _bindfs_view(tmp_path)
+    try:
+        from dbsync.watch import needs_polling
+
+        assert needs_polling(view) and not needs_polling(base)
+        with dbsync.Sender(base) as sender:
+            sender.push({"w": torch.ones(2)})
+            seen: list[int] = []
+            with dbsync.Watcher(view, seen.append, poll_interval=0.1) as watcher:
+                assert watcher.mode == "polling"
+                sender.push({"w": torch.full((2,), 2.0)})
+                deadline = time.monotonic() + 10
+                while 2 not in seen and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            assert seen == [1, 2]
+            got = {}
+            dbsync.Receiver(view).load(lambda pairs: got.update({n: t.clone() for n, t in pairs}))
+            assert torch.equal(got["w"], torch.full((2,), 2.0))
+    finally:
+        subprocess.run(["umount", view], check=False)
+
+
+def test_inotify_watcher_reacts_without_waiting_for_a_poll(root):
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(1)})
+        seen: list[int] = []
+        with dbsync.Watcher(root, seen.append, poll_interval=60, use_polling=False) as watcher:
+            assert watcher.mode == "inotify"
+            time.sleep(0.2)
+            sender.push({"w": torch.ones(1)})
+            deadline = time.monotonic() + 3  # far less than the 60 s poll interval
+            while 2 not in seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert seen == [1, 2]

@@ -1,0 +1,162 @@
+"""Bit-exact round trips through a real store on disk."""
+
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from tensordict import TensorDict
+
+import dbsync
+from dbsync.format import _DTYPES
+
+
+def load_all(root: str) -> tuple[int, dict[str, torch.Tensor]]:
+    got: dict[str, torch.Tensor] = {}
+    with dbsync.Receiver(root) as receiver:
+        version = receiver.load(lambda pairs: got.update({n: t.clone() for n, t in pairs}))
+    return version, got
+
+
+def assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(expected)  # manifest order is the input order
+    for name, tensor in expected.items():
+        out = got[name]
+        assert out.dtype == tensor.dtype and out.shape == tensor.shape, name
+        a = tensor.contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else tensor
+        b = out.contiguous().reshape(-1).view(torch.uint8) if out.numel() else out
+        assert torch.equal(a, b), name
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, dtype in _DTYPES.items():
+        high = 2 if dtype == torch.bool else 256  # a bool byte other than 0/1 is not a bool
+        raw = torch.randint(0, high, (3, 5, 8), dtype=torch.uint8, generator=g)
+        item = torch.empty((), dtype=dtype).element_size()
+        out[f"t.{name}"] = raw.reshape(-1)[: 120 - 120 % item].view(dtype)
+    out["zero_d"] = torch.tensor(3.5, dtype=torch.bfloat16)
+    out["empty"] = torch.empty(0, 7)
+    out["non_contiguous"] = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
+    out["strided_slice"] = torch.arange(40, dtype=torch.int32)[::3]
+    return out
+
+
+def test_every_dtype_and_shape_round_trips_bit_exact(root):
+    weights = every_dtype()
+    with dbsync.Sender(root, num_threads=3) as sender:
+        assert sender.push(weights) == 1
+    version, got = load_all(root)
+    assert version == 1
+    assert_bit_exact(weights, got)
+
+
+def test_versions_alternate_slots_and_reuse_files(root):
+    weights = {"w": torch.randn(64, 64)}
+    with dbsync.Sender(root) as sender:
+        for expected in range(1, 5):
+            weights["w"].add_(1)
+            assert sender.push(weights) == expected
+            version, got = load_all(root)
+            assert version == expected and torch.equal(got["w"], weights["w"])
+    assert sorted(os.listdir(os.path.join(root, "slots"))) == ["a", "b"]
+
+
+def test_nonblocking_push_snapshots_before_returning(root):
+    weights = {"w": torch.zeros(1000), "b": torch.zeros(3, dtype=torch.bfloat16)}
+    with dbsync.Sender(root) as sender:
+        future = sender.push(weights, blocking=False)
+        weights["w"].fill_(7)  # the trainer moves on at once
+        weights["b"].fill_(7)
+        assert future.result(timeout=30) == 1
+    _, got = load_all(root)
+    assert torch.count_nonzero(got["w"]) == 0 and torch.count_nonzero(got["b"]) == 0
+
+
+def test_dtype_conversion_only_touches_floating_tensors(root):
+    weights = {"f": torch.randn(10), "i": torch.arange(4)}
+    with dbsync.Sender(root, dtype=torch.bfloat16) as sender:
+        sender.push(weights)
+    _, got = load_all(root)
+    assert got["f"].dtype == torch.bfloat16 and torch.equal(got["f"], weights["f"].bfloat16())
+    assert got["i"].dtype == torch.int64 and torch.equal(got["i"], weights["i"])
+
+
+def test_module_tensordict_and_checkpoint_sources(root, tmp_path):
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    with dbsync.Sender(root) as sender:
+        sender.push(module)
+        _, got = load_all(root)
+        assert_bit_exact(dict(module.state_dict()), got)
+
+        td = TensorDict({"a": {"b": torch.ones(2)}, "c": torch.zeros(3)}, [])
+        sender.push(td)
+        _, got = load_all(root)
+        assert set(got) == {"a.b", "c"} and torch.equal(got["a.b"], torch.ones(2))
+
+        ckpt = tmp_path / "ckpt"
+        ckpt.mkdir()
+        shard1, shard2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+        save_file({"model.layers.0.w": torch.ones(2)}, str(ckpt / shard1))
+        save_file({"model.layers.1.w": torch.full((2,), 2.0)}, str(ckpt / shard2))
+        weight_map = {"model.layers.0.w": shard1, "model.layers.1.w": shard2}
+        (ckpt / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}))
+        assert sender.push(str(ckpt)) == 3
+        _, got = load_all(root)
+        assert list(got) == ["model.layers.0.w", "model.layers.1.w"]
+        assert torch.equal(got["model.layers.1.w"], torch.full((2,), 2.0))
+
+
+def test_slot_opens_with_tensordict_load_memmap(root):
+    weights = {"layer.weight": torch.randn(3, 4).bfloat16(), "odd/name": torch.arange(3)}
+    with dbsync.Sender(root) as sender:
+        sender.push(weights)
+    manifest = dbsync.Receiver(root).manifest()
+    td = TensorDict.load_memmap(os.path.join(root, "slots", manifest.slot))
+    for entry in manifest.tensors:
+        stem = entry.file[: -len(".memmap")]
+        assert torch.equal(td[stem], weights[entry.name])
+
+
+names = st.lists(st.sampled_from(list("ab/._-Zü✓ 0") + ["..", "/"]), min_size=1,
+                 max_size=8).map("".join)
+tensors = st.builds(
+    lambda shape, dtype, seed: torch.randn(shape, generator=torch.Generator().manual_seed(seed)
+                                            ).to(dtype),
+    st.lists(st.integers(0, 4), max_size=3).map(tuple),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.bool]),
+    st.integers(0, 2**16),
+)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(names, tensors, min_size=1, max_size=6))
+def test_random_dicts_and_names_round_trip(tmp_path_factory, weights):
+    root = str(tmp_path_factory.mktemp("store"))
+    with dbsync.Sender(root, num_threads=2) as sender:
+        sender.push(weights)
+        sender.push(weights)
+    _, got = load_all(root)
+    assert_bit_exact(weights, got)
+    for slot in ("a", "b"):  # every file stays inside its slot
+        for entry in os.listdir(os.path.join(root, "slots", slot)):
+            assert "/" not in entry and not entry.startswith("..")
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/abs/path", "a/../../b", "..", ".hidden",
+                                  "con", "x" * 400, "shape", "_x_lookalike"])
+def test_traversal_looking_names_stay_inside_the_slot(root, name):
+    with dbsync.Sender(root) as sender:
+        sender.push({name: torch.ones(2)})
+    store_files = []
+    for dirpath, _dirs, files in os.walk(os.path.dirname(root)):
+        store_files += [os.path.join(dirpath, f) for f in files]
+    assert all(p.startswith(root + os.sep) for p in store_files)
+    _, got = load_all(root)
+    assert list(got) == [name] and torch.equal(got[name], torch.ones(2))

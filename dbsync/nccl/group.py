@@ -9,8 +9,13 @@ Hazards, stated plainly:
   times out. We create our communicators with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (set only
   while constructing, then restored) so a dead receiver costs the trainer a timeout, not its
   life; our own waits enforce the timeout and ``close()`` aborts the communicator.
-- NCCL: ``close()`` after a timeout aborts the communicator; kernels queued on its stream are
-  cancelled. Do not reuse buffers of a failed broadcast before ``close()`` returns.
+- NCCL: waits are stream-ordered (the host does not block per bucket, so the next bucket is
+  queued while the current one moves). A monitor thread enforces the timeout instead: when the
+  oldest outstanding broadcast makes no progress for ``timeout`` seconds it aborts the
+  communicator, which also unblocks any host code synchronizing on the stream. ``finish()``
+  blocks the host until every outstanding broadcast is done (or raises).
+- NCCL: after an abort, kernels queued on the group's stream are cancelled. Do not reuse buffers
+  of a failed broadcast before ``close()`` returns.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import datetime
 import os
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -56,6 +62,15 @@ class Group:
         self.device = device
         self.timeout = timeout
         self.closed = False
+        self.failure: str | None = None
+        self._outstanding: deque[Any] = deque()
+        self._progress_at = time.monotonic()
+        self._cv = threading.Condition()
+        self._monitor: threading.Thread | None = None
+        if backend == "nccl":
+            self._monitor = threading.Thread(target=self._watch, name="dbsync-bcast-monitor",
+                                             daemon=True)
+            self._monitor.start()
 
     @classmethod
     def create(cls, store: Any, epoch_prefix: str, rank: int, size: int, backend: str,
@@ -80,6 +95,7 @@ class Group:
         try:
             probe = torch.zeros(1, dtype=torch.uint8, device=device)
             group.wait(group.broadcast(probe), "the group's first broadcast")
+            group.finish("the group's first broadcast")
         except BaseException:
             group.close()
             raise
@@ -94,25 +110,89 @@ class Group:
         opts.rootTensor = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout)
         try:
-            return self.pg.broadcast([tensor], opts)
+            work = self.pg.broadcast([tensor], opts)
         except Exception as exc:
             raise _wrap(exc, "could not start a broadcast") from exc
+        if self._monitor is not None:
+            with self._cv:
+                if not self._outstanding:
+                    self._progress_at = time.monotonic()
+                self._outstanding.append(work)
+                self._cv.notify()
+        return work
 
     def wait(self, work: Any, what: str = "a broadcast") -> None:
-        """Wait for ``work``, at most ``timeout`` seconds (host-blocking for every backend)."""
+        """Order later work after ``work``. gloo: blocks the host, at most ``timeout`` seconds.
+        NCCL: makes the current CUDA stream wait (the host goes on; the monitor bounds it)."""
+        if self._monitor is not None:
+            self._raise_if_failed(what)
+            try:
+                work.wait()
+            except Exception as exc:
+                raise _wrap(exc, f"{what} failed") from exc
+            return
         t0 = time.monotonic()
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
         except Exception as exc:
             raise _wrap(exc, f"{what} failed after {time.monotonic() - t0:.1f} s") from exc
 
+    def finish(self, what: str = "a broadcast") -> None:
+        """Block the host until every outstanding broadcast completed (NCCL), or raise."""
+        if self._monitor is None:
+            return
+        pause = 0.00005
+        while True:
+            self._raise_if_failed(what)
+            with self._cv:
+                while self._outstanding and self._outstanding[0].is_completed():
+                    self._outstanding.popleft()
+                    self._progress_at = time.monotonic()
+                if not self._outstanding:
+                    return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)
+
+    def _raise_if_failed(self, what: str) -> None:
+        if self.failure is not None:
+            raise BroadcastTimeoutError(f"{what}: {self.failure}")
+        if self.closed:
+            raise BroadcastError(f"{what}: the group was closed; a new epoch must form")
+
+    def _watch(self) -> None:
+        """Abort the communicator when the oldest outstanding broadcast stalls > timeout."""
+        while not self.closed:
+            with self._cv:
+                while self._outstanding and self._outstanding[0].is_completed():
+                    self._outstanding.popleft()
+                    self._progress_at = time.monotonic()
+                if not self._outstanding:
+                    self._cv.wait(0.5)
+                    continue
+                stalled = time.monotonic() - self._progress_at
+            if stalled > self.timeout:
+                self.failure = (f"no progress for {stalled:.1f} s (timeout {self.timeout:.1f} s;"
+                                " a peer died or stopped receiving); communicator aborted")
+                self._abort()
+                return
+            time.sleep(0.002)
+
     def close(self) -> None:
         """Abort the communicator (unblocks peers still waiting on it). Idempotent."""
         if self.closed:
             return
         self.closed = True
+        with self._cv:
+            self._cv.notify_all()
+        self._abort()
+        self.pg = None
+
+    def _abort(self) -> None:
+        pg = self.pg
+        if pg is None:
+            return
         for method in ("abort", "shutdown"):
-            fn = getattr(self.pg, method, None)
+            fn = getattr(pg, method, None)
             if fn is None:
                 continue
             try:
@@ -120,7 +200,6 @@ class Group:
                 break
             except Exception:  # noqa: BLE001 - best effort on a broken group
                 continue
-        self.pg = None
 
 
 def _create_nccl(store: Any, rank: int, size: int, device: torch.device,

@@ -48,6 +48,7 @@ from .stream import IncomingVersion
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 RETRY_SECONDS = 5.0
+FS_CHECK_SECONDS = 0.05
 
 
 @dataclass
@@ -76,7 +77,7 @@ class BroadcastReceiver:
         verify: bool = True,
         timeout: float = 30.0,
         fallback_timeout: float = 600.0,
-        poll_interval: float = 0.005,
+        poll_interval: float = 0.0005,
         address: str | None = None,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
     ):
@@ -96,6 +97,7 @@ class BroadcastReceiver:
         self.epoch: int | None = None
         self._conn: _Connection | None = None
         self._retry_after: dict[str, float] = {}
+        self._file_checked = 0.0
         self._group: Group | None = None
         self._seq = 0
         self._buffers: list[torch.Tensor] = []
@@ -179,7 +181,10 @@ class BroadcastReceiver:
                 self._disconnect()
 
     def _maintain(self) -> None:
-        self._connect()
+        now = time.monotonic()
+        if self._conn is None or now - self._file_checked >= FS_CHECK_SECONDS:
+            self._file_checked = now
+            self._connect()
         if self._conn is None:
             return
         conn = self._conn
@@ -240,6 +245,7 @@ class BroadcastReceiver:
             deadline = None if timeout is None else time.monotonic() + timeout
             newer_seen_at: float | None = None
             pause = self.poll_interval
+            fs_checked = 0.0
             while True:
                 try:
                     self._maintain()
@@ -252,9 +258,13 @@ class BroadcastReceiver:
                     if version is not None:
                         return version
                     continue
-                latest = self.fs.latest_version()
+                now = time.monotonic()
+                # A member polls the store every poll_interval; the manifest (a file that may
+                # be large and on NFS) it reads at most every FS_CHECK_SECONDS.
+                latest = None
+                if self._group is None or now - fs_checked >= FS_CHECK_SECONDS:
+                    latest, fs_checked = self.fs.latest_version(), now
                 if latest is not None and latest > floor:
-                    now = time.monotonic()
                     if self._group is None:
                         return self._load_fs(load_weights, latest)
                     if newer_seen_at is None:
@@ -266,7 +276,8 @@ class BroadcastReceiver:
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 time.sleep(pause)
-                pause = min(pause * 1.5, 0.05) if self._group is None else self.poll_interval
+                pause = min(max(pause, 0.005) * 1.5, 0.05) if self._group is None else (
+                    self.poll_interval)
 
     def _take(self, header: Header, load_weights: LoadWeights, floor: int) -> int | None:
         """Take one announced push. Returns the version applied, or None when it was not newer

@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -310,23 +310,26 @@ class BroadcastSender:
                               [(n, t.dtype, tuple(t.shape), c)
                                for (n, t), c in zip(pairs, sums, strict=True)])
         self._tcp.set(rv.push_key(epoch, seq), header.dumps())
-        t_ack = time.perf_counter()
-        missing = wait_for_keys(self._tcp, [rv.ack_key(epoch, seq, m) for m in self.members],
-                                self.timeout)
-        if missing:
-            self._tcp.set(rv.go_key(epoch, seq), "abort")
-            names = [k.rsplit("/", 1)[1] for k in missing]
-            raise BroadcastTimeoutError(
-                f"receiver(s) {', '.join(names)} did not acknowledge version {version} within "
-                f"{self.timeout:.1f} s (dead, or not inside receive()); they read it from the "
-                "filesystem and the group re-forms on the next push")
-        self._tcp.set(rv.go_key(epoch, seq), "go")
-        t_go = time.perf_counter()
-        self._stream(header, pairs)
+        times: dict[str, float] = {"announced": time.perf_counter()}
+
+        def handshake() -> None:
+            missing = wait_for_keys(
+                self._tcp, [rv.ack_key(epoch, seq, m) for m in self.members], self.timeout)
+            if missing:
+                self._tcp.set(rv.go_key(epoch, seq), "abort")
+                names = [k.rsplit("/", 1)[1] for k in missing]
+                raise BroadcastTimeoutError(
+                    f"receiver(s) {', '.join(names)} did not acknowledge version {version} "
+                    f"within {self.timeout:.1f} s (dead, or not inside receive()); they read it "
+                    "from the filesystem and the group re-forms on the next push")
+            self._tcp.set(rv.go_key(epoch, seq), "go")
+            times["go"] = time.perf_counter()
+
+        self._stream(header, pairs, handshake)
         t_end = time.perf_counter()
-        stats.update(ack_seconds=t_go - t_ack, stream_seconds=t_end - t_go,
-                     bytes=header.total_bytes, buckets=len(header.buckets()),
-                     checksums=header.has_checksums)
+        stats.update(ack_seconds=times["go"] - times["announced"],
+                     stream_seconds=t_end - times["go"], bytes=header.total_bytes,
+                     buckets=len(header.buckets()), checksums=header.has_checksums)
         return header
 
     def _bucket_buffers(self, size: int) -> list[torch.Tensor]:
@@ -336,15 +339,26 @@ class BroadcastSender:
                              for _ in range(2)]
         return self._buffers
 
-    def _stream(self, header: Header, pairs: sources.Pairs) -> None:
+    def _stream(self, header: Header, pairs: sources.Pairs,
+                handshake: Callable[[], None]) -> None:
+        """Pack the first two buckets, run ``handshake`` (acks and go), then send every bucket,
+        packing bucket k+2 into a buffer as soon as bucket k has left it."""
         group = self._group
         assert group is not None
         buckets = header.buckets()
-        if not buckets:
-            return
         flats = [flat_bytes(t) for _, t in pairs]
         plan = bucket_plan(header)
         buffers = self._bucket_buffers(min(self.bucket_bytes, header.total_bytes))
+
+        def pack(b: int) -> None:
+            buf, lo = buffers[b % 2], buckets[b][0]
+            for i, start, end in plan[b]:
+                dst = header.entries[i].offset + start - lo
+                buf[dst:dst + end - start].copy_(flats[i][start:end], non_blocking=True)
+
+        for b in range(min(2, len(buckets))):
+            pack(b)  # overlaps the handshake
+        handshake()
         works: list[Any] = [None, None]
         try:
             for b, (lo, hi) in enumerate(buckets):
@@ -352,17 +366,15 @@ class BroadcastSender:
                 if works[k] is not None:
                     group.wait(works[k], f"bucket {b - 2} of version {header.version}")
                     works[k] = None
-                buf = buffers[k]
-                for i, start, end in plan[b]:
-                    dst = header.entries[i].offset + start - lo
-                    buf[dst:dst + end - start].copy_(flats[i][start:end], non_blocking=True)
-                works[k] = group.broadcast(buf[: hi - lo])
-            for b, work in enumerate(works):
+                    pack(b)
+                works[k] = group.broadcast(buffers[k][: hi - lo])
+            for k, work in enumerate(works):
                 if work is not None:
                     group.wait(work, f"the last buckets of version {header.version}")
-                    works[b] = None
+                    works[k] = None
+            group.finish(f"version {header.version}")
         finally:
-            if any(w is not None for w in works):
+            if any(w is not None for w in works) or group.failure is not None:
                 group.close()  # a failed wait: nothing may touch these buffers meanwhile
 
     # ---- lifetime ----------------------------------------------------------------------

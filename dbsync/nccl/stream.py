@@ -127,6 +127,7 @@ class IncomingVersion:
             while next_i < len(entries):
                 yield self._emit(next_i, empty)
                 next_i += 1
+            group.finish(f"version {header.version}")
             self.complete = True
         finally:
             if not self.complete:

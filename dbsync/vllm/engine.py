@@ -1,0 +1,143 @@
+"""Engine adapters (``EngineOps``) for ``vllm.LLM`` and ``AsyncLLM``, and the engine arguments
+that enable the ``dbsync`` backend.
+
+Hazards:
+- ``LLMOps`` cannot pause: an offline ``LLM`` generates only inside the caller's own
+  ``generate`` calls, so swaps must happen between them, on the caller's thread or with the
+  caller guaranteeing that no ``generate`` runs meanwhile (vLLM's offline client is not
+  thread-safe).
+- ``AsyncEngineOps`` runs each call on the engine's event loop and blocks the calling thread
+  until it is done; calling it from that loop's own thread would deadlock, so it refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from importlib.metadata import entry_points
+from typing import Any
+
+from ..errors import DBSyncError
+from .plugin import BACKEND, register
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+WORKER_EXTENSION = "dbsync.vllm.worker_ext.DBSyncWorkerExtension"
+DEFAULT_RPC_TIMEOUT = 600.0
+
+
+def entry_point_installed() -> bool:
+    """Whether vLLM workers will load ``register`` through the ``vllm.general_plugins`` entry
+    point (dbsync installed, and not excluded by ``VLLM_PLUGINS``)."""
+    import os
+
+    names = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and BACKEND not in {p.strip() for p in allowed.split(",")}:
+        return False
+    return BACKEND in names
+
+
+def engine_args(worker_extension_cls: str | None = None) -> dict[str, Any]:
+    """Keyword arguments to add to ``vllm.LLM(...)`` / ``AsyncEngineArgs(...)`` so the engine
+    can receive dbsync versions. Where the entry point is not installed, workers register the
+    backend through ``worker_extension_cls`` instead (only if no other extension is set)."""
+    register()
+    kwargs: dict[str, Any] = {"weight_transfer_config": {"backend": BACKEND}}
+    if not entry_point_installed():
+        if worker_extension_cls not in (None, "", WORKER_EXTENSION):
+            raise DBSyncError(
+                "the dbsync vllm.general_plugins entry point is not installed (or VLLM_PLUGINS "
+                f"excludes it) and worker_extension_cls is already {worker_extension_cls!r}; "
+                "install dbsync (pip install -e .) so workers register the backend"
+            )
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    return kwargs
+
+
+def check_backend(vllm_config: Any) -> None:
+    wt = getattr(vllm_config, "weight_transfer_config", None)
+    backend = None if wt is None else wt.backend
+    if backend != BACKEND:
+        raise DBSyncError(
+            f"this engine's weight transfer backend is {backend!r}, not {BACKEND!r}; create it "
+            "with **dbsync.vllm.engine_args() (or --weight-transfer-config "
+            "'{\"backend\": \"dbsync\"}')"
+        )
+
+
+class LLMOps:
+    """``EngineOps`` for an offline ``vllm.LLM``. ``pause``/``resume`` do nothing (see the
+    module hazards)."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def start(self) -> None:
+        self.llm.start_weight_update()
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish(self, weight_version: str) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise DBSyncError("vLLM could not reset the prefix cache after the swap")
+
+
+class AsyncEngineOps:
+    """``EngineOps`` for an ``AsyncLLM`` (or any vLLM ``EngineClient``) running on ``loop``."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop,
+                 timeout: float = DEFAULT_RPC_TIMEOUT):
+        self.engine = engine
+        self.loop = loop
+        self.timeout = timeout
+
+    def _run(self, coro: Any) -> Any:
+        if self.loop.is_closed():
+            coro.close()
+            raise DBSyncError("the engine's event loop is closed")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            coro.close()
+            raise DBSyncError(
+                "dbsync must not apply a version from the engine's own event loop thread (it "
+                "would deadlock); use `await attachment.apply_latest_async()`"
+            )
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout)
+
+    def pause(self) -> None:
+        self._run(self.engine.pause_generation(mode="keep", clear_cache=False))
+
+    def resume(self) -> None:
+        self._run(self.engine.resume_generation())
+
+    def start(self) -> None:
+        self._run(self.engine.start_weight_update())
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._run(self.engine.update_weights(WeightTransferUpdateRequest(update_info)))
+
+    def finish(self, weight_version: str) -> None:
+        self._run(self.engine.finish_weight_update(weight_version=weight_version))
+
+    def reset_prefix_cache(self) -> None:
+        # Requests frozen by pause(keep) hold KV computed with the old weights: preempt them so
+        # they recompute with the new ones, and drop every cached prefix.
+        if not self._run(self.engine.reset_prefix_cache(reset_running_requests=True)):
+            raise DBSyncError("vLLM could not reset the prefix cache after the swap")

@@ -1,0 +1,183 @@
+"""The ``dbsync`` weight-transfer backend for vLLM (worker side) and its registration.
+
+vLLM loads ``register`` through the ``vllm.general_plugins`` entry point in every process it
+starts (API server, engine core, workers); ``register`` is idempotent.
+
+Worker side, per swap (driven by ``dbsync.vllm.controller``, never by a free-running thread):
+``start_weight_update`` sets up vLLM's layerwise reload; ``update_weights({"root", "version"})``
+opens the store with this worker's own reader lease, checks that the current version is the one
+the controller verified, and hands the tensors to ``model.load_weights`` in manifest (layer)
+order; ``finish_weight_update`` finalizes the layerwise reload.
+
+Hazards, stated plainly:
+- Tensors are memory-mapped views of the slot files. Each weight loader copies out only the part
+  its tensor-parallel rank owns (a row-sharded weight touches only its own pages; a
+  column-sharded weight is strided and touches all of them), so ranks read what they need where
+  the layout allows, and nothing is staged in a second copy.
+- If the apply fails before the first tensor was loaded, the layerwise reload is finalized here,
+  which puts every layer's previous weights back: the model is exactly the previous version and
+  the error says ``nothing applied``. If it fails after that, some layers hold the new version
+  and some the old (or uninitialised memory): the error says ``partially applied`` and the
+  caller must not serve until a complete version is applied.
+- The worker verifies nothing by default (the controller verified checksums before pausing);
+  pass ``"verify": true`` to check again inside the pause.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ..errors import DBSyncError
+from ..receiver import Receiver
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+log = logging.getLogger(__name__)
+
+BACKEND = "dbsync"
+#: Markers at the start of an apply error's message. Errors cross vLLM's process boundary as
+#: text, so the controller reads the outcome from these.
+NOTHING_APPLIED = "[dbsync: nothing applied]"
+PARTIALLY_APPLIED = "[dbsync: partially applied]"
+
+_register_lock = threading.Lock()
+
+
+def register() -> None:
+    """Register the ``dbsync`` weight-transfer backend with vLLM. Safe to call any number of
+    times, from any process."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    with _register_lock:
+        if BACKEND not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(
+                BACKEND, "dbsync.vllm.plugin", "DBSyncWeightTransferEngine")
+
+
+class ApplyError(DBSyncError):
+    """Applying a version inside a worker failed. The message starts with
+    ``NOTHING_APPLIED`` or ``PARTIALLY_APPLIED``."""
+
+
+@dataclass
+class DBSyncInitInfo(WeightTransferInitInfo):
+    """Optional init handshake: nothing is required (each update names its store)."""
+
+    root: str | None = None
+
+
+@dataclass
+class DBSyncUpdateInfo(WeightTransferUpdateInfo):
+    """One update: apply ``version`` from the store at ``root``."""
+
+    root: str
+    version: int
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, str) or not self.root:
+            raise ValueError("update_info.root must be a non-empty path")
+        if not isinstance(self.version, int) or isinstance(self.version, bool) or (
+                self.version < 1):
+            raise ValueError(f"update_info.version must be an integer >= 1, not {self.version!r}")
+
+
+class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpdateInfo]):
+    """Reads one published version from a dbsync store into this worker's model."""
+
+    init_info_cls = DBSyncInitInfo
+    update_info_cls = DBSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig,
+                 device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._receivers: dict[str, Receiver] = {}
+        self._rank = getattr(vllm_config.parallel_config, "rank", 0)
+        self.applied_version: int | None = None
+
+    def _receiver(self, root: str) -> Receiver:
+        root = os.path.abspath(root)
+        if root not in self._receivers:
+            reader_id = f"{socket.gethostname()}-{os.getpid()}-vllm-worker{self._rank}"
+            self._receivers[root] = Receiver(root, reader_id=reader_id, verify=False)
+        return self._receivers[root]
+
+    def init_transfer_engine(self, init_info: DBSyncInitInfo) -> None:
+        if init_info.root is not None:
+            self._receiver(init_info.root)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: DBSyncUpdateInfo) -> None:
+        receiver = self._receiver(update_info.root)
+        loaded = 0
+
+        def counted(pairs: Iterator[tuple[str, torch.Tensor]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal loaded
+            for pair in pairs:
+                loaded += 1
+                yield pair
+
+        try:
+            with receiver.open() as snap:
+                if snap.version != update_info.version:
+                    raise DBSyncError(
+                        f"the store at {update_info.root} now holds version {snap.version}, "
+                        f"not the verified version {update_info.version}; apply again")
+                if update_info.verify:
+                    snap.verify()
+                with _no_mtp_check():
+                    self.model.load_weights(counted(snap.tensors()))
+                snap.check_unchanged()
+        except BaseException as exc:
+            self._abandon()
+            marker = PARTIALLY_APPLIED if loaded else NOTHING_APPLIED
+            raise ApplyError(
+                f"{marker} version {update_info.version} on worker rank {self._rank} "
+                f"({loaded} tensor(s) loaded): {type(exc).__name__}: {exc}") from exc
+        receiver.mark_loaded(update_info.version)
+        self.applied_version = update_info.version
+
+    def _abandon(self) -> None:
+        """End the layerwise reload after a failure: layers that received nothing get their
+        previous weights back."""
+        try:
+            self.finish_weight_update()
+        except Exception:  # the original error matters more; the caller goes unhealthy
+            log.exception("dbsync: could not finalize the layerwise reload after a failure")
+
+    def shutdown(self) -> None:
+        for receiver in self._receivers.values():
+            receiver.close()
+        self._receivers.clear()
+
+
+def _no_mtp_check() -> Any:
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    return disable_mtp_completeness_check()

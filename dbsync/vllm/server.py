@@ -1,0 +1,218 @@
+"""``dbsync serve-vllm``: vLLM's OpenAI-compatible server that follows a dbsync store.
+
+    python -m dbsync.vllm.server ROOT --model MODEL_DIR [--host H] [--port P]
+        [--poll-interval S] [-- any vLLM server args]
+
+One process: vLLM's own app (built with vLLM's ``build_app``/``init_app_state``/``serve_http``,
+so every vLLM option works) plus
+
+- ``GET /dbsync/status`` on the same port: ``version`` (served, or null while serving the
+  model directory's own weights), ``loaded_at``, ``healthy``, ``last_error``, ``timings`` of
+  the last swap, and more (see ``SwapController.status``). No dev-mode route is enabled.
+- before the port accepts requests, the store's current version is applied (a late joiner
+  serves the current weights from its first request);
+- a watcher that applies every later version (see ``dbsync.vllm.controller``);
+- while the engine is unhealthy (a failed apply may have left a mix of versions), inference
+  routes and ``/health`` answer 503; requests already held by the pause finish once a
+  complete version is applied.
+
+Hazard: one API server process only (``--api-server-count`` > 1 and data parallelism are
+refused): the controller must own the only path to the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import DBSyncError
+from .checkpoint import expected_from_checkpoint, resolve_model_dir
+from .controller import SwapController
+from .engine import AsyncEngineOps, engine_args
+
+log = logging.getLogger("dbsync.vllm.server")
+
+STATUS_PATH = "/dbsync/status"
+_GATED_PREFIXES = ("/v1/", "/health", "/generate", "/inference/", "/invocations", "/pooling",
+                   "/classify", "/score", "/rerank")
+
+
+def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
+          port: int = 8000, extra_args: Sequence[str] = (),
+          poll_interval: float | None = None) -> None:
+    """Run the server until it is stopped (SIGINT/SIGTERM). ``extra_args`` are vLLM server
+    arguments (e.g. ``["--dtype", "bfloat16", "--max-model-len", "4096"]``). Raises
+    ``DBSyncError`` for arguments that cannot work with dbsync."""
+    import uvloop
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    extra = list(extra_args)
+    for flag in ("--model", "--host", "--port"):
+        if any(a == flag or a.startswith(flag + "=") for a in extra):
+            raise DBSyncError(f"pass {flag} to serve-vllm itself, not after '--'")
+    argv = ["--model", model, "--port", str(port), *extra]
+    if host is not None:
+        argv += ["--host", host]
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(description="dbsync serve-vllm"))
+    args = parser.parse_args(argv)
+    _add_dbsync_engine_args(args)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    uvloop.run(_serve(args, os.fspath(root), poll_interval))
+
+
+def _add_dbsync_engine_args(args: argparse.Namespace) -> None:
+    if (getattr(args, "api_server_count", None) or 1) > 1 or (
+            getattr(args, "data_parallel_size", 1) or 1) > 1:
+        raise DBSyncError("serve-vllm runs one API server and one engine; remove "
+                          "--api-server-count / --data-parallel-size")
+    wanted = engine_args(worker_extension_cls=args.worker_extension_cls or None)
+    current = args.weight_transfer_config
+    backend = None if current is None else (
+        current.get("backend") if isinstance(current, dict) else current.backend)
+    if backend not in (None, "dbsync"):
+        raise DBSyncError(f"--weight-transfer-config selects {backend!r}; serve-vllm needs "
+                          "the dbsync backend (leave the option out)")
+    args.weight_transfer_config = wanted["weight_transfer_config"]
+    if "worker_extension_cls" in wanted:
+        args.worker_extension_cls = wanted["worker_extension_cls"]
+
+
+async def _serve(args: argparse.Namespace, root: str, poll_interval: float | None) -> None:
+    from vllm import envs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    controller: SwapController | None = None
+    try:
+        async with build_async_engine_client(args) as engine_client:
+            model_config = engine_client.model_config
+            expected, allow_missing = expected_from_checkpoint(
+                resolve_model_dir(args.model), model_config.dtype)
+            controller = SwapController(
+                root, AsyncEngineOps(engine_client, asyncio.get_running_loop()), expected,
+                allow_missing, poll_interval=poll_interval)
+            supported_tasks = await engine_client.get_supported_tasks()
+            app = build_app(args, supported_tasks, model_config)
+            install_routes(app, controller)
+            await init_app_state(engine_client, app.state, args, supported_tasks)
+            # Late joiner: serve the current version from the first request on.
+            try:
+                await asyncio.to_thread(controller.apply_latest)
+            except DBSyncError:
+                pass  # recorded in /dbsync/status and logged once
+            controller.start_watching()
+            uvicorn_kwargs: dict[str, Any] = {}
+            if (log_config := get_uvicorn_log_config(args)) is not None:
+                uvicorn_kwargs["log_config"] = log_config
+            log.info("dbsync: serving %s on %s (store %s, version %s)", args.model,
+                     listen_address, root, controller.version)
+            shutdown_task = await serve_http(
+                app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
+                host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                ssl_ciphers=args.ssl_ciphers,
+                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                h11_max_header_count=args.h11_max_header_count, **uvicorn_kwargs)
+            controller.stop()
+        await shutdown_task
+    finally:
+        if controller is not None:
+            controller.stop()
+        sock.close()
+
+
+def install_routes(app: Any, controller: SwapController) -> None:
+    """Add ``GET /dbsync/status`` (ahead of every other route) and the unhealthy gate."""
+    from fastapi.responses import JSONResponse
+
+    async def dbsync_status() -> JSONResponse:
+        return JSONResponse(controller.status())
+
+    app.add_api_route(STATUS_PATH, dbsync_status, methods=["GET"], include_in_schema=True,
+                      name="dbsync_status")
+    routes = app.router.routes
+    routes.insert(0, routes.pop())
+
+    # The app's middleware stack may already be built (vLLM's bootstrap), so the gate wraps
+    # the built stack as plain ASGI instead of going through add_middleware.
+    if app.middleware_stack is None:
+        app.middleware_stack = app.build_middleware_stack()
+    app.middleware_stack = _UnhealthyGate(app.middleware_stack, controller)
+
+
+class _UnhealthyGate:
+    """503 for inference routes and /health while the engine may hold a mix of versions."""
+
+    def __init__(self, inner: Any, controller: SwapController):
+        self.inner = inner
+        self.controller = controller
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (scope["type"] == "http" and not self.controller.healthy
+                and scope["path"].startswith(_GATED_PREFIXES)):
+            from fastapi.responses import JSONResponse
+
+            message = ("dbsync: the engine is unhealthy until a complete version is applied: "
+                       f"{self.controller.state.last_error}")
+            response = JSONResponse(
+                {"error": {"message": message, "type": "ServiceUnavailable", "code": 503}},
+                status_code=503)
+            await response(scope, receive, send)
+            return
+        await self.inner(scope, receive, send)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dbsync serve-vllm",
+        description="Serve MODEL with vLLM's OpenAI-compatible server, hot-swapping every "
+                    "version published in ROOT. Arguments after '--' go to vLLM.")
+    parser.add_argument("root", help="the dbsync store to follow")
+    parser.add_argument("--model", required=True, help="model directory vLLM starts from")
+    parser.add_argument("--host", default=None, help="bind address (default: all)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--poll-interval", type=float, default=None,
+                        help="seconds between manifest polls on network filesystems "
+                             "(default 1.0; local filesystems use inotify)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``dbsync serve-vllm`` entry: ``argv`` as in the module docstring (without the program
+    name). Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    opts = build_parser().parse_args(argv)
+    try:
+        serve(opts.root, opts.model, host=opts.host, port=opts.port, extra_args=extra,
+              poll_interval=opts.poll_interval)
+    except DBSyncError as exc:
+        print(f"dbsync serve-vllm: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -290,24 +290,29 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
 @cli.command("serve-vllm", context_settings={"ignore_unknown_options": True})
 @click.argument("root", type=click.Path(file_okay=False, path_type=str))
 @click.option("--model", required=True, type=click.Path(path_type=str), metavar="DIR",
-              help="HF model directory (config, tokenizer, initial weights) to serve.")
-@click.option("--host", default="127.0.0.1", show_default=True)
+              help="HF model directory (config, tokenizer, initial weights) vLLM starts from.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Bind address (0.0.0.0 for all interfaces).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--poll-interval", type=click.FloatRange(0, min_open=True), default=None,
+              metavar="S", help="Seconds between manifest polls on network filesystems.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve_vllm(root: str, model: str, host: str, port: int, vllm_args: tuple[str, ...]) -> None:
+def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float | None,
+               vllm_args: tuple[str, ...]) -> None:
     """Serve --model with vLLM's OpenAI server and hot-swap every version published in ROOT.
 
-    Arguments after `--` go to vLLM (e.g. -- --enforce-eager --max-model-len 512). Adds
-    GET /dbsync/status. Needs vLLM: pip install 'dbsync[vllm]'."""
+    Arguments after `--` go to vLLM, e.g. `-- --dtype float32 --enforce-eager`. Adds
+    GET /dbsync/status (the served version, health, the last error). The current version
+    is applied before the port accepts requests. Needs vLLM: pip install 'dbsync[vllm]'."""
     try:
         from dbsync.vllm import server
     except ImportError as exc:
         fail(f"serve-vllm is not available here ({exc}); install vLLM with "
              "pip install 'dbsync[vllm]'")
-    argv = [root, "--model", model, "--host", host, "--port", str(port), *vllm_args]
-    code = server.main(argv)
-    if code:
-        sys.exit(code)
+    argv = [root, "--model", model, "--host", host, "--port", str(port)]
+    if poll_interval is not None:
+        argv += ["--poll-interval", str(poll_interval)]
+    sys.exit(server.main([*argv, "--", *vllm_args]))
 
 
 def main() -> None:

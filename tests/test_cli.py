@@ -26,6 +26,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- helpers -------------------------------------------------------------------------------
+@pytest.fixture
+def root(tmp_path) -> str:
+    return str(tmp_path / "store")
+
+
 def run(*args: str):
     result = CliRunner().invoke(cli, list(args))
     # Failures must be plain messages: SystemExit, never an escaped exception.

@@ -8,6 +8,7 @@ fresh one) joins the next epoch and takes the next version over NCCL.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -26,6 +27,7 @@ def receiver(root: str, die: bool, timeout: float, q: Any, newer_than: int | Non
              ) -> None:
     from dbsync.nccl import BroadcastReceiver
 
+    faulthandler.dump_traceback_later(150, exit=True)
     torch.cuda.set_device(1)
     rx = BroadcastReceiver(root, device="cuda:1", timeout=timeout, address="127.0.0.1")
     q.put("ready")
@@ -48,6 +50,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.timeout + 60, exit=True)  # say where it hung
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from dbsync import Receiver, Sender
     from dbsync.nccl import BroadcastSender

@@ -1,21 +1,19 @@
 """One epoch's process group: created directly from a key-value store (never through
 ``torch.distributed.init_process_group``, so a trainer's own default group is untouched), used
-only for rank-0-rooted broadcasts, each waited on with a timeout.
+only for rank-0-rooted broadcasts, each waited on by the host with a timeout.
 
 Hazards, stated plainly:
-- Every wait is bounded by ``timeout``. After a timeout or error the group is unusable; call
-  ``close()`` (it aborts the communicator) and form a new epoch.
+- Every wait is bounded by ``timeout`` (``setup_timeout`` while the group forms). After a
+  timeout or error the group is unusable: it is closed (communicator aborted) and a new epoch
+  must form.
+- Waits poll the work's completion on the host; no CUDA stream is ever made to wait on a
+  broadcast. A stuck NCCL kernel therefore cannot stall the caller's own stream; it only
+  occupies NCCL's stream until ``close()`` aborts the communicator. (A device-wide
+  ``torch.cuda.synchronize()`` still waits for it: the abort is what ends it.)
 - NCCL: by default PyTorch's NCCL watchdog tears down the whole *process* when a collective
   times out. We create our communicators with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (set only
   while constructing, then restored) so a dead receiver costs the trainer a timeout, not its
-  life; our own waits enforce the timeout and ``close()`` aborts the communicator.
-- NCCL: waits are stream-ordered (the host does not block per bucket, so the next bucket is
-  queued while the current one moves). A monitor thread enforces the timeout instead: when the
-  oldest outstanding broadcast makes no progress for ``timeout`` seconds it aborts the
-  communicator, which also unblocks any host code synchronizing on the stream. ``finish()``
-  blocks the host until every outstanding broadcast is done (or raises).
-- NCCL: after an abort, kernels queued on the group's stream are cancelled. Do not reuse buffers
-  of a failed broadcast before ``close()`` returns.
+  life.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import datetime
 import os
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +32,7 @@ from torch._C._distributed_c10d import BroadcastOptions, PrefixStore
 from .errors import BroadcastError, BroadcastTimeoutError
 
 _ENV_LOCK = threading.Lock()
+SPIN_SECONDS = 0.002  # poll without sleeping this long, then sleep briefly between polls
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -62,22 +61,16 @@ class Group:
         self.device = device
         self.timeout = timeout
         self.closed = False
-        self.failure: str | None = None
-        self._outstanding: deque[Any] = deque()
-        self._progress_at = time.monotonic()
-        self._cv = threading.Condition()
-        self._monitor: threading.Thread | None = None
-        if backend == "nccl":
-            self._monitor = threading.Thread(target=self._watch, name="dbsync-bcast-monitor",
-                                             daemon=True)
-            self._monitor.start()
 
     @classmethod
     def create(cls, store: Any, epoch_prefix: str, rank: int, size: int, backend: str,
-               device: torch.device, timeout: float, address: str) -> Group:
+               device: torch.device, timeout: float, address: str,
+               setup_timeout: float | None = None) -> Group:
         """Create the group and run one tiny broadcast, so that the first real broadcast pays
-        no connection setup. Blocks until every rank did the same, at most ``timeout``."""
-        delta = datetime.timedelta(seconds=timeout)
+        no connection setup. Blocks until every rank did the same, at most
+        ``setup_timeout`` (default ``timeout``)."""
+        setup = timeout if setup_timeout is None else setup_timeout
+        delta = datetime.timedelta(seconds=setup)
         prefixed = PrefixStore(epoch_prefix, store)
         try:
             if backend == "gloo":
@@ -91,14 +84,14 @@ class Group:
                 pg = _create_nccl(prefixed, rank, size, device, delta)
         except Exception as exc:
             raise _wrap(exc, f"could not create the {backend} group of {size} ranks") from exc
-        group = cls(pg, backend, rank, size, device, timeout)
+        group = cls(pg, backend, rank, size, device, setup)
         try:
             probe = torch.zeros(1, dtype=torch.uint8, device=device)
             group.wait(group.broadcast(probe), "the group's first broadcast")
-            group.finish("the group's first broadcast")
         except BaseException:
             group.close()
             raise
+        group.timeout = timeout
         return group
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
@@ -110,87 +103,46 @@ class Group:
         opts.rootTensor = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout)
         try:
-            work = self.pg.broadcast([tensor], opts)
+            return self.pg.broadcast([tensor], opts)
         except Exception as exc:
+            self.close()
             raise _wrap(exc, "could not start a broadcast") from exc
-        if self._monitor is not None:
-            with self._cv:
-                if not self._outstanding:
-                    self._progress_at = time.monotonic()
-                self._outstanding.append(work)
-                self._cv.notify()
-        return work
 
-    def wait(self, work: Any, what: str = "a broadcast") -> None:
-        """Order later work after ``work``. gloo: blocks the host, at most ``timeout`` seconds.
-        NCCL: makes the current CUDA stream wait (the host goes on; the monitor bounds it)."""
-        if self._monitor is not None:
-            self._raise_if_failed(what)
-            try:
-                work.wait()
-            except Exception as exc:
-                raise _wrap(exc, f"{what} failed") from exc
-            return
-        t0 = time.monotonic()
+    def wait(self, work: Any, what: str = "a broadcast", timeout: float | None = None,
+             cancelled: Callable[[], str | None] | None = None) -> None:
+        """Block the host until ``work`` completed, at most ``timeout`` (default the group's)
+        seconds. ``cancelled()``, polled about every millisecond, may return a reason to give
+        up. Any failure closes the group and raises ``BroadcastError``."""
+        limit = self.timeout if timeout is None else timeout
+        start = time.monotonic()
+        next_check = start + 0.001
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout))
+            while not work.is_completed():
+                now = time.monotonic()
+                if now - start > limit:
+                    raise BroadcastTimeoutError(
+                        f"{what} did not complete within {limit:.1f} s (a peer died or stopped "
+                        "receiving; raise timeout= if the link is just slow)")
+                if cancelled is not None and now >= next_check:
+                    next_check = now + 0.001
+                    reason = cancelled()
+                    if reason is not None:
+                        raise BroadcastError(f"{what}: {reason}")
+                time.sleep(0 if now - start < SPIN_SECONDS else 0.0001)
+            work.wait()  # completed: raises the collective's own error, if any
+        except BroadcastError:
+            self.close()
+            raise
         except Exception as exc:
-            raise _wrap(exc, f"{what} failed after {time.monotonic() - t0:.1f} s") from exc
-
-    def finish(self, what: str = "a broadcast") -> None:
-        """Block the host until every outstanding broadcast completed (NCCL), or raise."""
-        if self._monitor is None:
-            return
-        pause = 0.00005
-        while True:
-            self._raise_if_failed(what)
-            with self._cv:
-                while self._outstanding and self._outstanding[0].is_completed():
-                    self._outstanding.popleft()
-                    self._progress_at = time.monotonic()
-                if not self._outstanding:
-                    return
-            time.sleep(pause)
-            pause = min(pause * 2, 0.001)
-
-    def _raise_if_failed(self, what: str) -> None:
-        if self.failure is not None:
-            raise BroadcastTimeoutError(f"{what}: {self.failure}")
-        if self.closed:
-            raise BroadcastError(f"{what}: the group was closed; a new epoch must form")
-
-    def _watch(self) -> None:
-        """Abort the communicator when the oldest outstanding broadcast stalls > timeout."""
-        while not self.closed:
-            with self._cv:
-                while self._outstanding and self._outstanding[0].is_completed():
-                    self._outstanding.popleft()
-                    self._progress_at = time.monotonic()
-                if not self._outstanding:
-                    self._cv.wait(0.5)
-                    continue
-                stalled = time.monotonic() - self._progress_at
-            if stalled > self.timeout:
-                self.failure = (f"no progress for {stalled:.1f} s (timeout {self.timeout:.1f} s;"
-                                " a peer died or stopped receiving); communicator aborted")
-                self._abort()
-                return
-            time.sleep(0.002)
+            self.close()
+            raise _wrap(exc, f"{what} failed after {time.monotonic() - start:.1f} s") from exc
 
     def close(self) -> None:
         """Abort the communicator (unblocks peers still waiting on it). Idempotent."""
         if self.closed:
             return
         self.closed = True
-        with self._cv:
-            self._cv.notify_all()
-        self._abort()
-        self.pg = None
-
-    def _abort(self) -> None:
-        pg = self.pg
-        if pg is None:
-            return
+        pg, self.pg = self.pg, None
         for method in ("abort", "shutdown"):
             fn = getattr(pg, method, None)
             if fn is None:

@@ -11,10 +11,12 @@ field (names, dtypes, shapes, sizes, checksums) before any buffer is sized from 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,17 +74,40 @@ class Header:
                 for lo in range(0, total, self.bucket_bytes)]
 
     def dumps(self) -> bytes:
+        """``{"version", "epoch", "seq"}`` JSON, a newline, then the layout JSON (tensors and
+        bucket size), which stays byte-identical from push to push of the same model."""
+        meta = json.dumps({"version": self.version, "epoch": self.epoch, "seq": self.seq})
+        return meta.encode() + b"\n" + self.layout_bytes()
+
+    def layout_bytes(self) -> bytes:
         return json.dumps({
-            "version": self.version, "epoch": self.epoch, "seq": self.seq,
             "bucket_bytes": self.bucket_bytes,
             "tensors": [[e.name, e.dtype, list(e.shape), e.checksum] for e in self.entries],
         }, separators=(",", ":")).encode()
 
     @classmethod
-    def loads(cls, raw: bytes) -> Header:
+    def loads(cls, raw: bytes, cache: dict[str, Any] | None = None) -> Header:
+        """Parse and validate a header. ``cache`` (any dict kept between calls) skips parsing
+        a layout identical to the previous one."""
+        meta_raw, _, layout_raw = raw.partition(b"\n")
+        try:
+            meta = json.loads(meta_raw.decode("utf-8"))
+            version, epoch, seq = int(meta["version"]), int(meta["epoch"]), int(meta["seq"])
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            raise BroadcastError(f"received a malformed broadcast header ({exc}); the sender "
+                                 "runs an incompatible dbsync: upgrade both sides") from None
+        if cache is not None and cache.get("raw") == layout_raw:
+            base = cache["header"]
+        else:
+            base = cls._loads_layout(layout_raw)
+            if cache is not None:
+                cache.update(raw=layout_raw, header=base)
+        return dataclasses.replace(base, version=version, epoch=epoch, seq=seq)
+
+    @classmethod
+    def _loads_layout(cls, raw: bytes) -> Header:
         try:
             data = json.loads(raw.decode("utf-8"))
-            version, epoch, seq = int(data["version"]), int(data["epoch"]), int(data["seq"])
             bucket_bytes = int(data["bucket_bytes"])
             tensors = data["tensors"]
             if not isinstance(tensors, list) or bucket_bytes <= 0 or bucket_bytes % ALIGN:
@@ -104,7 +129,7 @@ class Header:
                                  "runs an incompatible dbsync: upgrade both sides") from None
         except Exception as exc:  # dtype_from_name raises FormatError
             raise BroadcastError(f"received an unusable broadcast header ({exc})") from None
-        return cls.build(version, epoch, seq, bucket_bytes, specs)
+        return cls.build(0, 0, 0, bucket_bytes, specs)
 
     @classmethod
     def build(cls, version: int, epoch: int, seq: int, bucket_bytes: int,

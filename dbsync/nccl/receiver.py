@@ -43,12 +43,12 @@ from . import rendezvous as rv
 from .errors import BroadcastError, BroadcastTimeoutError, RendezvousError
 from .group import Group
 from .layout import Header
-from .sender import wait_for_keys
 from .stream import IncomingVersion
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 RETRY_SECONDS = 5.0
 FS_CHECK_SECONDS = 0.05
+EPOCH_CHECK_SECONDS = 0.005
 
 
 @dataclass
@@ -77,7 +77,7 @@ class BroadcastReceiver:
         verify: bool = True,
         timeout: float = 30.0,
         fallback_timeout: float = 600.0,
-        poll_interval: float = 0.0005,
+        poll_interval: float = 0.00025,
         address: str | None = None,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
     ):
@@ -98,6 +98,9 @@ class BroadcastReceiver:
         self._conn: _Connection | None = None
         self._retry_after: dict[str, float] = {}
         self._file_checked = 0.0
+        self._epoch_checked = 0.0
+        self._header_cache: dict[str, Any] = {}
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self._group: Group | None = None
         self._seq = 0
         self._buffers: list[torch.Tensor] = []
@@ -187,6 +190,9 @@ class BroadcastReceiver:
             self._connect()
         if self._conn is None:
             return
+        if self._group is not None and now - self._epoch_checked < EPOCH_CHECK_SECONDS:
+            return  # a member polls the push key tightly and the epoch less often
+        self._epoch_checked = now
         conn = self._conn
         try:
             record = json.loads(conn.store.get(rv.K_EPOCH))
@@ -229,7 +235,7 @@ class BroadcastReceiver:
             self._disconnect()
             self.last_error = f"lost the broadcast sender ({exc}); reading from the filesystem"
             return None
-        return Header.loads(raw)
+        return Header.loads(raw, self._header_cache)
 
     # ---- receiving ---------------------------------------------------------------------
     def receive(self, load_weights: LoadWeights, newer_than: int | None = None,
@@ -290,10 +296,6 @@ class BroadcastReceiver:
             if header.epoch != epoch:
                 raise BroadcastError(f"push header names epoch {header.epoch}, not {epoch}")
             store.set(rv.ack_key(epoch, seq, self.reader_id), "1")
-            if wait_for_keys(store, [rv.go_key(epoch, seq)], 2 * self.timeout):
-                raise BroadcastTimeoutError(f"no go for version {header.version} within "
-                                            f"{2 * self.timeout:.1f} s")
-            go = store.get(rv.go_key(epoch, seq))
         except BroadcastError as exc:
             self._leave_group(str(exc))
             return self._load_fs(load_weights, header.version)
@@ -301,14 +303,20 @@ class BroadcastReceiver:
             self._disconnect()
             self.last_error = f"lost the broadcast sender ({exc})"
             return self._load_fs(load_weights, header.version)
-        if go != b"go":
-            self._leave_group(f"the sender aborted the broadcast of version {header.version} "
-                              "(another member did not acknowledge)")
-            return self._load_fs(load_weights, header.version)
+
+        def cancelled() -> str | None:
+            """Polled while waiting for the first bucket: did the sender abort this push?"""
+            key = rv.go_key(epoch, seq)
+            if store.check([key]) and store.get(key) != b"go":
+                return (f"the sender aborted the broadcast of version {header.version} "
+                        "(another member did not acknowledge)")
+            return None
+
         wanted = header.version > floor
         incoming = IncomingVersion(
             self._group, header, self._bucket_buffers(header), verify_now=self.verify,
-            hash_after=self.verify and wanted and not header.has_checksums)
+            hash_after=self.verify and wanted and not header.has_checksums, views=self._views,
+            cancelled=cancelled)
         try:
             if wanted:
                 load_weights(incoming)
@@ -336,7 +344,7 @@ class BroadcastReceiver:
     def _bucket_buffers(self, header: Header) -> list[torch.Tensor]:
         size = min(header.bucket_bytes, header.total_bytes)
         if not self._buffers or self._buffers[0].numel() < size:
-            self._buffers = []
+            self._buffers, self._views = [], {}
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
                              for _ in range(2)]
         return self._buffers

@@ -17,7 +17,7 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,8 +48,12 @@ class IncomingVersion:
     record each tensor's checksum in ``checksums`` for a check against the manifest later."""
 
     def __init__(self, group: Group, header: Header, buffers: list[torch.Tensor],
-                 verify_now: bool, hash_after: bool):
+                 verify_now: bool, hash_after: bool,
+                 views: dict[tuple[Any, ...], torch.Tensor] | None = None,
+                 cancelled: Callable[[], str | None] | None = None):
         self.group = group
+        self.views = {} if views is None else views
+        self.cancelled = cancelled
         self.header = header
         self.buffers = buffers
         self.verify_now = verify_now and header.has_checksums
@@ -68,7 +72,8 @@ class IncomingVersion:
         for _ in self:
             pass
 
-    def _emit(self, i: int, raw: torch.Tensor) -> tuple[str, torch.Tensor]:
+    def _emit(self, i: int, raw: torch.Tensor, view: torch.Tensor | None = None
+              ) -> tuple[str, torch.Tensor]:
         entry = self.header.entries[i]
         if self.verify_now or self.hash_after:
             got = checksum_of(raw)
@@ -80,7 +85,7 @@ class IncomingVersion:
             if self.hash_after:
                 self.checksums.append(got)
         self.delivered += 1
-        return entry.name, typed(entry, raw)
+        return entry.name, typed(entry, raw) if view is None else view
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         header, group = self.header, self.group
@@ -92,34 +97,47 @@ class IncomingVersion:
         partial: dict[int, torch.Tensor] = {}
         next_i = 0  # next entry to hand out (manifest order)
         empty = torch.empty(0, dtype=torch.uint8, device=device)
+        hashing = self.verify_now or self.hash_after
+        views = self.views
         try:
             for b in range(min(2, len(buckets))):
                 lo, hi = buckets[b]
                 works[b] = group.broadcast(self.buffers[b][: hi - lo])
             for b, (lo, _hi) in enumerate(buckets):
                 k = b % 2
-                group.wait(works[k], f"bucket {b} of {len(buckets)} of version "
-                                     f"{header.version}")
+                what = f"bucket {b} of {len(buckets)} of version {header.version}"
+                if b == 0:  # the sender may still be collecting acknowledgements
+                    group.wait(works[k], what, 2 * group.timeout, self.cancelled)
+                else:
+                    group.wait(works[k], what)
                 works[k] = None
                 buf = self.buffers[k]
                 for i, start, end in plan[b]:
                     entry = entries[i]
-                    src = buf[entry.offset + start - lo: entry.offset + end - lo]
+                    at = entry.offset + start - lo
+                    view = None
                     if start == 0 and end == entry.nbytes:
-                        raw = src
+                        if hashing:
+                            raw = buf[at: at + entry.nbytes]
+                        else:  # the common case: a cached view, no per-tensor slicing
+                            key = (k, at, entry.dtype, entry.shape)
+                            view = views.get(key)
+                            if view is None:
+                                view = views[key] = typed(entry, buf[at: at + entry.nbytes])
+                            raw = empty
                     else:
                         whole = partial.get(i)
                         if whole is None:
                             whole = partial[i] = torch.empty(entry.nbytes, dtype=torch.uint8,
                                                              device=device)
-                        whole[start:end].copy_(src)
+                        whole[start:end].copy_(buf[at: at + end - start])
                         if end != entry.nbytes:
                             continue
                         raw = partial.pop(i)
                     while next_i < i:  # zero-byte tensors come in their manifest place
                         yield self._emit(next_i, empty)
                         next_i += 1
-                    yield self._emit(i, raw)
+                    yield self._emit(i, raw, view)
                     next_i = i + 1
                 if b + 2 < len(buckets):
                     lo2, hi2 = buckets[b + 2]
@@ -127,7 +145,6 @@ class IncomingVersion:
             while next_i < len(entries):
                 yield self._emit(next_i, empty)
                 next_i += 1
-            group.finish(f"version {header.version}")
             self.complete = True
         finally:
             if not self.complete:

@@ -237,6 +237,8 @@ def main() -> int:
         "fast_path_sender_GBps": gbps(send_s), "fast_path_receiver_GBps": gbps(recv_s),
         "fast_path_stream_only_GBps": gbps([p["stream_seconds"] for p in timed]),
         "handshake_ms_median": 1e3 * statistics.median([p["ack_seconds"] for p in timed]),
+        "prepack_ms_median": 1e3 * statistics.median([p["prepack_seconds"] for p in timed]),
+        "ack_wait_ms_median": 1e3 * statistics.median([p["ack_wait_seconds"] for p in timed]),
         "raw_bucketed_GBps": gbps(raw_b), "raw_single_buffer_GBps": gbps(raw_s),
         "setup_seconds_first_epoch": r0["setup_seconds"],
         "first_push_broadcast_seconds": r0["pushes"][0]["broadcast_seconds"],

@@ -116,6 +116,7 @@ class BroadcastSender:
         self._group: Group | None = None
         self._seq = 0
         self._buffers: list[torch.Tensor] = []
+        self._dst_views: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pending: Future[int] | None = None
         self._lock = threading.Lock()
         self._hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="dbsync-bhash")
@@ -326,7 +327,7 @@ class BroadcastSender:
             self._tcp.set(rv.go_key(epoch, seq), "go")
             times["go"] = time.perf_counter()
 
-        self._stream(header, pairs, handshake)
+        self._stream(header, pairs, handshake, stats)
         t_end = time.perf_counter()
         stats.update(ack_seconds=times["go"] - times["announced"],
                      stream_seconds=t_end - times["go"], bytes=header.total_bytes,
@@ -335,14 +336,15 @@ class BroadcastSender:
 
     def _bucket_buffers(self, size: int) -> list[torch.Tensor]:
         if not self._buffers or self._buffers[0].numel() < size:
-            self._buffers = []  # free the old pair before allocating the new one
+            self._buffers, self._dst_views = [], {}  # free the old pair first
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
                              for _ in range(2)]
         return self._buffers
 
-    def _stream(self, header: Header, pairs: sources.Pairs,
-                handshake: Callable[[], None]) -> None:
-        """Pack the first two buckets, run ``handshake`` (acks and go), then send every bucket,
+    @torch.no_grad()
+    def _stream(self, header: Header, pairs: sources.Pairs, handshake: Callable[[], None],
+                timing: dict[str, Any]) -> None:
+        """Pack the first bucket, run ``handshake`` (acks, then go), then send every bucket,
         packing bucket k+2 into a buffer as soon as bucket k has left it."""
         group = self._group
         assert group is not None
@@ -350,30 +352,45 @@ class BroadcastSender:
         plan = bucket_plan(header)
         buffers = self._bucket_buffers(min(self.bucket_bytes, header.total_bytes))
         flats: dict[int, torch.Tensor] = {}
+        views = self._dst_views
 
         def pack(b: int) -> None:
-            buf, lo = buffers[b % 2], buckets[b][0]
+            k, lo = b % 2, buckets[b][0]
+            buf = buffers[k]
             for i, start, end in plan[b]:
+                entry = header.entries[i]
+                dst = entry.offset + start - lo
+                t = pairs[i][1]
+                if start == 0 and end == entry.nbytes and t.dim() > 0 and t.is_contiguous():
+                    # the common case: whole tensor, copied through a cached typed-shape view
+                    # of the bucket (no per-tensor flattening or slicing)
+                    src = t.view(torch.uint8)
+                    key = (k, dst, entry.dtype, entry.shape)
+                    view = views.get(key)
+                    if view is None:
+                        view = views[key] = buf[dst:dst + end].view(src.shape)
+                    view.copy_(src, non_blocking=True)
+                    continue
                 flat = flats.get(i)
                 if flat is None:
-                    flat = flats[i] = flat_bytes(pairs[i][1])
-                dst = header.entries[i].offset + start - lo
-                if start == 0 and end == flat.numel():
-                    buf[dst:dst + end].copy_(flat, non_blocking=True)
-                else:
-                    buf[dst:dst + end - start].copy_(flat[start:end], non_blocking=True)
-                if end == header.entries[i].nbytes:
+                    flat = flats[i] = flat_bytes(t)
+                buf[dst:dst + end - start].copy_(flat[start:end], non_blocking=True)
+                if end == entry.nbytes:
                     del flats[i]
 
-        for b in range(min(2, len(buckets))):
-            pack(b)  # overlaps the handshake
+        t0 = time.perf_counter()
+        if buckets:
+            pack(0)  # overlaps the receivers' part of the handshake
+        t1 = time.perf_counter()
         handshake()
+        timing.update(prepack_seconds=t1 - t0, ack_wait_seconds=time.perf_counter() - t1)
         works: list[Any] = [None, None]
         for b, (lo, hi) in enumerate(buckets):
             k = b % 2
             if works[k] is not None:
                 group.wait(works[k], f"bucket {b - 2} of version {header.version}")
                 works[k] = None
+            if b > 0:
                 pack(b)
             works[k] = group.broadcast(buffers[k][: hi - lo])
         for work in works:

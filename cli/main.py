@@ -8,6 +8,7 @@ names the file or tensor and what to do), 2 usage error (click's). Errors from t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -42,11 +43,10 @@ def fail(message: str) -> NoReturn:
 
 
 def _describe_os_error(exc: OSError) -> str:
-    where = exc.filename if exc.filename is not None else ""
     what = exc.strerror or str(exc)
-    if where:
-        return f"{where}: {what}; check the path and its permissions"
-    return f"{what}; check the paths and their permissions"
+    if exc.filename is not None:
+        return f"{exc.filename}: {what}; check the path and its permissions"
+    return what
 
 
 class _Group(click.Group):
@@ -312,7 +312,13 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
     argv = [root, "--model", model, "--host", host, "--port", str(port)]
     if poll_interval is not None:
         argv += ["--poll-interval", str(poll_interval)]
-    sys.exit(server.main([*argv, "--", *vllm_args]))
+    try:
+        code = server.main([*argv, "--", *vllm_args])
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            fail(f"{host}:{port} is already in use; choose another --port")
+        raise
+    sys.exit(code)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ version), what it refuses (and that a refused push changes nothing), and its exi
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -505,3 +506,26 @@ def test_progress_bar_reaches_the_total(root):
     final = terminal.getvalue().rsplit("\r", 1)[-1]
     assert "100.0%" in final and "4.0 MiB / 4.0 MiB" in final and final.endswith("\n")
     assert log.getvalue() == ""
+
+
+# ---- serve-vllm ----------------------------------------------------------------------------
+def test_serve_vllm_usage():
+    missing_model = run("serve-vllm", "some-root")
+    assert missing_model.exit_code == 2 and "--model" in missing_model.output
+    helped = run("serve-vllm", "--help")
+    assert helped.exit_code == 0 and "/dbsync/status" in helped.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+def test_serve_vllm_delegates_and_refuses_options_it_owns(tmp_path):
+    """Reaches dbsync.vllm.server (no engine starts): options serve-vllm owns may not be
+    passed to vLLM after '--'."""
+    root = tmp_path / "store"
+    proc = subprocess.run(
+        cli_cmd("serve-vllm", str(root), "--model", str(tmp_path / "model"), "--",
+                "--port", "9"),
+        capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=300)
+    assert proc.returncode == 2
+    assert "pass --port to serve-vllm itself" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not root.exists()

@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import dbsync
 from dbsync import demo, demo_trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +94,31 @@ def test_demo_refuses_to_wipe_a_directory_it_did_not_make(tmp_path):
     (work / "store").mkdir()
     demo.prepare_dir(work)  # a previous run of the demo is wiped
     assert sorted(os.listdir(work)) == [demo.MARKER]
+
+
+def _group_alive(pgid: int) -> list[int]:
+    return demo._group_members(pgid)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+def test_demo_end_to_end(tmp_path):
+    """``make demo`` as a user runs it: the server answers gibberish first and the sentence at
+    the end, and no process of the server is left."""
+    work = tmp_path / "demo"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "dbsync.demo", "--dir", str(work)],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=540)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    out = proc.stdout
+    versions = [int(m.group(1)) for m in re.finditer(r"^ +(\d+) +\d+ +\d\.\d+ ", out, re.M)]
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) >= 2
+    initial = next(line for line in out.splitlines() if line.strip().startswith("initial"))
+    assert demo_trainer.TARGET.strip() not in initial
+    assert out.count("<- learned") == 2
+    assert "no process left" in out
+    pid = int(re.search(r"pid (\d+)", out).group(1))
+    assert _group_alive(pid) == []
+    assert int(json.loads((work / "store" / "dbsync.json").read_text())["version"]) == versions[-1]

@@ -264,6 +264,15 @@ def test_push_into_a_file_fails_plainly(tmp_path, st_file):
     assert target.read_text() == "x"
 
 
+def test_push_while_another_writer_holds_the_store(store_v1, st_file, weights):
+    before = manifest_bytes(store_v1)
+    with dbsync.Sender(store_v1):
+        result = run("push", st_file, store_v1)
+    assert result.exit_code == 1
+    assert "another writer holds" in result.stderr and "writer.lock" in result.stderr
+    assert_untouched(store_v1, before, weights)
+
+
 @pytest.mark.parametrize("args", [
     ["push"],
     ["push", "only-src"],

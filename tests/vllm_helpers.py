@@ -9,12 +9,17 @@ engines through module-scoped fixtures; each engine caps its KV cache at 128 MiB
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -77,6 +82,62 @@ def make_tiny_qwen2(path: str | os.PathLike[str], seed: int, hidden: int = 128,
     return path
 
 
+@functools.cache
+def models_dir() -> Path:
+    """One directory per test session holding the tiny checkpoints (removed at exit)."""
+    path = Path(tempfile.mkdtemp(prefix="dbsync-vllm-models-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+_model_lock = threading.Lock()
+
+
+def tiny_model(name: str) -> Path:
+    """The session's shared checkpoints: "A" and "B" (same shapes, different weights) and "C"
+    (a wider MLP: does not fit a model served from A or B)."""
+    specs = {"A": dict(seed=1), "B": dict(seed=2), "C": dict(seed=3, intermediate=384)}
+    with _model_lock:
+        path = models_dir() / name
+        if not (path / "config.json").exists():
+            make_tiny_qwen2(path, **specs[name])
+        return path
+
+
+_REF_MARK = "dbsync-reference: "
+
+
+class ReferenceJob:
+    """Greedy completions of a fresh engine started from a checkpoint, computed in a child
+    process started at once (so it overlaps other engines' start-up); ``result()`` waits."""
+
+    def __init__(self, model_dir: Path, prompts: list[str] = PROMPTS):
+        code = ("from tests.vllm_helpers import reference_main\n"
+                "if __name__ == '__main__':\n    reference_main()\n")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code, os.fspath(model_dir), json.dumps(prompts)],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=child_env())
+        self._result: list[str] | None = None
+
+    def result(self, timeout: float = 300) -> list[str]:
+        if self._result is None:
+            out, err = self._proc.communicate(timeout=timeout)
+            if self._proc.returncode != 0:
+                raise RuntimeError(f"reference engine failed:\n{err[-4000:]}")
+            lines = [x for x in out.splitlines() if x.startswith(_REF_MARK)]
+            if not lines:
+                raise RuntimeError(f"reference engine printed no result:\n{out[-2000:]}")
+            self._result = json.loads(lines[-1][len(_REF_MARK):])
+        return self._result
+
+
+@functools.cache
+def reference(name: str) -> ReferenceJob:
+    """The session's reference job for checkpoint ``name`` (started on first use)."""
+    return ReferenceJob(tiny_model(name))
+
+
 def engine_kwargs(**extra: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` sized for this machine."""
     kwargs: dict[str, Any] = dict(
@@ -95,31 +156,12 @@ def greedy(llm: Any, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS)
     return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def reference_completions(model_dir: str | os.PathLike[str],
-                          prompts: list[str] = PROMPTS) -> list[str]:
-    """Greedy completions of a fresh engine started from ``model_dir``, in a child process (so
-    the engine's memory is returned when it ends)."""
-    code = (
-        "import json, sys\n"
-        "from tests.vllm_helpers import reference_main\n"
-        "if __name__ == '__main__':\n"
-        "    reference_main()\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, os.fspath(model_dir), json.dumps(prompts)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=child_env(),
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"reference engine failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def reference_main() -> None:
     from vllm import LLM
 
     model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
     llm = LLM(model=model_dir, **engine_kwargs())
-    print(json.dumps(greedy(llm, prompts)), flush=True)
+    print(_REF_MARK + json.dumps(greedy(llm, prompts)), flush=True)
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -1,0 +1,156 @@
+"""`serve-vllm` end to end on the real CPU engine: one server started from checkpoint A on an
+empty store; versions pushed while it runs. The tests run in file order and share the server.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dbsync
+from tests.vllm_helpers import (
+    PROMPTS,
+    Server,
+    complete,
+    http_json,
+    reference,
+    running_server,
+    tiny_model,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve") / "store"
+
+
+@pytest.fixture(scope="module")
+def sender(store: Path) -> Any:
+    with dbsync.Sender(store) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def server(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    reference("B")  # start the reference engine now: it overlaps the server's start-up
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    with running_server(store, tiny_model("A"), log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def a_completions(server: Server) -> list[str]:
+    """What the server answers before any version: a fresh engine from A, by construction."""
+    return [complete(server.base, server.model, p) for p in PROMPTS]
+
+
+def test_status_before_any_version(server: Server, a_completions: list[str]) -> None:
+    status = server.status()
+    assert status["version"] is None
+    assert status["loaded_at"] is None
+    assert status["last_error"] is None
+    assert status["healthy"] is True
+    assert len(a_completions) == len(PROMPTS)
+
+
+def test_swap_matches_fresh_engine(server: Server, sender: Any,
+                                   a_completions: list[str]) -> None:
+    version = sender.push(str(tiny_model("B")))
+    status = server.wait_version(version, timeout=60)
+    assert status["healthy"] and status["last_error"] is None
+    assert status["loaded_at"] is not None
+    timings = status["timings"]
+    assert timings["version"] == version
+    assert 0 < timings["apply_s"] <= timings["pause_s"]
+    got = [complete(server.base, server.model, p) for p in PROMPTS]
+    assert got == reference("B").result()
+    assert got != a_completions
+
+
+def test_requests_during_swap_all_succeed(server: Server, sender: Any,
+                                          a_completions: list[str]) -> None:
+    """Four clients keep sending requests while A's weights are pushed as the next version."""
+    stop = threading.Event()
+    results: list[tuple[float, float, str | None]] = []
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            t0 = time.time()
+            try:
+                text = complete(server.base, server.model, PROMPTS[i % len(PROMPTS)],
+                                max_tokens=48)
+                results.append((t0, time.time(), text))
+            except BaseException as exc:  # every failure is a test failure below
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    pushed_at = time.time()
+    version = sender.push(str(tiny_model("A")))
+    status = server.wait_version(version, timeout=60)
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert len(results) >= 8
+    assert all(text for _, _, text in results)
+    spanning = [r for r in results if r[0] < status["loaded_at"] < r[1]]
+    assert spanning, "no request was in flight during the swap"
+    assert pushed_at < status["loaded_at"]
+    got = [complete(server.base, server.model, p) for p in PROMPTS]
+    assert got == a_completions
+
+
+def test_incompatible_version_refused(server: Server, sender: Any,
+                                      a_completions: list[str]) -> None:
+    served = server.status()["version"]
+    bad = sender.push(str(tiny_model("C")))
+    status = server_wait(server, lambda s: s["last_error_version"] == bad)
+    assert status["version"] == served
+    assert status["healthy"] is True
+    assert bad in status["refused_versions"]
+    error = status["last_error"]
+    assert f"version {bad} refused" in error
+    assert "model.layers.0.mlp.gate_proj.weight: shape [384, 128] != expected [256, 128]" in error
+    got = [complete(server.base, server.model, p) for p in PROMPTS]
+    assert got == a_completions
+    log = server.tail(200_000)
+    assert log.count(f"version {bad} refused") == 1
+
+
+def test_recovers_after_refusal(server: Server, sender: Any) -> None:
+    version = sender.push(str(tiny_model("B")))
+    status = server.wait_version(version, timeout=60)
+    assert status["last_error"] is None
+    got = [complete(server.base, server.model, p) for p in PROMPTS]
+    assert got == reference("B").result()
+
+
+def test_no_dev_mode_routes(server: Server) -> None:
+    for path in ("/pause", "/update_weights", "/collective_rpc"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            http_json(f"{server.base}{path}", {})
+        assert info.value.code == 404
+
+
+def server_wait(server: Server, predicate: Any, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = server.status()
+        if predicate(status):
+            return status
+        time.sleep(0.1)
+    raise TimeoutError(f"status never matched: {server.status()}")
+

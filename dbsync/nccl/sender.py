@@ -116,7 +116,7 @@ class BroadcastSender:
         self._group: Group | None = None
         self._seq = 0
         self._buffers: list[torch.Tensor] = []
-        self._dst_views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._plan_cache: tuple[Any, Any] | None = None
         self._pending: Future[int] | None = None
         self._lock = threading.Lock()
         self._hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="dbsync-bhash")
@@ -336,10 +336,38 @@ class BroadcastSender:
 
     def _bucket_buffers(self, size: int) -> list[torch.Tensor]:
         if not self._buffers or self._buffers[0].numel() < size:
-            self._buffers, self._dst_views = [], {}  # free the old pair first
+            self._buffers, self._plan_cache = [], None  # free the old pair first
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
                              for _ in range(2)]
         return self._buffers
+
+    def _pack_plan(self, header: Header, buckets: list[tuple[int, int]],
+                   plan: list[list[tuple[int, int, int]]], buffers: list[torch.Tensor]
+                   ) -> tuple[list[tuple[list[int], list[torch.Tensor]]],
+                              list[list[tuple[int, int, int, int]]]]:
+        """Per bucket: the tensors that lie wholly in it with their typed views of the bucket
+        buffer, and the byte ranges of tensors split across buckets. Cached per layout (the
+        same model pushes the same layout every time)."""
+        key = (header.layout_bytes(), buckets[0][1] if buckets else 0)
+        if self._plan_cache is not None and self._plan_cache[0] == key:
+            return self._plan_cache[1]
+        whole: list[tuple[list[int], list[torch.Tensor]]] = []
+        parts: list[list[tuple[int, int, int, int]]] = []
+        for b, (lo, _hi) in enumerate(buckets):
+            buf = buffers[b % 2]
+            indices, views, split = [], [], []
+            for i, start, end in plan[b]:
+                entry = header.entries[i]
+                dst = entry.offset + start - lo
+                if start == 0 and end == entry.nbytes:
+                    indices.append(i)
+                    views.append(buf[dst:dst + end].view(entry.torch_dtype).view(entry.shape))
+                else:
+                    split.append((i, start, end, dst))
+            whole.append((indices, views))
+            parts.append(split)
+        self._plan_cache = (key, (whole, parts))
+        return whole, parts
 
     @torch.no_grad()
     def _stream(self, header: Header, pairs: sources.Pairs, handshake: Callable[[], None],
@@ -352,30 +380,26 @@ class BroadcastSender:
         plan = bucket_plan(header)
         buffers = self._bucket_buffers(min(self.bucket_bytes, header.total_bytes))
         flats: dict[int, torch.Tensor] = {}
-        views = self._dst_views
+        whole, parts = self._pack_plan(header, buckets, plan, buffers)
 
         def pack(b: int) -> None:
-            k, lo = b % 2, buckets[b][0]
-            buf = buffers[k]
-            for i, start, end in plan[b]:
-                entry = header.entries[i]
-                dst = entry.offset + start - lo
-                t = pairs[i][1]
-                if start == 0 and end == entry.nbytes and t.dim() > 0 and t.is_contiguous():
-                    # the common case: whole tensor, copied through a cached typed-shape view
-                    # of the bucket (no per-tensor flattening or slicing)
-                    src = t.view(torch.uint8)
-                    key = (k, dst, entry.dtype, entry.shape)
-                    view = views.get(key)
-                    if view is None:
-                        view = views[key] = buf[dst:dst + end].view(src.shape)
-                    view.copy_(src, non_blocking=True)
-                    continue
+            # Whole tensors: one fused copy into cached typed views of the bucket (no
+            # per-tensor Python work on the hot path); split tensors: byte-range copies.
+            indices, views = whole[b]
+            if indices:
+                srcs = [pairs[i][1] for i in indices]
+                try:
+                    torch._foreach_copy_(views, srcs, non_blocking=True)
+                except (RuntimeError, TypeError):
+                    for view, src in zip(views, srcs, strict=True):
+                        view.copy_(src, non_blocking=True)
+            buf = buffers[b % 2]
+            for i, start, end, dst in parts[b]:
                 flat = flats.get(i)
                 if flat is None:
-                    flat = flats[i] = flat_bytes(t)
+                    flat = flats[i] = flat_bytes(pairs[i][1])
                 buf[dst:dst + end - start].copy_(flat[start:end], non_blocking=True)
-                if end == entry.nbytes:
+                if end == header.entries[i].nbytes:
                     del flats[i]
 
         t0 = time.perf_counter()

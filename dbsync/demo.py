@@ -11,10 +11,11 @@ Run: ``python -m dbsync.demo [--dir .dbsync-demo] [--steps 60] [--push-every 3]`
 Hazards, stated plainly:
 - The work directory (default ``.dbsync-demo``) is wiped at the start of each run; a directory
   that this demo did not create is never wiped (the demo refuses to run instead).
-- The server runs in its own process group and is always stopped (SIGTERM, then SIGKILL to the
-  whole group) on success, error, Ctrl-C or SIGTERM; a SIGKILL of the demo itself cannot be
-  caught and leaves the server running (stop it with the pid printed at start).
-- Needs about 2-3 GB of RAM and two cores; vLLM takes 15-40 s to start on a small machine.
+- The server runs in its own process group and is always stopped (SIGTERM, then SIGKILL to
+  the whole group) on success, error, Ctrl-C, SIGTERM or SIGHUP. A SIGKILL of the demo itself
+  cannot be caught and leaves the server running: stop it with ``kill -- -PID`` (the pid is
+  printed at start).
+- Needs about 2-3 GB of RAM and two cores; vLLM takes 15-60 s to start on a small machine.
 """
 
 from __future__ import annotations
@@ -276,7 +277,12 @@ def run(args: argparse.Namespace) -> int:
                                   push_every=args.push_every, lr=args.lr, seed=args.seed,
                                   on_push=on_push, threads=1)
     finally:
-        stopped = server.stop()
+        # A second Ctrl-C must not cut the cleanup short.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            stopped = server.stop()
+        finally:
+            signal.signal(signal.SIGINT, previous)
     _say("")
     _say(f"{len(pushed)} versions published and served; {time.monotonic() - started:.0f} s "
          f"in all; server {'stopped, no process left' if stopped else 'NOT fully stopped'}.")
@@ -319,7 +325,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM,
+                                                                     signal.SIGHUP)}
     try:
         return run(args)
     except KeyboardInterrupt:
@@ -329,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo failed: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ field (names, dtypes, shapes, sizes, checksums) before any buffer is sized from 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -77,8 +78,9 @@ class Header:
         """``{"version", "epoch", "seq"}`` JSON, a newline, then the layout JSON (tensors and
         bucket size), which stays byte-identical from push to push of the same model."""
         meta = json.dumps({"version": self.version, "epoch": self.epoch, "seq": self.seq})
-        return meta.encode() + b"\n" + self.layout_bytes()
+        return meta.encode() + b"\n" + self.layout_bytes
 
+    @functools.cached_property
     def layout_bytes(self) -> bytes:
         return json.dumps({
             "bucket_bytes": self.bucket_bytes,

@@ -42,7 +42,7 @@ from ..receiver import Receiver
 from . import rendezvous as rv
 from .errors import BroadcastError, BroadcastTimeoutError, RendezvousError
 from .group import Group
-from .layout import Header
+from .layout import Header, bucket_plan
 from .stream import IncomingVersion
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
@@ -313,10 +313,13 @@ class BroadcastReceiver:
             return None
 
         wanted = header.version > floor
+        cache = self._header_cache
+        if "plan" not in cache or cache.get("plan_for") is not cache.get("raw"):  # new layout
+            cache.update(plan=bucket_plan(header), plan_for=cache.get("raw"))
         incoming = IncomingVersion(
             self._group, header, self._bucket_buffers(header), verify_now=self.verify,
             hash_after=self.verify and wanted and not header.has_checksums, views=self._views,
-            cancelled=cancelled)
+            cancelled=cancelled, plan=cache["plan"])
         try:
             if wanted:
                 load_weights(incoming)

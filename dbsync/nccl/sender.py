@@ -307,12 +307,14 @@ class BroadcastSender:
         assert self._group is not None
         self._seq += 1
         epoch, seq = self.epoch, self._seq
+        t_start = time.perf_counter()
         sums = self._checksums(pairs)
         header = Header.build(version, epoch, seq, self.bucket_bytes,
                               [(n, t.dtype, tuple(t.shape), c)
                                for (n, t), c in zip(pairs, sums, strict=True)])
         self._tcp.set(rv.push_key(epoch, seq), header.dumps())
         times: dict[str, float] = {"announced": time.perf_counter()}
+        stats["prepare_seconds"] = times["announced"] - t_start
 
         def handshake() -> None:
             missing = wait_for_keys(
@@ -341,16 +343,17 @@ class BroadcastSender:
                              for _ in range(2)]
         return self._buffers
 
-    def _pack_plan(self, header: Header, buckets: list[tuple[int, int]],
-                   plan: list[list[tuple[int, int, int]]], buffers: list[torch.Tensor]
-                   ) -> tuple[list[tuple[list[int], list[torch.Tensor]]],
-                              list[list[tuple[int, int, int, int]]]]:
+    def _pack_plan(self, header: Header, buffers: list[torch.Tensor]) -> tuple[
+            list[tuple[int, int]], list[tuple[list[int], list[torch.Tensor]]],
+            list[list[tuple[int, int, int, int]]]]:
         """Per bucket: the tensors that lie wholly in it with their typed views of the bucket
         buffer, and the byte ranges of tensors split across buckets. Cached per layout (the
         same model pushes the same layout every time)."""
-        key = (header.layout_bytes(), buckets[0][1] if buckets else 0)
+        key = header.layout_bytes
         if self._plan_cache is not None and self._plan_cache[0] == key:
             return self._plan_cache[1]
+        buckets = header.buckets()
+        plan = bucket_plan(header)
         whole: list[tuple[list[int], list[torch.Tensor]]] = []
         parts: list[list[tuple[int, int, int, int]]] = []
         for b, (lo, _hi) in enumerate(buckets):
@@ -366,8 +369,8 @@ class BroadcastSender:
                     split.append((i, start, end, dst))
             whole.append((indices, views))
             parts.append(split)
-        self._plan_cache = (key, (whole, parts))
-        return whole, parts
+        self._plan_cache = (key, (buckets, whole, parts))
+        return buckets, whole, parts
 
     @torch.no_grad()
     def _stream(self, header: Header, pairs: sources.Pairs, handshake: Callable[[], None],
@@ -376,11 +379,9 @@ class BroadcastSender:
         packing bucket k+2 into a buffer as soon as bucket k has left it."""
         group = self._group
         assert group is not None
-        buckets = header.buckets()
-        plan = bucket_plan(header)
         buffers = self._bucket_buffers(min(self.bucket_bytes, header.total_bytes))
+        buckets, whole, parts = self._pack_plan(header, buffers)
         flats: dict[int, torch.Tensor] = {}
-        whole, parts = self._pack_plan(header, buckets, plan, buffers)
 
         def pack(b: int) -> None:
             # Whole tensors: one fused copy into cached typed views of the bucket (no

@@ -50,8 +50,10 @@ class IncomingVersion:
     def __init__(self, group: Group, header: Header, buffers: list[torch.Tensor],
                  verify_now: bool, hash_after: bool,
                  views: dict[tuple[Any, ...], torch.Tensor] | None = None,
-                 cancelled: Callable[[], str | None] | None = None):
+                 cancelled: Callable[[], str | None] | None = None,
+                 plan: list[list[tuple[int, int, int]]] | None = None):
         self.group = group
+        self.plan = bucket_plan(header) if plan is None else plan
         self.views = {} if views is None else views
         self.cancelled = cancelled
         self.header = header
@@ -91,7 +93,7 @@ class IncomingVersion:
         header, group = self.header, self.group
         entries = header.entries
         buckets = header.buckets()
-        plan = bucket_plan(header)
+        plan = self.plan
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
         works: list[Any] = [None, None]
         partial: dict[int, torch.Tensor] = {}

@@ -22,7 +22,7 @@ import torch
 import dbsync
 from dbsync import sources
 from dbsync.errors import DamagedVersionError, DBSyncError, LeaseExpiredError
-from dbsync.status import receivers_at, store_status
+from dbsync.status import receivers_at, store_status, wait_for_receivers
 from dbsync.store import Store
 
 from .checks import current_problems
@@ -120,24 +120,13 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
     if wait_for is not None:
         click.echo(f"waiting for {wait_for} receiver(s) to load version {version} ...",
                    err=True)
-        loaded = _wait_for_receivers(store, version, wait_for, timeout)
-        if len(loaded) < wait_for:
+        done = wait_for_receivers(store, version, wait_for, timeout)
+        loaded = receivers_at(store, version)
+        if not done:
             fail(f"version {version} is published, but only {len(loaded)} of {wait_for} "
                  f"receiver(s) loaded it within {timeout:g} s; see `dbsync status {root}`")
         click.echo(f"{len(loaded)} receiver(s) loaded version {version}: {', '.join(loaded)}",
                    err=True)
-
-
-def _wait_for_receivers(store: Store, version: int, count: int, timeout: float | None,
-                        interval: float = 0.2) -> list[str]:
-    """Ids of receivers at ``version`` or newer once ``count`` are, or at the timeout.
-    (Sender.wait_for_receivers does the same but needs the writer lock held.)"""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        loaded = receivers_at(store, version)
-        if len(loaded) >= count or (deadline is not None and time.monotonic() >= deadline):
-            return loaded
-        time.sleep(interval)
 
 
 # ---- status --------------------------------------------------------------------------------

@@ -125,9 +125,10 @@ class Snapshot:
         stamp = self.receiver.store.read_stamp(self.manifest.slot)
         if stamp != self.version:
             raise LeaseExpiredError(
-                f"slot {self.manifest.slot} no longer holds version {self.version} (stamp: "
-                f"{stamp!r}); the lease expired (reader stalled longer than the lease timeout) "
-                "and what was read cannot be trusted: load again"
+                f"slot {self.manifest.slot} no longer holds version {self.version} (its stamp "
+                f"says {stamp!r}): either a writer reused the slot after this reader's lease "
+                "expired (stalled longer than the lease timeout), or the stamp file was "
+                "damaged. What was read cannot be trusted: load again"
             )
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from . import fileio, sources
 from .errors import DBSyncError
 from .format import FILE_SUFFIX, SLOTS, Manifest, TensorEntry, dtype_name, file_stems_for
 from .leases import DEFAULT_LEASE_TIMEOUT, LeaseMonitor
+from .status import wait_for_receivers
 from .store import WRITING, Store
 
 Progress = Callable[[int, int], None]
@@ -181,17 +182,11 @@ class Sender:
                                   "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}
         return version
 
-    def wait_for_receivers(self, version: int, count: int, timeout: float | None = None,
-                           interval: float = 0.1) -> bool:
-        """Wait until at least ``count`` receivers report ``version`` (or newer) loaded."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        from .status import receivers_at
-
-        while len(receivers_at(self.store, version)) < count:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(interval)
-        return True
+    def wait_for_receivers(self, version: int, count: int, timeout: float | None = None
+                           ) -> bool:
+        """Wait until at least ``count`` receivers report ``version`` (or newer) loaded;
+        False on timeout."""
+        return wait_for_receivers(self.store, version, count, timeout)
 
     def close(self) -> None:
         """Finish the pending push (its errors stay in its future), release the writer lock."""

@@ -121,15 +121,29 @@ def load_path(path: str) -> Pairs:
 
 
 def _load_safetensors_file(path: str) -> Pairs:
+    """Tensors in the order their bytes lie in the file (the order they were saved in, which
+    groups a checkpoint by layer); ``safe_open().keys()`` would give alphabetical order."""
     from safetensors import safe_open
 
     try:
         with safe_open(path, framework="pt") as f:
-            return [(key, f.get_tensor(key)) for key in f.keys()]  # noqa: SIM118
+            keys = list(f.keys())  # noqa: SIM118
+            offsets = _data_offsets(path)
+            keys.sort(key=lambda k: offsets.get(k, 0))
+            return [(key, f.get_tensor(key)) for key in keys]
     except Exception as exc:  # safetensors raises its own error types and OSError
         raise InvalidWeightsError(
             f"{path} is not a readable safetensors file ({exc}); re-export it"
         ) from None
+
+
+def _data_offsets(path: str) -> dict[str, int]:
+    """Start offset of each tensor's bytes, from the safetensors header (already validated
+    by ``safe_open``)."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    return {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def _load_safetensors_dir(path: str) -> Pairs:

@@ -36,6 +36,18 @@ def receivers_at(store: Store, version: int) -> list[str]:
             if isinstance(r["version"], int) and r["version"] >= version]
 
 
+def wait_for_receivers(store: Store, version: int, count: int, timeout: float | None = None,
+                       interval: float = 0.1) -> bool:
+    """Wait until at least ``count`` receivers report ``version`` (or newer) loaded. Returns
+    False on timeout. Needs no writer lock: any process may wait."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while len(receivers_at(store, version)) < count:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
 def store_status(store: Store) -> dict[str, Any]:
     manifest = store.read_manifest()
     if manifest is None:

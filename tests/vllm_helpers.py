@@ -56,7 +56,7 @@ def build_tokenizer(path: Path) -> None:
 
 
 def make_tiny_qwen2(path: str | os.PathLike[str], seed: int, hidden: int = 128,
-                    layers: int = 2, intermediate: int = 256) -> Path:
+                    layers: int = 2, intermediate: int = 256, vocab: int = 512) -> Path:
     """Save a random tiny Qwen2 (float32, safetensors) with a tokenizer into ``path``.
 
     Different seeds give different weights of the same shapes; a different ``hidden`` or
@@ -67,7 +67,7 @@ def make_tiny_qwen2(path: str | os.PathLike[str], seed: int, hidden: int = 128,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = Qwen2Config(
-        vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=2,
         head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=0, torch_dtype="float32",

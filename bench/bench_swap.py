@@ -1,0 +1,176 @@
+"""Swap benchmark: push -> served latency and the generation pause per swap, against vLLM's own
+raw reload of the same weights, measured in the same run on the same machine.
+
+    python bench/bench_swap.py [--hidden 1024 --layers 8 --intermediate 2816 --vocab 32000]
+                               [--swaps 5] [--json OUT.json]
+
+1. serve-vllm (a child process, vLLM's AsyncLLM) from checkpoint A on an empty store; push A
+   and B alternately; for each swap record the time from ``push`` returning to
+   ``/dbsync/status`` reporting the version (polled every 2 ms), and the controller's
+   timings: ``pause_s`` (pause -> start -> update -> finish -> prefix-cache reset -> resume),
+   ``apply_s`` (start -> finish) and ``read_verify_s`` (before the pause). A streaming client
+   runs throughout and records the longest gap between tokens (what a user sees).
+2. an offline ``vllm.LLM`` from A: ``collective_rpc("reload_weights", weights_path=DIR)``
+   reloading the same checkpoints from disk (page cache warm) = the raw reload.
+
+Target: median pause <= 1.2 x median raw reload. On tiny models fixed costs dominate (pause
+and resume round trips, vLLM's own 20 ms settle sleep in ``pause_generation``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import dbsync  # noqa: E402
+from tests.vllm_helpers import (  # noqa: E402 - needs the repo on sys.path
+    Server,
+    engine_kwargs,
+    make_tiny_qwen2,
+)
+
+
+def stream_gaps(base: str, model: str, stop: threading.Event, gaps: list[float]) -> None:
+    """Stream long completions until ``stop``; append the gap between consecutive chunks."""
+    while not stop.is_set():
+        body = json.dumps({"model": model, "prompt": "w1 w2 w3", "max_tokens": 200,
+                           "temperature": 0.0, "ignore_eos": True, "stream": True}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        last = None
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for line in resp:
+                if not line.startswith(b"data:"):
+                    continue
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                if stop.is_set():
+                    break
+
+
+def bench_server(work: Path, a: Path, b: Path, swaps: int) -> dict[str, Any]:
+    store = work / "store"
+    rows = []
+    gaps: list[float] = []
+    with dbsync.Sender(store) as sender, Server(store, a, work / "server.log") as server:
+        server.wait_ready(600)
+        stop = threading.Event()
+        client = threading.Thread(target=stream_gaps, args=(server.base, server.model, stop, gaps),
+                                  daemon=True)
+        client.start()
+        time.sleep(2.0)
+        steady = list(gaps)
+        for i in range(swaps):
+            src = b if i % 2 == 0 else a
+            version = sender.push(str(src))
+            returned = time.perf_counter()
+            while True:
+                status = server.status()
+                if status["version"] == version:
+                    break
+                if status["last_error_version"] == version:
+                    raise RuntimeError(status["last_error"])
+                time.sleep(0.002)
+            seen = time.perf_counter()
+            t = status["timings"]
+            rows.append({"version": version, "push_to_served_s": seen - returned,
+                         "pause_s": t["pause_s"], "apply_s": t["apply_s"],
+                         "read_verify_s": t["read_verify_s"],
+                         "push_s": sender.last_push_seconds.get("total")})
+            time.sleep(1.0)
+        stop.set()
+        client.join(120)
+    return {"swaps": rows, "steady_gap_max_s": max(steady) if steady else None,
+            "steady_gap_median_s": statistics.median(steady) if steady else None,
+            "gap_max_s": max(gaps) if gaps else None}
+
+
+def bench_raw(a: Path, b: Path, swaps: int) -> list[float]:
+    from vllm import LLM
+
+    llm = LLM(model=str(a), **engine_kwargs())
+    times = []
+    try:
+        for i in range(swaps + 1):
+            src = b if i % 2 == 0 else a
+            t0 = time.perf_counter()
+            llm.collective_rpc("reload_weights",
+                               kwargs={"weights_path": str(src), "is_checkpoint_format": True})
+            if i:  # the first one warms the page cache and the loader
+                times.append(time.perf_counter() - t0)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--swaps", type=int, default=5)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", default=None, help="write the results here too")
+    args = parser.parse_args()
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="dbsync-bench-swap-"))
+    shape = dict(hidden=args.hidden, layers=args.layers, intermediate=args.intermediate,
+                 vocab=args.vocab)
+    a = make_tiny_qwen2(work / "A", seed=1, **shape)
+    b = make_tiny_qwen2(work / "B", seed=2, **shape)
+    nbytes = sum(f.stat().st_size for f in b.glob("*.safetensors"))
+
+    server = bench_server(work, a, b, args.swaps)
+    raw = bench_raw(a, b, args.swaps)
+
+    pauses = [r["pause_s"] for r in server["swaps"]]
+    latency = [r["push_to_served_s"] for r in server["swaps"]]
+    result = {
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+                   f"{os.cpu_count()} cores, CPU only",
+        "model": {**shape, "bytes": nbytes},
+        "server": server,
+        "raw_reload_s": raw,
+        "median_pause_s": statistics.median(pauses),
+        "median_apply_s": statistics.median(r["apply_s"] for r in server["swaps"]),
+        "median_raw_reload_s": statistics.median(raw),
+        "median_push_to_served_s": statistics.median(latency),
+        "pause_over_raw": statistics.median(pauses) / statistics.median(raw),
+    }
+    print(f"model: {shape} ({nbytes / 2**20:.0f} MiB float32), machine: {result['machine']}")
+    print(f"{'version':>8} {'push->served':>13} {'pause':>9} {'apply':>9} {'verify':>9}")
+    for r in server["swaps"]:
+        print(f"{r['version']:>8} {r['push_to_served_s'] * 1e3:>10.1f} ms "
+              f"{r['pause_s'] * 1e3:>6.1f} ms {r['apply_s'] * 1e3:>6.1f} ms "
+              f"{r['read_verify_s'] * 1e3:>6.1f} ms")
+    print("raw reload_weights (same weights, from page cache): "
+          + ", ".join(f"{t * 1e3:.1f}" for t in raw) + " ms")
+    print(f"median pause {result['median_pause_s'] * 1e3:.1f} ms / median raw reload "
+          f"{result['median_raw_reload_s'] * 1e3:.1f} ms = {result['pause_over_raw']:.2f}x "
+          f"(target <= 1.2x); median push->served {result['median_push_to_served_s'] * 1e3:.1f} ms")
+    if server["gap_max_s"] is not None:
+        print(f"streaming client: longest gap between tokens {server['gap_max_s'] * 1e3:.1f} ms "
+              f"(steady state: median {server['steady_gap_median_s'] * 1e3:.1f} ms, "
+              f"max {server['steady_gap_max_s'] * 1e3:.1f} ms)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

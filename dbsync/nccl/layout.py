@@ -74,11 +74,12 @@ class Header:
         return [(lo, min(lo + self.bucket_bytes, total))
                 for lo in range(0, total, self.bucket_bytes)]
 
-    def dumps(self) -> bytes:
+    def dumps(self, layout: bytes | None = None) -> bytes:
         """``{"version", "epoch", "seq"}`` JSON, a newline, then the layout JSON (tensors and
-        bucket size), which stays byte-identical from push to push of the same model."""
+        bucket size), which stays byte-identical from push to push of the same model (pass it
+        as ``layout`` when already known)."""
         meta = json.dumps({"version": self.version, "epoch": self.epoch, "seq": self.seq})
-        return meta.encode() + b"\n" + self.layout_bytes
+        return meta.encode() + b"\n" + (self.layout_bytes if layout is None else layout)
 
     @functools.cached_property
     def layout_bytes(self) -> bytes:

@@ -48,6 +48,7 @@ from .stream import IncomingVersion
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 RETRY_SECONDS = 5.0
 FS_CHECK_SECONDS = 0.05
+MEMBER_FS_CHECK_SECONDS = 1.0
 EPOCH_CHECK_SECONDS = 0.005
 
 
@@ -185,7 +186,8 @@ class BroadcastReceiver:
 
     def _maintain(self) -> None:
         now = time.monotonic()
-        if self._conn is None or now - self._file_checked >= FS_CHECK_SECONDS:
+        every = FS_CHECK_SECONDS if self._conn is None else MEMBER_FS_CHECK_SECONDS
+        if now - self._file_checked >= every:
             self._file_checked = now
             self._connect()
         if self._conn is None:
@@ -266,9 +268,10 @@ class BroadcastReceiver:
                     continue
                 now = time.monotonic()
                 # A member polls the store every poll_interval; the manifest (a file that may
-                # be large and on NFS) it reads at most every FS_CHECK_SECONDS.
+                # be large and on NFS) it reads only now and then: for a member it is only the
+                # guard against a version published without a broadcast.
                 latest = None
-                if self._group is None or now - fs_checked >= FS_CHECK_SECONDS:
+                if self._group is None or now - fs_checked >= MEMBER_FS_CHECK_SECONDS:
                     latest, fs_checked = self.fs.latest_version(), now
                 if latest is not None and latest > floor:
                     if self._group is None:

@@ -25,6 +25,7 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -117,6 +118,7 @@ class BroadcastSender:
         self._seq = 0
         self._buffers: list[torch.Tensor] = []
         self._plan_cache: tuple[Any, Any] | None = None
+        self._header_cache: tuple[Any, Header, bytes] | None = None
         self._pending: Future[int] | None = None
         self._lock = threading.Lock()
         self._hash_pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="dbsync-bhash")
@@ -308,11 +310,8 @@ class BroadcastSender:
         self._seq += 1
         epoch, seq = self.epoch, self._seq
         t_start = time.perf_counter()
-        sums = self._checksums(pairs)
-        header = Header.build(version, epoch, seq, self.bucket_bytes,
-                              [(n, t.dtype, tuple(t.shape), c)
-                               for (n, t), c in zip(pairs, sums, strict=True)])
-        self._tcp.set(rv.push_key(epoch, seq), header.dumps())
+        header, layout = self._header(version, epoch, seq, pairs)
+        self._tcp.set(rv.push_key(epoch, seq), header.dumps(layout))
         times: dict[str, float] = {"announced": time.perf_counter()}
         stats["prepare_seconds"] = times["announced"] - t_start
 
@@ -329,7 +328,7 @@ class BroadcastSender:
             self._tcp.set(rv.go_key(epoch, seq), "go")
             times["go"] = time.perf_counter()
 
-        self._stream(header, pairs, handshake, stats)
+        self._stream(header, layout, pairs, handshake, stats)
         t_end = time.perf_counter()
         stats.update(ack_seconds=times["go"] - times["announced"],
                      stream_seconds=t_end - times["go"], bytes=header.total_bytes,
@@ -343,13 +342,28 @@ class BroadcastSender:
                              for _ in range(2)]
         return self._buffers
 
-    def _pack_plan(self, header: Header, buffers: list[torch.Tensor]) -> tuple[
+    def _header(self, version: int, epoch: int, seq: int, pairs: sources.Pairs
+                ) -> tuple[Header, bytes]:
+        """The header of this push and its layout bytes; reused from the previous push when
+        names, dtypes and shapes are unchanged and no checksums are sent (the usual case)."""
+        sums = self._checksums(pairs)
+        signature = tuple((n, t.dtype, t.shape) for n, t in pairs)
+        cached = self._header_cache
+        if sums[0:1] != [None] or cached is None or cached[0] != signature:
+            header = Header.build(version, epoch, seq, self.bucket_bytes,
+                                  [(n, t.dtype, tuple(t.shape), c)
+                                   for (n, t), c in zip(pairs, sums, strict=True)])
+            cached = self._header_cache = (signature, header, header.layout_bytes)
+        header = dataclasses.replace(cached[1], version=version, epoch=epoch, seq=seq)
+        return header, cached[2]
+
+    def _pack_plan(self, header: Header, layout: bytes, buffers: list[torch.Tensor]) -> tuple[
             list[tuple[int, int]], list[tuple[list[int], list[torch.Tensor]]],
             list[list[tuple[int, int, int, int]]]]:
         """Per bucket: the tensors that lie wholly in it with their typed views of the bucket
         buffer, and the byte ranges of tensors split across buckets. Cached per layout (the
         same model pushes the same layout every time)."""
-        key = header.layout_bytes
+        key = layout
         if self._plan_cache is not None and self._plan_cache[0] == key:
             return self._plan_cache[1]
         buckets = header.buckets()
@@ -373,14 +387,14 @@ class BroadcastSender:
         return buckets, whole, parts
 
     @torch.no_grad()
-    def _stream(self, header: Header, pairs: sources.Pairs, handshake: Callable[[], None],
-                timing: dict[str, Any]) -> None:
+    def _stream(self, header: Header, layout: bytes, pairs: sources.Pairs,
+                handshake: Callable[[], None], timing: dict[str, Any]) -> None:
         """Pack the first bucket, run ``handshake`` (acks, then go), then send every bucket,
         packing bucket k+2 into a buffer as soon as bucket k has left it."""
         group = self._group
         assert group is not None
         buffers = self._bucket_buffers(min(self.bucket_bytes, header.total_bytes))
-        buckets, whole, parts = self._pack_plan(header, buffers)
+        buckets, whole, parts = self._pack_plan(header, layout, buffers)
         flats: dict[int, torch.Tensor] = {}
 
         def pack(b: int) -> None:

@@ -110,18 +110,21 @@ class SwapController:
     ``expected``: name -> (shape, dtype) of what the served model accepts (see
     ``expected_from_checkpoint``); None skips the fit check (not recommended: an unfit
     version then fails inside the pause). ``allow_missing``: names that may be absent (e.g. a
-    tied ``lm_head.weight``). ``verify``: check every checksum before pausing."""
+    tied ``lm_head.weight``). ``verify``: check every checksum before pausing. ``workers``: the
+    engine's worker count (tensor x pipeline parallel); with more than one, any failed apply
+    is treated as partial."""
 
     def __init__(self, root: str | os.PathLike[str], ops: EngineOps,
                  expected: Expected | None, allow_missing: Iterable[str] = (),
                  verify: bool = True, reader_id: str | None = None,
-                 poll_interval: float | None = None):
+                 poll_interval: float | None = None, workers: int = 1):
         self.root = os.path.abspath(os.fspath(root))
         self.ops = ops
         self.expected = expected
         self.allow_missing = tuple(allow_missing)
         self.verify = verify
         self.poll_interval = poll_interval
+        self.workers = workers
         self.receiver = Receiver(self.root, reader_id=reader_id, verify=verify,
                                  poll_interval=poll_interval)
         self.state = SwapState()
@@ -247,7 +250,10 @@ class SwapController:
                 self.ops.reset_prefix_cache()
             except Exception as exc:
                 s.applying = None
-                partial = not s.healthy or (started and NOTHING_APPLIED not in str(exc))
+                # With several workers one may report "nothing applied" while another
+                # applied everything: only a single worker's word is enough.
+                partial = not s.healthy or (started and (
+                    self.workers > 1 or NOTHING_APPLIED not in str(exc)))
                 self._fail(version, exc, partial)
                 raise SwapError(
                     f"applying version {version} failed "

@@ -70,7 +70,8 @@ class Attachment:
         else:
             ops = LLMOps(engine)
         self.controller = SwapController(root, ops, expected, allow_missing, verify=verify,
-                                         poll_interval=poll_interval)
+                                         poll_interval=poll_interval,
+                                         workers=vllm_config.parallel_config.world_size)
         self._watcher: Watcher | None = None
         self._on_version: Callable[[int], Any] | None = None
 

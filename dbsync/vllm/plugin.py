@@ -107,20 +107,11 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
     def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig,
                  device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._receivers: dict[str, Receiver] = {}
-        self._rank = getattr(vllm_config.parallel_config, "rank", 0)
         self.applied_version: int | None = None
 
-    def _receiver(self, root: str) -> Receiver:
-        root = os.path.abspath(root)
-        if root not in self._receivers:
-            reader_id = f"{socket.gethostname()}-{os.getpid()}-vllm-worker{self._rank}"
-            self._receivers[root] = Receiver(root, reader_id=reader_id, verify=False)
-        return self._receivers[root]
-
     def init_transfer_engine(self, init_info: DBSyncInitInfo) -> None:
-        if init_info.root is not None:
-            self._receiver(init_info.root)
+        if init_info.root is not None and not os.path.isdir(init_info.root):
+            raise DBSyncError(f"{init_info.root} is not a directory on this worker's host")
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -133,7 +124,11 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: DBSyncUpdateInfo) -> None:
-        receiver = self._receiver(update_info.root)
+        # A reader registration for this read only: the controller's own lease keeps the slot
+        # for the whole swap, and only the controller reports the version as loaded (so
+        # ``Sender.wait_for_receivers`` counts one receiver per engine).
+        reader_id = f"{socket.gethostname()}-{os.getpid()}-vllm-worker"
+        receiver: Receiver | None = None
         loaded = 0
 
         def counted(pairs: Iterator[tuple[str, torch.Tensor]]
@@ -144,6 +139,7 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                 yield pair
 
         try:
+            receiver = Receiver(update_info.root, reader_id=reader_id, verify=False)
             with receiver.open() as snap:
                 if snap.version != update_info.version:
                     raise DBSyncError(
@@ -158,9 +154,11 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
             self._abandon()
             marker = PARTIALLY_APPLIED if loaded else NOTHING_APPLIED
             raise ApplyError(
-                f"{marker} version {update_info.version} on worker rank {self._rank} "
+                f"{marker} version {update_info.version} on worker pid {os.getpid()} "
                 f"({loaded} tensor(s) loaded): {type(exc).__name__}: {exc}") from exc
-        receiver.mark_loaded(update_info.version)
+        finally:
+            if receiver is not None:
+                receiver.close()
         self.applied_version = update_info.version
 
     def _abandon(self) -> None:
@@ -172,9 +170,7 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
             log.exception("dbsync: could not finalize the layerwise reload after a failure")
 
     def shutdown(self) -> None:
-        for receiver in self._receivers.values():
-            receiver.close()
-        self._receivers.clear()
+        """Nothing to release: each update registers and unregisters its own reader."""
 
 
 def _no_mtp_check() -> Any:

@@ -66,8 +66,21 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
     args = parser.parse_args(argv)
     _add_dbsync_engine_args(args)
     configure_logging_from_args(args)
+    _configure_logging()
     validate_parsed_serve_args(args)
     uvloop.run(_serve(args, os.fspath(root), poll_interval))
+
+
+def _configure_logging() -> None:
+    """Show dbsync's INFO lines (one per swap, one per refusal) next to vLLM's."""
+    logger = logging.getLogger("dbsync")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "(dbsync) %(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def _add_dbsync_engine_args(args: argparse.Namespace) -> None:
@@ -104,7 +117,8 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
                 resolve_model_dir(args.model), model_config.dtype)
             controller = SwapController(
                 root, AsyncEngineOps(engine_client, asyncio.get_running_loop()), expected,
-                allow_missing, poll_interval=poll_interval)
+                allow_missing, poll_interval=poll_interval,
+                workers=engine_client.vllm_config.parallel_config.world_size)
             supported_tasks = await engine_client.get_supported_tasks()
             app = build_app(args, supported_tasks, model_config)
             install_routes(app, controller)

@@ -1,0 +1,200 @@
+"""Broadcast fast path, in one process: header and layout validation, the rendezvous file, and
+the group behaviours that threads can show without spawning (abort when a member does not
+acknowledge, a sender that goes away, an unreachable rendezvous)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from dbsync import DBSyncError, Sender
+from dbsync.nccl import (
+    BroadcastError,
+    BroadcastReceiver,
+    BroadcastSender,
+    RendezvousError,
+    read_record,
+)
+from dbsync.nccl.group import resolve_backend
+from dbsync.nccl.layout import ALIGN, Header, bucket_plan
+from dbsync.nccl.rendezvous import RendezvousRecord, rendezvous_path
+from dbsync.store import Store
+
+TIMEOUT = 1.5
+
+
+def specs(n: int = 5) -> list[tuple[str, torch.dtype, tuple[int, ...], str | None]]:
+    return [(f"t{i}", torch.float32, (i, 3), None) for i in range(n)] + [
+        ("scalar", torch.bfloat16, (), None), ("empty", torch.int8, (0,), None)]
+
+
+def test_header_round_trip_and_layout_cache() -> None:
+    header = Header.build(7, 2, 3, 128, specs())
+    cache: dict[str, Any] = {}
+    again = Header.loads(header.dumps(), cache)
+    assert again == header
+    nxt = Header.build(8, 2, 4, 128, specs())
+    parsed = Header.loads(nxt.dumps(), cache)
+    assert parsed.version == 8 and parsed.seq == 4 and parsed.entries == header.entries
+    assert all(e.offset % ALIGN == 0 for e in header.entries)
+
+
+META = b'{"version": 1, "epoch": 1, "seq": 1}\n'
+
+
+@pytest.mark.parametrize("bad", [
+    b"not json\n{}",
+    META + b'{"bucket_bytes": 100, "tensors": []}',
+    META + b'{"bucket_bytes": 64, "tensors": [["a", "f32", [1], null]]}',
+    META + b'{"bucket_bytes": 64, "tensors": [["a", "float32", [-1], null]]}',
+    META + b'{"bucket_bytes": 64, "tensors": [["a", "float32", [1], "zz"]]}',
+    META + b'{"bucket_bytes": 64, "tensors": [["", "float32", [1], null]]}',
+])
+def test_malformed_headers_are_refused(bad: bytes) -> None:
+    with pytest.raises(BroadcastError):
+        Header.loads(bad)
+
+
+def test_bucket_plan_covers_every_byte_once() -> None:
+    header = Header.build(1, 1, 1, 192, [(f"t{i}", torch.uint8, (n,), None)
+                                         for i, n in enumerate([1, 500, 0, 64, 191, 7])])
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for b, pieces in enumerate(bucket_plan(header)):
+        lo, hi = header.buckets()[b]
+        for i, start, end in pieces:
+            off = header.entries[i].offset
+            assert lo <= off + start < off + end <= hi
+            seen.setdefault(i, []).append((start, end))
+    for i, e in enumerate(header.entries):
+        ranges = seen.get(i, [])
+        assert sum(end - start for start, end in ranges) == e.nbytes
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_rendezvous_file_written_atomically_and_withdrawn(tmp_path: Any) -> None:
+    with Sender(tmp_path, durable=False) as sender:
+        bs = BroadcastSender(sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT)
+        record = read_record(sender.store)
+        assert record is not None and record.port == bs.port and record.backend == "gloo"
+        assert record.members == () and record.world_size == 1
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+        bs.close()
+        assert read_record(sender.store) is None
+
+
+def test_bad_rendezvous_file_is_reported(tmp_path: Any) -> None:
+    store = Store(tmp_path, create=True)
+    with open(rendezvous_path(store), "w") as f:
+        f.write('{"format": "dbsync-broadcast", "format_version": 99}')
+    with pytest.raises(RendezvousError, match="upgrade dbsync"):
+        read_record(store)
+    rec = RendezvousRecord("id", "127.0.0.1", 1234, "gloo", 3, ("a",), 64, 1.0)
+    assert RendezvousRecord.loads(rec.dumps(), "x").members == ("a",)
+
+
+def test_argument_errors_say_what_to_do(tmp_path: Any) -> None:
+    with pytest.raises(BroadcastError, match="CUDA device"):
+        resolve_backend("nccl", torch.device("cpu"))
+    with Sender(tmp_path, durable=False) as sender:
+        with pytest.raises(DBSyncError, match="multiple of 64"):
+            BroadcastSender(sender, device="cpu", bucket_bytes=100)
+
+
+def _receive_in_thread(rx: BroadcastReceiver, out: dict[str, Any], **kw: Any) -> threading.Thread:
+    def run() -> None:
+        got: dict[str, torch.Tensor] = {}
+
+        def load(pairs: Any) -> None:
+            got.clear()
+            got.update({n: t.clone() for n, t in pairs})
+
+        try:
+            out["version"] = rx.receive(load, **kw)
+            out["source"], out["got"], out["error"] = rx.last_source, got, rx.last_error
+        except Exception as exc:  # noqa: BLE001 - checked by the test
+            out["exception"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_member_that_does_not_acknowledge_aborts_the_push_for_all(tmp_path: Any) -> None:
+    """Two members; one stops calling receive. The push is aborted after the timeout, the
+    other member (already waiting for the first bucket) reads it from the filesystem, and the
+    version is published."""
+    root = str(tmp_path)
+    weights = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 3)}
+    with Sender(root, durable=False) as sender, BroadcastSender(
+            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT, join_timeout=10,
+            bucket_bytes=1024) as bs, BroadcastReceiver(
+            root, reader_id="busy", timeout=TIMEOUT, address="127.0.0.1") as busy, \
+            BroadcastReceiver(root, reader_id="keen", timeout=TIMEOUT,
+                              address="127.0.0.1") as keen:
+        outs: list[dict[str, Any]] = [{}, {}]
+        threads = [_receive_in_thread(rx, o, timeout=30) for rx, o in zip((busy, keen), outs,
+                                                                            strict=True)]
+        assert bs.wait_for_joins(2, 10)
+        assert bs.push(weights) == 1
+        for t in threads:
+            t.join(20)
+        assert [o["source"] for o in outs] == ["broadcast", "broadcast"], outs
+        assert bs.members == ("busy", "keen")
+
+        out: dict[str, Any] = {}
+        thread = _receive_in_thread(keen, out, timeout=30)
+        time.sleep(0.1)
+        weights2 = {k: v + 1 for k, v in weights.items()}
+        t0 = time.monotonic()
+        assert bs.push(weights2) == 2
+        assert time.monotonic() - t0 < TIMEOUT + 2
+        assert "busy" in bs.last_push_stats["error"]
+        thread.join(20)
+        assert out["version"] == 2 and out["source"] == "filesystem", out
+        assert all(torch.equal(out["got"][k], v) for k, v in weights2.items())
+        assert "aborted" in (out["error"] or "")
+
+
+def test_receiver_without_or_with_dead_rendezvous_uses_the_filesystem(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    with Sender(root, durable=False) as sender:
+        sender.push({"x": torch.ones(4)})
+        rx = BroadcastReceiver(root, timeout=TIMEOUT)
+        assert rx.receive(lambda pairs: [t.clone() for _, t in pairs], timeout=5) == 1
+        assert rx.last_source == "filesystem" and not rx.is_member
+        # a rendezvous file whose sender is gone: a failed connect, then the filesystem
+        record = RendezvousRecord("gone", "127.0.0.1", 9, "gloo", 1, (), 64, 1.0)
+        with open(rendezvous_path(sender.store), "wb") as f:
+            f.write(record.dumps())
+        sender.push({"x": torch.zeros(4)})
+        time.sleep(0.1)  # let the receiver look at the rendezvous file first
+        t0 = time.monotonic()
+        assert rx.receive(lambda pairs: [t.clone() for _, t in pairs], timeout=20) == 2
+        assert time.monotonic() - t0 < 10
+        assert rx.last_source == "filesystem" and "cannot reach" in (rx.last_error or "")
+        rx.close()
+
+
+def test_sender_closing_sends_members_to_the_filesystem(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    with Sender(root, durable=False) as sender:
+        bs = BroadcastSender(sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT)
+        with BroadcastReceiver(root, timeout=TIMEOUT, address="127.0.0.1") as rx:
+            out: dict[str, Any] = {}
+            thread = _receive_in_thread(rx, out, timeout=30)
+            assert bs.wait_for_joins(1, 10)
+            assert bs.push({"x": torch.ones(8)}) == 1
+            thread.join(20)
+            assert out["source"] == "broadcast"
+            bs.close()
+            sender.push({"x": torch.full((8,), 2.0)})
+            out = {}
+            thread = _receive_in_thread(rx, out, timeout=30)
+            thread.join(20)
+            assert out["version"] == 2 and out["source"] == "filesystem"
+            assert torch.equal(out["got"]["x"], torch.full((8,), 2.0))

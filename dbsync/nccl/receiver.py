@@ -216,10 +216,11 @@ class BroadcastReceiver:
         if self.reader_id in members:
             conn.store.set(rv.ready_key(epoch, self.reader_id), "1")
             try:
+                setup = float(record.get("setup_timeout", self.timeout))
                 self._group = Group.create(
                     conn.store, rv.pg_prefix(epoch), members.index(self.reader_id) + 1,
                     len(members) + 1, conn.record.backend, self.device, self.timeout,
-                    conn.local_address)
+                    conn.local_address, setup_timeout=max(setup, self.timeout))
             except BroadcastError as exc:
                 self._leave_group(f"could not join epoch {epoch}: {exc}")
         elif not first_look:
@@ -429,8 +430,13 @@ def receive_weights(
     One ``BroadcastReceiver`` per (root, device) is kept for the life of the process, so the
     group membership persists between calls. Returns the version applied, or None when nothing
     newer than ``newer_than`` (default: the last one applied here) came within ``timeout``.
-    ``options`` go to ``BroadcastReceiver`` on first use (verify, timeout is ``timeout=`` of
-    each step: pass it as ``step_timeout``)."""
+    ``options`` configure that receiver when it is created (first call only): ``verify``,
+    ``fallback_timeout``, ``address``, ``lease_timeout``, and ``step_timeout`` (the
+    receiver's ``timeout``: the bound on each collective and handshake step).
+
+    Hazard: between calls the receiver stays a group member; a push that arrives while no call
+    is waiting costs the sender up to the step timeout and drops this worker from the group
+    until its next call (it then reads that version from the filesystem)."""
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     key = (os.path.abspath(os.fspath(root)), str(torch.device(device)))

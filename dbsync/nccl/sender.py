@@ -131,7 +131,9 @@ class BroadcastSender:
 
     # ---- membership --------------------------------------------------------------------
     def _publish_epoch(self) -> None:
-        record = {"epoch": self.epoch, "members": list(self.members), "sender_id": self.sender_id}
+        record = {"epoch": self.epoch, "members": list(self.members), "sender_id": self.sender_id,
+                  # how long a member may wait for the others while the group forms
+                  "setup_timeout": self.join_timeout + self.timeout}
         self._tcp.set(rv.K_EPOCH, json.dumps(record))
         rv.write_record(self.sender.store, rv.RendezvousRecord(
             sender_id=self.sender_id, address=self.address, port=self.port, backend=self.backend,

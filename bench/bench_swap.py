@@ -2,19 +2,22 @@
 raw reload of the same weights, measured in the same run on the same machine.
 
     python bench/bench_swap.py [--hidden 1024 --layers 8 --intermediate 2816 --vocab 32000]
-                               [--swaps 5] [--json OUT.json]
+                               [--swaps 5 --warmup 2] [--json OUT.json]
 
-1. serve-vllm (a child process, vLLM's AsyncLLM) from checkpoint A on an empty store; push A
-   and B alternately; for each swap record the time from ``push`` returning to
-   ``/dbsync/status`` reporting the version (polled every 2 ms), and the controller's
-   timings: ``pause_s`` (pause -> start -> update -> finish -> prefix-cache reset -> resume),
-   ``apply_s`` (start -> finish) and ``read_verify_s`` (before the pause). A streaming client
-   runs throughout and records the longest gap between tokens (what a user sees).
-2. an offline ``vllm.LLM`` from A: ``collective_rpc("reload_weights", weights_path=DIR)``
-   reloading the same checkpoints from disk (page cache warm) = the raw reload.
+1. serve-vllm (a child process, vLLM's AsyncLLM) from checkpoint A on an empty store, with a
+   streaming client running throughout. Per round: the raw baseline first, vLLM's own
+   ``reload_weights`` of the checkpoint directory (page cache warm) on the same serving engine
+   through ``/collective_rpc`` (dev mode is turned on for this benchmark only, to reach that
+   baseline; ``serve-vllm`` itself never enables it); then a push of the same weights, recording
+   the time from ``push`` returning to the version being served (the server's ``loaded_at``)
+   and the controller's ``pause_s`` (pause -> start -> update -> finish -> prefix-cache reset
+   -> resume), ``apply_s`` (start -> finish) and ``read_verify_s`` (before the pause). The
+   client records the longest gap between streamed tokens.
+2. an offline ``vllm.LLM`` from A, no other load: raw ``reload_weights`` interleaved with
+   dbsync applies (``attach(...).apply_latest()``) of the same weights.
 
-Target: median pause <= 1.2 x median raw reload. On tiny models fixed costs dominate (pause
-and resume round trips, vLLM's own 20 ms settle sleep in ``pause_generation``).
+Target: median pause <= 1.2 x median raw reload. On tiny models fixed costs dominate (the
+pause, reset and resume round trips).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import dbsync  # noqa: E402
 from tests.vllm_helpers import (  # noqa: E402 - needs the repo on sys.path
     Server,
     engine_kwargs,
+    http_json,
     make_tiny_qwen2,
 )
 
@@ -80,7 +84,8 @@ def bench_server(work: Path, a: Path, b: Path, swaps: int, warmup: int) -> dict[
     store = work / "store"
     rows = []
     gaps: list[float] = []
-    with dbsync.Sender(store) as sender, Server(store, a, work / "server.log") as server:
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}  # bench only: /collective_rpc for the raw baseline
+    with dbsync.Sender(store) as sender, Server(store, a, work / "server.log", env=dev) as server:
         server.wait_ready(600)
         stop = threading.Event()
         client = threading.Thread(target=stream_gaps, args=(server.base, server.model, stop, gaps),
@@ -90,12 +95,18 @@ def bench_server(work: Path, a: Path, b: Path, swaps: int, warmup: int) -> dict[
         steady = list(gaps)
         for i in range(warmup + swaps):
             src = b if i % 2 == 0 else a
+            t0 = time.perf_counter()
+            http_json(f"{server.base}/collective_rpc", {
+                "method": "reload_weights",
+                "kwargs": {"weights_path": str(src), "is_checkpoint_format": True}}, timeout=600)
+            t_raw = time.perf_counter() - t0
+            time.sleep(0.5)
             version = sender.push(str(src))
             returned = time.time()
             status = wait_served(server, version)
             t = status["timings"]
             if i >= warmup:
-                rows.append({"version": version,
+                rows.append({"version": version, "raw_reload_s": t_raw,
                              "push_to_served_s": status["loaded_at"] - returned,
                              "pause_s": t["pause_s"], "apply_s": t["apply_s"],
                              "read_verify_s": t["read_verify_s"],
@@ -160,7 +171,7 @@ def main() -> None:
 
     server = bench_server(work, a, b, args.swaps, args.warmup)
     offline = bench_offline(work, a, b, args.swaps, args.warmup)
-    raw = offline["raw_reload_s"]
+    raw = [r["raw_reload_s"] for r in server["swaps"]]
 
     pauses = [r["pause_s"] for r in server["swaps"]]
     latency = [r["push_to_served_s"] for r in server["swaps"]]
@@ -173,23 +184,28 @@ def main() -> None:
         "median_pause_s": statistics.median(pauses),
         "median_apply_s": statistics.median(r["apply_s"] for r in server["swaps"]),
         "median_raw_reload_s": statistics.median(raw),
+        "median_offline_raw_reload_s": statistics.median(offline["raw_reload_s"]),
         "median_offline_apply_s": statistics.median(offline["dbsync_apply_s"]),
         "median_push_to_served_s": statistics.median(latency),
         "pause_over_raw": statistics.median(pauses) / statistics.median(raw),
     }
     print(f"model: {shape} ({nbytes / 2**20:.0f} MiB float32), machine: {result['machine']}")
-    print(f"{'version':>8} {'push->served':>13} {'pause':>9} {'apply':>9} {'verify':>9}")
+    print(f"{'version':>8} {'push->served':>13} {'pause':>9} {'apply':>9} {'verify':>9} "
+          f"{'raw reload':>11}")
     for r in server["swaps"]:
         print(f"{r['version']:>8} {r['push_to_served_s'] * 1e3:>10.1f} ms "
               f"{r['pause_s'] * 1e3:>6.1f} ms {r['apply_s'] * 1e3:>6.1f} ms "
-              f"{r['read_verify_s'] * 1e3:>6.1f} ms")
+              f"{r['read_verify_s'] * 1e3:>6.1f} ms {r['raw_reload_s'] * 1e3:>8.1f} ms")
     print("offline engine, raw reload_weights (same weights, page cache): "
-          + ", ".join(f"{t * 1e3:.1f}" for t in raw) + " ms")
+          + ", ".join(f"{t * 1e3:.1f}" for t in offline["raw_reload_s"]) + " ms")
     print("offline engine, dbsync apply (start+update+finish):           "
           + ", ".join(f"{t * 1e3:.1f}" for t in offline["dbsync_apply_s"]) + " ms")
-    print(f"median pause {result['median_pause_s'] * 1e3:.1f} ms / median raw reload "
+    print(f"server: median pause {result['median_pause_s'] * 1e3:.1f} ms / median raw reload "
           f"{result['median_raw_reload_s'] * 1e3:.1f} ms = {result['pause_over_raw']:.2f}x "
           f"(target <= 1.2x); median push->served {result['median_push_to_served_s'] * 1e3:.1f} ms")
+    off_ratio = result["median_offline_apply_s"] / result["median_offline_raw_reload_s"]
+    print(f"offline: median apply {result['median_offline_apply_s'] * 1e3:.1f} ms / median raw "
+          f"{result['median_offline_raw_reload_s'] * 1e3:.1f} ms = {off_ratio:.2f}x")
     if server["gap_max_s"] is not None:
         print(f"streaming client: longest gap between tokens {server['gap_max_s'] * 1e3:.1f} ms "
               f"(steady state: median {server['steady_gap_median_s'] * 1e3:.1f} ms, "

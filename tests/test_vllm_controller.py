@@ -181,3 +181,23 @@ def test_unhealthy_until_a_complete_version_applies(setup: Any) -> None:
     v2 = sender.push(weights(3))
     assert controller.apply_latest() == v2
     assert controller.status()["healthy"] and not ops.paused and ops.served == str(v2)
+
+
+def test_expected_from_checkpoint_reads_headers(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    from dbsync.vllm.checkpoint import expected_from_checkpoint
+
+    save_file({"model.embed_tokens.weight": torch.zeros(16, 8, dtype=torch.bfloat16),
+               "model.layers.0.idx": torch.zeros(3, dtype=torch.int64)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    expected, allow_missing = expected_from_checkpoint(str(tmp_path), torch.float32)
+    assert expected == {"model.embed_tokens.weight": ((16, 8), torch.float32),
+                        "model.layers.0.idx": ((3,), torch.int64),
+                        "lm_head.weight": ((16, 8), torch.float32)}
+    assert allow_missing == ["lm_head.weight"]
+    kept, _ = expected_from_checkpoint(str(tmp_path), None)
+    assert kept["model.embed_tokens.weight"] == ((16, 8), torch.bfloat16)

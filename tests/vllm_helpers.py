@@ -209,7 +209,8 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.2, what: str 
 class Server:
     """``python -m dbsync.vllm.server ROOT --model DIR`` in a child process."""
 
-    def __init__(self, root: Path, model_dir: Path, log_path: Path, *extra: str):
+    def __init__(self, root: Path, model_dir: Path, log_path: Path, *extra: str,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
@@ -220,7 +221,7 @@ class Server:
                "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *extra]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=child_env())
+                                     env=child_env(**(env or {})))
 
     def status(self) -> dict[str, Any]:
         return http_json(f"{self.base}/dbsync/status", timeout=10)

@@ -58,6 +58,7 @@ class Attachment:
         expected, allow_missing = expected_from_checkpoint(directory, model_config.dtype)
         self.engine = engine
         self.is_async = _is_async_engine(engine)
+        self._loop: asyncio.AbstractEventLoop | None = None
         if self.is_async:
             if loop is None:
                 try:
@@ -66,6 +67,7 @@ class Attachment:
                     raise DBSyncError(
                         "attach an AsyncLLM from inside its event loop, or pass loop="
                     ) from None
+            self._loop = loop
             ops: Any = AsyncEngineOps(engine, loop)
         else:
             ops = LLMOps(engine)
@@ -94,7 +96,18 @@ class Attachment:
         served. Raises ``IncompatibleWeightsError``/``DamagedVersionError`` on refusal (the
         previous version stays) and ``SwapError`` on a failed apply. For an ``AsyncLLM`` call
         this from a thread other than the engine's loop (or use ``apply_latest_async``)."""
+        if self.is_async and self._on_engine_loop():
+            raise DBSyncError(
+                "apply_latest() would deadlock on the AsyncLLM's own event loop thread; use "
+                "`await attachment.apply_latest_async()`"
+            )
         return self.controller.apply_latest()
+
+    def _on_engine_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
 
     async def apply_latest_async(self) -> int | None:
         """``apply_latest`` for code running on the ``AsyncLLM``'s event loop."""

@@ -10,10 +10,11 @@ the controller verified, and hands the tensors to ``model.load_weights`` in mani
 order; ``finish_weight_update`` finalizes the layerwise reload.
 
 Hazards, stated plainly:
-- Tensors are memory-mapped views of the slot files. Each weight loader copies out only the part
-  its tensor-parallel rank owns (a row-sharded weight touches only its own pages; a
-  column-sharded weight is strided and touches all of them), so ranks read what they need where
-  the layout allows, and nothing is staged in a second copy.
+- Tensors are memory-mapped views of the slot files, and each tensor-parallel rank's weight
+  loader copies out only its own shard: a weight split along its first dimension
+  (column-parallel: q/k/v, gate/up, embeddings) touches only that rank's pages; one split along
+  its second dimension (row-parallel: o_proj, down_proj) is strided and touches every page.
+  So ranks read only what they need where the layout allows, with no second staging copy.
 - If the apply fails before the first tensor was loaded, the layerwise reload is finalized here,
   which puts every layer's previous weights back: the model is exactly the previous version and
   the error says ``nothing applied``. If it fails after that, some layers hold the new version

@@ -201,13 +201,18 @@ class Receiver:
         self._beater = threading.Thread(target=self._heartbeat, name="dbsync-lease", daemon=True)
         self._beater.start()
 
-    def _release(self) -> None:
+    def _stop_holding(self) -> None:
+        """Stop the heartbeat and mark the lease idle (the slot is free for the writer)."""
         self._stop_beat.set()
         if self._beater is not None:
             self._beater.join()
             self._beater = None
-        self._holding = None
-        self._write_lease()
+        if self._holding is not None:
+            self._holding = None
+            self._write_lease()
+
+    def _release(self) -> None:
+        self._stop_holding()
         self._open_lock.release()
 
     # ---- public -------------------------------------------------------------------------
@@ -237,20 +242,10 @@ class Receiver:
                         snap._files.clear()
                         raise
                     return snap
-                self._stop_beat.set()
-                if self._beater is not None:
-                    self._beater.join()
-                self._holding = None
+                self._stop_holding()
             raise DBSyncError("the manifest changed 100 times while opening; writer too fast?")
         except BaseException:
-            if self._holding is not None:
-                self._stop_beat.set()
-                if self._beater is not None:
-                    self._beater.join()
-                    self._beater = None
-                self._holding = None
-                self._write_lease()
-            self._open_lock.release()
+            self._release()
             raise
 
     def load(self, load_weights: LoadWeights, verify: bool | None = None) -> int:

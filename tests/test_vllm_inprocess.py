@@ -12,6 +12,7 @@ import pytest
 from dbsync import IncompatibleWeightsError, Sender
 from tests.vllm_helpers import engine_kwargs, greedy, reference, tiny_model
 
+pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 

@@ -9,6 +9,7 @@ import pytest
 import dbsync
 from tests.vllm_helpers import PROMPTS, complete, reference, running_server, tiny_model
 
+pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 

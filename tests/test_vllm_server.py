@@ -23,6 +23,7 @@ from tests.vllm_helpers import (
     tiny_model,
 )
 
+pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 

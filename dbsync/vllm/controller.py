@@ -1,6 +1,6 @@
 """The swap controller: turns each published version into one complete, verified apply.
 
-Per version: lease + verify checksums + check names/shapes/dtypes against the served model
+Per version: lease + check names/shapes/dtypes against the served model + verify checksums
 (all BEFORE pausing, so the pause covers only the apply) -> pause(keep) -> start -> update ->
 finish(weight_version=str(version)) -> reset the prefix cache -> resume. The controller drives
 the engine through its public control methods (``EngineOps``); it never calls ``load_weights``
@@ -223,10 +223,10 @@ class SwapController:
                 return True
             t0 = time.perf_counter()
             try:
+                if self.expected is not None:  # manifest only: cheap, so first
+                    snap.check_compatible(self.expected, self.allow_missing)
                 if self.verify:
                     snap.verify()
-                if self.expected is not None:
-                    snap.check_compatible(self.expected, self.allow_missing)
             except (DamagedVersionError, IncompatibleWeightsError) as exc:
                 self._refuse(version, exc)
                 raise

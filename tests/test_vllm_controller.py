@@ -201,3 +201,13 @@ def test_expected_from_checkpoint_reads_headers(tmp_path: Path) -> None:
     assert allow_missing == ["lm_head.weight"]
     kept, _ = expected_from_checkpoint(str(tmp_path), None)
     assert kept["model.embed_tokens.weight"] == ((16, 8), torch.bfloat16)
+
+
+def test_register_is_idempotent() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from dbsync.vllm.plugin import BACKEND, DBSyncWeightTransferEngine, register
+
+    register()
+    register()
+    assert WeightTransferEngineFactory._registry[BACKEND]() is DBSyncWeightTransferEngine

@@ -118,6 +118,7 @@ def test_incompatible_version_refused_before_pausing(setup: Any,
     controller.apply_latest()
     wrong = weights(2, hidden=4)
     wrong["extra.weight"] = torch.zeros(2)
+    wrong["model.embed_tokens.weight"] = weights(2)["model.embed_tokens.weight"].bfloat16()
     del wrong["model.norm.weight"]
     bad = sender.push(wrong)
     ops.calls.clear()
@@ -130,6 +131,7 @@ def test_incompatible_version_refused_before_pausing(setup: Any,
     assert problems["extra.weight"] == "not a parameter of the served model"
     assert problems["model.norm.weight"] == "missing from the published version"
     assert "shape [8, 4] != expected [16, 8]" in problems["model.layers.0.mlp.up_proj.weight"]
+    assert "dtype bfloat16 != expected torch.float32" in problems["model.embed_tokens.weight"]
     status = controller.status()
     assert status["version"] == good and status["refused_versions"] == [bad]
     assert sum(f"version {bad} refused" in r.message for r in caplog.records) == 1

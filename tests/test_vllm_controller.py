@@ -213,3 +213,31 @@ def test_register_is_idempotent() -> None:
     register()
     register()
     assert WeightTransferEngineFactory._registry[BACKEND]() is DBSyncWeightTransferEngine
+
+
+def test_server_gate_answers_503_while_unhealthy(setup: Any) -> None:
+    """vLLM's own app (built as serve-vllm builds it, no engine needed for this): while the
+    controller is unhealthy, inference routes and /health answer 503; /dbsync/status answers."""
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from dbsync.vllm.server import install_routes
+
+    sender, controller, ops = setup
+    sender.push(weights(1))
+    ops.failures = [f"{PARTIALLY_APPLIED} x"] * 3
+    with pytest.raises(SwapError):
+        controller.apply_latest()
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "unused"])
+    app = build_app(args, ("generate",), None)
+    install_routes(app, controller)
+    client = TestClient(app)
+    status = client.get("/dbsync/status")
+    assert status.status_code == 200 and status.json()["healthy"] is False
+    for method, path in (("post", "/v1/completions"), ("post", "/v1/chat/completions"),
+                         ("get", "/health")):
+        response = getattr(client, method)(path)
+        assert response.status_code == 503, path
+        assert "unhealthy until a complete version is applied" in response.text

@@ -47,9 +47,10 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
+def write_atomic(path: str, data: bytes, durable: bool = True, sync_dir: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically: temp file in the same directory, flush,
-    fsync, ``os.replace``, fsync the directory. The temp file is removed on any failure."""
+    fsync, ``os.replace``, fsync the directory (unless ``sync_dir=False``: the caller then
+    fsyncs it once after several replaces). The temp file is removed on any failure."""
     directory = os.path.dirname(path) or "."
     unique = f"{os.getpid()}-{os.urandom(4).hex()}"
     tmp = os.path.join(directory, f".tmp-{os.path.basename(path)}-{unique}")
@@ -65,7 +66,7 @@ def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
             os.close(fd)
         os.replace(tmp, path)
         tmp = ""
-        if durable:
+        if durable and sync_dir:
             fsync_dir(directory)
     finally:
         if tmp:

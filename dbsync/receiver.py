@@ -47,6 +47,7 @@ class Snapshot:
         self.manifest = manifest
         self._files: dict[str, MappedFile] = {}
         self._missing: dict[str, str] = {}
+        self._closed = False
         store = receiver.store
         for entry in manifest.tensors:
             path = store.tensor_path(manifest.slot, entry.file)
@@ -132,6 +133,10 @@ class Snapshot:
             )
 
     def close(self) -> None:
+        """End the lease. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
         self._files.clear()
         self.receiver._release()
 

@@ -150,7 +150,10 @@ class Sender:
         names = [n for n, _ in pairs]
         files = [stem + FILE_SUFFIX for stem in file_stems_for(names)]
         # From here on the slot is not a complete version: say so before touching its data.
-        self.store.write_stamp(slot, WRITING, durable=self.durable)
+        # (Not fsynced: after a power loss the manifest still names the other slot, and this
+        # stamp only matters to live readers, which see it through the page cache or, on
+        # NFS, at their next open.)
+        self.store.write_stamp(slot, WRITING, durable=False)
         writes = [fileio.FileWrite(self.store.tensor_path(slot, f), fileio.tensor_bytes(t))
                   for f, (_, t) in zip(files, pairs, strict=True)]
         on_bytes = None
@@ -174,8 +177,10 @@ class Sender:
             durable=self.durable, writer={"host": socket.gethostname(), "pid": os.getpid()},
         )
         self.store.remove_unlisted_files(slot, set(files))
-        self.store.write_tensordict_meta(manifest, durable=self.durable)
-        self.store.write_stamp(slot, version, durable=self.durable)
+        self.store.write_tensordict_meta(manifest, durable=self.durable, sync_dir=False)
+        self.store.write_stamp(slot, version, durable=self.durable, sync_dir=False)
+        if self.durable:
+            self.store.sync_slot(slot)  # one directory fsync for the unlinks and both replaces
         self.store.publish_manifest(manifest, durable=self.durable)
         t3 = time.perf_counter()
         self.last_push_seconds = {"wait_for_readers": waited,

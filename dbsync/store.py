@@ -115,11 +115,18 @@ class Store:
             return None
         return value
 
-    def write_stamp(self, slot: str, version: int | str, durable: bool) -> None:
+    def write_stamp(self, slot: str, version: int | str, durable: bool,
+                    sync_dir: bool = True) -> None:
         path = os.path.join(self.slot_dir(slot), SLOT_STAMP_FILE)
-        fileio.write_atomic(path, json.dumps({"version": version}).encode(), durable=durable)
+        fileio.write_atomic(path, json.dumps({"version": version}).encode(), durable=durable,
+                            sync_dir=sync_dir)
 
-    def write_tensordict_meta(self, manifest: Manifest, durable: bool) -> None:
+    def sync_slot(self, slot: str) -> None:
+        """fsync the slot directory (makes replaces and unlinks inside it durable)."""
+        fileio.fsync_dir(self.slot_dir(slot))
+
+    def write_tensordict_meta(self, manifest: Manifest, durable: bool,
+                              sync_dir: bool = True) -> None:
         """Write tensordict's ``meta.json`` so ``TensorDict.load_memmap(slot_dir)`` opens the
         slot (keys are the file stems; the manifest maps them back to tensor names)."""
         meta: dict[str, Any] = {
@@ -139,7 +146,8 @@ class Store:
             "_class": "tensordict:TensorDict",
         })
         path = os.path.join(self.slot_dir(manifest.slot), TENSORDICT_META_FILE)
-        fileio.write_atomic(path, json.dumps(meta).encode(), durable=durable)
+        fileio.write_atomic(path, json.dumps(meta).encode(), durable=durable,
+                            sync_dir=sync_dir)
 
     def remove_unlisted_files(self, slot: str, keep: set[str]) -> None:
         directory = self.slot_dir(slot)

@@ -111,3 +111,13 @@ def test_reader_sees_rewritten_slot_afresh(root):
             got = {}
             receiver.load(lambda pairs, got=got: got.update({n: t.clone() for n, t in pairs}))
             assert torch.equal(got["w"], torch.full((1024,), float(value)))
+
+
+def test_snapshot_close_twice_is_harmless(root):
+    publish(root, {"w": torch.ones(2)})
+    receiver = dbsync.Receiver(root)
+    with receiver.open() as snap:
+        snap.close()
+    snap.close()
+    with receiver.open() as again:  # the receiver is still usable
+        assert again.version == 1

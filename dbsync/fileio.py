@@ -123,26 +123,28 @@ def write_files(
             fds.append(_open_preallocated(w.path, len(w.data)))
         # Largest files first, so the tail of the schedule is made of small ones.
         order = sorted(range(len(writes)), key=lambda i: -len(writes[i].data))
-        futures: list[Future] = [
-            pool.submit(_write_file, fds[i], writes[i].data, durable, progress) for i in order
-        ]
-        hash_futures = [pool.submit(checksum, w.data) for w in writes]
-        _wait_all(futures + hash_futures)
-        return [f.result() for f in hash_futures]
+        futures: dict[int, Future[str]] = {
+            i: pool.submit(_write_file, fds[i], writes[i].data, durable, progress) for i in order
+        }
+        _wait_all(list(futures.values()))
+        return [futures[i].result() for i in range(len(writes))]
     finally:
         for fd in fds:
             os.close(fd)
 
 
 def _write_file(fd: int, data: memoryview, durable: bool,
-                progress: Callable[[int], None] | None) -> None:
+                progress: Callable[[int], None] | None) -> str:
+    """pwrite, then checksum the source while the kernel writes back, then fsync."""
     for offset in range(0, len(data), CHUNK_BYTES):
         piece = data[offset : offset + CHUNK_BYTES]
         _pwrite_all(fd, piece, offset)
         if progress is not None:
             progress(len(piece))
+    digest = checksum(data)
     if durable:
         os.fsync(fd)
+    return digest
 
 
 def _wait_all(futures: Sequence[Future]) -> None:

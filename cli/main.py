@@ -285,9 +285,14 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--poll-interval", type=click.FloatRange(0, min_open=True), default=None,
               metavar="S", help="Seconds between manifest polls on network filesystems.")
+@click.option("--transport", type=click.Choice(["auto", "broadcast", "filesystem"]),
+              default="auto", show_default=True,
+              help="How versions reach the workers: the trainer's broadcast (NCCL on GPUs, "
+                   "gloo on CPU) when ROOT/broadcast.json offers one ('auto'), always join it "
+                   "('broadcast'), or read the filesystem only.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float | None,
-               vllm_args: tuple[str, ...]) -> None:
+               transport: str, vllm_args: tuple[str, ...]) -> None:
     """Serve --model with vLLM's OpenAI server and hot-swap every version published in ROOT.
 
     Arguments after `--` go to vLLM, e.g. `-- --dtype float32 --enforce-eager`. Adds
@@ -298,7 +303,8 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
     except ImportError as exc:
         fail(f"serve-vllm is not available here ({exc}); install vLLM with "
              "pip install 'dbsync[vllm]'")
-    argv = [root, "--model", model, "--host", host, "--port", str(port)]
+    argv = [root, "--model", model, "--host", host, "--port", str(port),
+            "--transport", transport]
     if poll_interval is not None:
         argv += ["--poll-interval", str(poll_interval)]
     try:

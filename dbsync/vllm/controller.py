@@ -17,6 +17,15 @@ Outcomes, stated plainly:
   newest complete version again; if that fails too, it reports unhealthy until a later version
   applies completely. It never resumes generation on a mix of versions.
 
+Transport: with ``transport`` "auto" or "broadcast" the controller first asks the engine's
+workers (``init_weight_transfer_engine``) to stage the trainer's broadcasts (see
+``dbsync.vllm.broadcast``); everything above stays as it is, and each worker applies its staged
+copy only when it is exactly the verified version with the manifest's checksums, else reads the
+filesystem. ``status()["source"]`` (and ``timings.source``) says which: "broadcast",
+"filesystem", "mixed" (workers differed) or None (no worker reported: workers on other hosts
+cannot write the controller's report directory, so with multi-host engines the source reflects
+the local workers only).
+
 Hazards: ``apply_latest`` blocks for the whole read + verify + apply; call it from a thread,
 never from the event loop that an ``AsyncLLM`` runs on (``AsyncEngineOps`` refuses that).
 Greedy outputs of requests frozen across a swap (pause mode "keep") are generated partly by
@@ -25,8 +34,11 @@ the old and partly by the new version; vLLM records which in ``CompletionOutput.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -44,6 +56,7 @@ from ..errors import (
 )
 from ..receiver import Receiver
 from ..watch import Watcher
+from .broadcast import check_transport
 from .plugin import NOTHING_APPLIED
 
 log = logging.getLogger(__name__)
@@ -71,6 +84,8 @@ class EngineOps(Protocol):
     def update(self, update_info: dict[str, Any]) -> None: ...
     def finish(self, weight_version: str) -> None: ...
     def reset_prefix_cache(self) -> None: ...
+    # Optional: ``init(init_info)`` -> the engine's ``init_weight_transfer_engine`` (needed only
+    # for the broadcast transports).
 
 
 @dataclass
@@ -80,9 +95,11 @@ class SwapTimings:
     pause_s: float = 0.0
     apply_s: float = 0.0
     push_to_served_s: float | None = None
+    source: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "read_verify_s": round(self.read_verify_s, 6),
+        return {"version": self.version, "source": self.source,
+                "read_verify_s": round(self.read_verify_s, 6),
                 "pause_s": round(self.pause_s, 6), "apply_s": round(self.apply_s, 6),
                 "push_to_served_s": None if self.push_to_served_s is None
                 else round(self.push_to_served_s, 6)}
@@ -112,14 +129,19 @@ class SwapController:
     version then fails inside the pause). ``allow_missing``: names that may be absent (e.g. a
     tied ``lm_head.weight``). ``verify``: check every checksum before pausing. ``workers``: the
     engine's worker count (tensor x pipeline parallel); with more than one, any failed apply
-    is treated as partial."""
+    is treated as partial. ``transport``: "filesystem" (default here), "auto" or "broadcast"
+    (see the module docstring; ``ops`` must then have ``init``)."""
 
     def __init__(self, root: str | os.PathLike[str], ops: EngineOps,
                  expected: Expected | None, allow_missing: Iterable[str] = (),
                  verify: bool = True, reader_id: str | None = None,
-                 poll_interval: float | None = None, workers: int = 1):
+                 poll_interval: float | None = None, workers: int = 1,
+                 transport: str = "filesystem"):
         self.root = os.path.abspath(os.fspath(root))
         self.ops = ops
+        self.transport = check_transport(transport)
+        self._transport_ready = transport == "filesystem"
+        self._report_dir: str | None = None
         self.expected = expected
         self.allow_missing = tuple(allow_missing)
         self.verify = verify
@@ -157,6 +179,8 @@ class SwapController:
             "refused_versions": sorted(s.refused),
             "swaps": s.swaps,
             "timings": None if s.last_swap is None else s.last_swap.as_dict(),
+            "source": None if s.last_swap is None else s.last_swap.source,
+            "transport": self.transport,
             "root": self.root,
             "watching": self._watcher is not None,
         }
@@ -167,6 +191,7 @@ class SwapController:
         version is refused (the previous one stays served) and ``SwapError`` when applying
         failed. Blocks; thread-safe (one apply at a time)."""
         with self._lock:
+            self.init_transport()
             error: DBSyncError | None = None
             for _ in range(MAX_ATTEMPTS):
                 try:
@@ -183,6 +208,20 @@ class SwapController:
             assert error is not None
             raise error
 
+    def init_transport(self) -> None:
+        """Start the workers' staging receivers (transport "auto"/"broadcast"); once, before
+        the first apply. Blocks: call it from a thread, never from an ``AsyncLLM``'s loop."""
+        with self._lock:
+            if self._transport_ready:
+                return
+            init = getattr(self.ops, "init", None)
+            if init is None:
+                raise DBSyncError(f"transport {self.transport!r} needs engine ops with init(); "
+                                  "use LLMOps/AsyncEngineOps or transport='filesystem'")
+            init({"root": self.root, "transport": self.transport})
+            self._transport_ready = True
+            log.info("dbsync: transport %s for %s", self.transport, self.root)
+
     def start_watching(self) -> Watcher:
         """Apply every version published from now on (and the current one) in a background
         thread. Errors are recorded in ``status()`` and logged once per version."""
@@ -197,6 +236,9 @@ class SwapController:
             self._watcher.stop()
             self._watcher = None
         self.receiver.close()
+        if self._report_dir is not None:
+            shutil.rmtree(self._report_dir, ignore_errors=True)
+            self._report_dir = None
 
     # ---- internals ----------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
@@ -242,10 +284,15 @@ class SwapController:
                     s.paused = True
                 t_apply = time.perf_counter()
                 started = True
+                report = self._clear_reports()
                 self.ops.start()
-                self.ops.update({"root": self.root, "version": version})
+                update: dict[str, Any] = {"root": self.root, "version": version}
+                if report is not None:
+                    update["report"] = report
+                self.ops.update(update)
                 self.ops.finish(str(version))
                 timings.apply_s = time.perf_counter() - t_apply
+                timings.source = self._read_reports(version)
                 snap.check_unchanged()  # our lease kept the slot; this catches an expired one
                 self.ops.reset_prefix_cache()
             except Exception as exc:
@@ -267,10 +314,40 @@ class SwapController:
             s.swaps += 1
             s.last_swap = timings
             s.last_error = None
-            log.info("dbsync: serving version %d (pause %.1f ms, apply %.1f ms, verify %.1f ms)",
-                     version, timings.pause_s * 1e3, timings.apply_s * 1e3,
-                     timings.read_verify_s * 1e3)
+            log.info("dbsync: serving version %d from the %s (pause %.1f ms, apply %.1f ms, "
+                     "verify %.1f ms)", version, timings.source or "unreported source",
+                     timings.pause_s * 1e3, timings.apply_s * 1e3, timings.read_verify_s * 1e3)
             return True
+
+    def _clear_reports(self) -> str | None:
+        """The directory the workers report their source into, emptied (broadcast transports
+        only: with "filesystem" the source is the filesystem)."""
+        if self.transport == "filesystem":
+            return None
+        if self._report_dir is None:
+            self._report_dir = tempfile.mkdtemp(prefix="dbsync-apply-")
+        for name in os.listdir(self._report_dir):
+            os.unlink(os.path.join(self._report_dir, name))
+        return self._report_dir
+
+    def _read_reports(self, version: int) -> str | None:
+        if self.transport == "filesystem":
+            return "filesystem"
+        assert self._report_dir is not None
+        sources = set()
+        for name in os.listdir(self._report_dir):
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(self._report_dir, name), "rb") as f:
+                    record = json.loads(f.read())
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict) and record.get("version") == version:
+                sources.add(str(record.get("source")))
+        if len(sources) > 1:
+            return "mixed"
+        return sources.pop() if sources else None
 
     def _resume(self) -> None:
         if self.state.paused:

@@ -56,6 +56,12 @@ def engine_args(worker_extension_cls: str | None = None) -> dict[str, Any]:
     return kwargs
 
 
+def init_request(init_info: dict[str, Any]) -> Any:
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    return WeightTransferInitRequest(init_info=init_info)
+
+
 def check_backend(vllm_config: Any) -> None:
     wt = getattr(vllm_config, "weight_transfer_config", None)
     backend = None if wt is None else wt.backend
@@ -73,6 +79,9 @@ class LLMOps:
 
     def __init__(self, llm: Any):
         self.llm = llm
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def pause(self) -> None:
         pass
@@ -118,6 +127,9 @@ class AsyncEngineOps:
                 "would deadlock); use `await attachment.apply_latest_async()`"
             )
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout)
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        self._run(self.engine.init_weight_transfer_engine(init_request(init_info)))
 
     def pause(self) -> None:
         # AsyncLLM.pause_generation is pause_scheduler_async plus a 20 ms settle sleep (vLLM

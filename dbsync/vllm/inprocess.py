@@ -9,6 +9,12 @@ With an ``AsyncLLM`` (call ``attach`` from inside its event loop), every publish
 applied in the background with the engine's pause(keep)/resume around it;
 ``await att.apply_latest_async()`` applies on demand.
 
+Transport (``attach(..., transport=)``): "auto" (default) stages versions that a
+``dbsync.nccl.BroadcastSender`` broadcasts (NCCL on GPUs, gloo on CPU) in each worker and applies
+them from memory, reading the filesystem otherwise; "broadcast" joins the sender's group as soon
+as one appears; "filesystem" never joins. The swap itself is the same either way, and
+``status()["source"]`` says where the last version came from.
+
 Hazard: an offline ``LLM`` cannot be paused and its client is not thread-safe, so for it the
 watcher only records new versions (``att.pending``, ``on_version``); the apply happens when the
 caller calls ``apply_latest()`` between its own ``generate`` calls.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +57,7 @@ class Attachment:
 
     def __init__(self, engine: Any, root: str | os.PathLike[str], *, model_dir: str | None,
                  verify: bool, poll_interval: float | None,
-                 loop: asyncio.AbstractEventLoop | None):
+                 loop: asyncio.AbstractEventLoop | None, transport: str = "auto"):
         vllm_config = _vllm_config(engine)
         check_backend(vllm_config)
         model_config = vllm_config.model_config
@@ -73,9 +80,28 @@ class Attachment:
             ops = LLMOps(engine)
         self.controller = SwapController(root, ops, expected, allow_missing, verify=verify,
                                          poll_interval=poll_interval,
-                                         workers=vllm_config.parallel_config.world_size)
+                                         workers=vllm_config.parallel_config.world_size,
+                                         transport=transport)
+        self._init_transport()
         self._watcher: Watcher | None = None
         self._on_version: Callable[[int], Any] | None = None
+
+    def _init_transport(self) -> None:
+        """Start the workers' staging now, so the trainer's next broadcast finds them. On an
+        ``AsyncLLM``'s own loop this runs in a thread (the first apply waits for it)."""
+        if self.controller.transport == "filesystem":
+            return
+        if self.is_async and self._on_engine_loop():
+            threading.Thread(target=self._init_quietly, name="dbsync-init", daemon=True).start()
+        else:
+            self.controller.init_transport()
+
+    def _init_quietly(self) -> None:
+        try:
+            self.controller.init_transport()
+        except Exception:  # noqa: BLE001 - the first apply retries and reports it
+            log.exception("dbsync: starting the %s transport failed; the first apply retries",
+                          self.controller.transport)
 
     @property
     def version(self) -> int | None:
@@ -148,13 +174,15 @@ class Attachment:
 def attach(engine: Any, root: str | os.PathLike[str], *, watch: bool = True,
            model_dir: str | None = None, verify: bool = True,
            poll_interval: float | None = None, loop: asyncio.AbstractEventLoop | None = None,
-           on_version: Callable[[int], Any] | None = None) -> Attachment:
+           on_version: Callable[[int], Any] | None = None,
+           transport: str = "auto") -> Attachment:
     """Attach the dbsync store at ``root`` to ``engine`` (a ``vllm.LLM`` or ``AsyncLLM``
     created with ``**dbsync.vllm.engine_args()``). With ``watch`` a background watcher follows
     the store (see ``Attachment.watch``). ``model_dir``: the checkpoint the engine was started
-    from, when ``model_config.model`` is not a local directory or cached hub id."""
+    from, when ``model_config.model`` is not a local directory or cached hub id.
+    ``transport``: "auto", "broadcast" or "filesystem" (see the module docstring)."""
     attachment = Attachment(engine, root, model_dir=model_dir, verify=verify,
-                            poll_interval=poll_interval, loop=loop)
+                            poll_interval=poll_interval, loop=loop, transport=transport)
     if watch:
         attachment.watch(on_version)
     return attachment

@@ -9,6 +9,14 @@ opens the store with this worker's own reader lease, checks that the current ver
 the controller verified, and hands the tensors to ``model.load_weights`` in manifest (layer)
 order; ``finish_weight_update`` finalizes the layerwise reload.
 
+Transport: ``init_weight_transfer_engine({"root", "transport"})`` with transport "auto" or
+"broadcast" starts this worker's staging receiver (``dbsync.vllm.broadcast``): versions the
+trainer broadcasts (``dbsync.nccl.BroadcastSender``) are staged in memory in the background, and
+``update_weights`` applies the staged copy when it is exactly the requested version and matches
+the manifest's checksums, else reads the filesystem as above. Which one it used is logged and,
+when the update names a ``report`` directory on this host, written there as
+``<rank>.json`` (``{"version", "source", "rank", "pid"}``) for the controller to read.
+
 Hazards, stated plainly:
 - Tensors are memory-mapped views of the slot files, and each tensor-parallel rank's weight
   loader copies out only its own shard: a weight split along its first dimension
@@ -26,11 +34,12 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +51,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..errors import DBSyncError
+from ..fileio import write_atomic
 from ..receiver import Receiver
+from .broadcast import TRANSPORTS, Staged, Stager
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,6 +66,9 @@ BACKEND = "dbsync"
 #: text, so the controller reads the outcome from these.
 NOTHING_APPLIED = "[dbsync: nothing applied]"
 PARTIALLY_APPLIED = "[dbsync: partially applied]"
+
+#: how long an apply waits for a broadcast of the requested version that is still arriving
+STAGE_WAIT_SECONDS = 10.0
 
 _register_lock = threading.Lock()
 
@@ -77,9 +91,20 @@ class ApplyError(DBSyncError):
 
 @dataclass
 class DBSyncInitInfo(WeightTransferInitInfo):
-    """Optional init handshake: nothing is required (each update names its store)."""
+    """Optional init handshake: nothing is required (each update names its store). With
+    ``root`` and ``transport`` "auto"/"broadcast", this worker stages broadcast versions of that
+    store (see ``dbsync.vllm.broadcast``); "filesystem" (the default) stops staging."""
 
     root: str | None = None
+    transport: str = "filesystem"
+    step_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"init_info.transport must be one of {TRANSPORTS}, "
+                             f"not {self.transport!r}")
+        if self.transport != "filesystem" and not self.root:
+            raise ValueError(f"init_info.transport {self.transport!r} needs init_info.root")
 
 
 @dataclass
@@ -89,6 +114,7 @@ class DBSyncUpdateInfo(WeightTransferUpdateInfo):
     root: str
     version: int
     verify: bool = False
+    report: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, str) or not self.root:
@@ -109,10 +135,21 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                  device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.applied_version: int | None = None
+        #: "broadcast" or "filesystem": where the last applied version came from
+        self.last_source: str | None = None
+        self._stager: Stager | None = None
 
     def init_transfer_engine(self, init_info: DBSyncInitInfo) -> None:
         if init_info.root is not None and not os.path.isdir(init_info.root):
             raise DBSyncError(f"{init_info.root} is not a directory on this worker's host")
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if init_info.transport != "filesystem":
+            assert init_info.root is not None
+            self._stager = Stager(os.path.abspath(init_info.root), init_info.transport,
+                                  device=_device_name(self.device),
+                                  step_timeout=init_info.step_timeout)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -124,6 +161,24 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
 
         finalize_layerwise_reload(self.model, self.model_config)
 
+    def _staged(self, update_info: DBSyncUpdateInfo) -> Staged | None:
+        """The broadcast copy of the requested version, if this worker holds one that matches
+        the manifest's checksums."""
+        stager = self._stager
+        if stager is None or os.path.abspath(update_info.root) != stager.root:
+            return None
+        staged = stager.take(update_info.version, wait=STAGE_WAIT_SECONDS)
+        if staged is None:
+            return None
+        problem = staged.matches(update_info.root)
+        if problem is not None:
+            stager.release(update_info.version)
+            log.warning("dbsync: worker pid %d does not apply the broadcast copy of version %d "
+                        "(%s); reading the filesystem", os.getpid(), update_info.version,
+                        problem)
+            return None
+        return staged
+
     def receive_weights(self, update_info: DBSyncUpdateInfo) -> None:
         # A reader registration for this read only: the controller's own lease keeps the slot
         # for the whole swap, and only the controller reports the version as loaded (so
@@ -131,8 +186,9 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         reader_id = f"{socket.gethostname()}-{os.getpid()}-vllm-worker"
         receiver: Receiver | None = None
         loaded = 0
+        source = "filesystem"
 
-        def counted(pairs: Iterator[tuple[str, torch.Tensor]]
+        def counted(pairs: Iterable[tuple[str, torch.Tensor]]
                     ) -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal loaded
             for pair in pairs:
@@ -140,27 +196,56 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                 yield pair
 
         try:
-            receiver = Receiver(update_info.root, reader_id=reader_id, verify=False)
-            with receiver.open() as snap:
-                if snap.version != update_info.version:
-                    raise DBSyncError(
-                        f"the store at {update_info.root} now holds version {snap.version}, "
-                        f"not the verified version {update_info.version}; apply again")
-                if update_info.verify:
-                    snap.verify()
+            staged = self._staged(update_info)
+            if staged is not None:
+                source = "broadcast"
                 with _no_mtp_check():
-                    self.model.load_weights(counted(snap.tensors()))
-                snap.check_unchanged()
+                    self.model.load_weights(counted(staged.pairs))
+            else:
+                receiver = Receiver(update_info.root, reader_id=reader_id, verify=False)
+                with receiver.open() as snap:
+                    if snap.version != update_info.version:
+                        raise DBSyncError(
+                            f"the store at {update_info.root} now holds version {snap.version}"
+                            f", not the verified version {update_info.version}; apply again")
+                    if update_info.verify:
+                        snap.verify()
+                    with _no_mtp_check():
+                        self.model.load_weights(counted(snap.tensors()))
+                    snap.check_unchanged()
         except BaseException as exc:
             self._abandon()
+            if self._stager is not None:  # a retry reads the filesystem
+                self._stager.release(update_info.version)
             marker = PARTIALLY_APPLIED if loaded else NOTHING_APPLIED
             raise ApplyError(
                 f"{marker} version {update_info.version} on worker pid {os.getpid()} "
-                f"({loaded} tensor(s) loaded): {type(exc).__name__}: {exc}") from exc
+                f"({loaded} tensor(s) loaded from the {source}): {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             if receiver is not None:
                 receiver.close()
-        self.applied_version = update_info.version
+        if self._stager is not None:
+            self._stager.release(update_info.version)
+        self.applied_version, self.last_source = update_info.version, source
+        log.info("dbsync: worker pid %d applied version %d from the %s", os.getpid(),
+                 update_info.version, source)
+        self._report(update_info, source)
+
+    def _report(self, update_info: DBSyncUpdateInfo, source: str) -> None:
+        """Tell the controller where the version came from (best effort: a report directory
+        that is not on this host is skipped)."""
+        if update_info.report is None or not os.path.isdir(update_info.report):
+            return
+        rank = _worker_rank()
+        record = {"version": update_info.version, "source": source, "rank": rank,
+                  "pid": os.getpid()}
+        try:
+            write_atomic(os.path.join(update_info.report, f"{rank}.json"),
+                         json.dumps(record).encode(), durable=False, sync_dir=False)
+        except OSError:
+            log.warning("dbsync: could not write the apply report into %s",
+                        update_info.report, exc_info=True)
 
     def _abandon(self) -> None:
         """End the layerwise reload after a failure: layers that received nothing get their
@@ -171,7 +256,26 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
             log.exception("dbsync: could not finalize the layerwise reload after a failure")
 
     def shutdown(self) -> None:
-        """Nothing to release: each update registers and unregisters its own reader."""
+        """Stop staging (each update registers and unregisters its own reader)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def _worker_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank)
+    except Exception:  # noqa: BLE001 - no distributed state: a single worker
+        return 0
+
+
+def _device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
 
 
 def _no_mtp_check() -> Any:

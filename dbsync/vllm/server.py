@@ -1,7 +1,7 @@
 """``dbsync serve-vllm``: vLLM's OpenAI-compatible server that follows a dbsync store.
 
     python -m dbsync.vllm.server ROOT --model MODEL_DIR [--host H] [--port P]
-        [--poll-interval S] [-- any vLLM server args]
+        [--poll-interval S] [--transport auto|broadcast|filesystem] [-- any vLLM server args]
 
 One process: vLLM's own app (built with vLLM's ``build_app``/``init_app_state``/``serve_http``,
 so every vLLM option works) plus
@@ -12,6 +12,10 @@ so every vLLM option works) plus
 - before the port accepts requests, the store's current version is applied (a late joiner
   serves the current weights from its first request);
 - a watcher that applies every later version (see ``dbsync.vllm.controller``);
+- ``--transport`` (default "auto"): each worker stages the versions a
+  ``dbsync.nccl.BroadcastSender`` broadcasts (NCCL on GPUs, gloo on CPU) and applies them from
+  memory, else reads the filesystem; ``/dbsync/status`` shows ``source`` of the last swap.
+  Without a ``ROOT/broadcast.json`` "auto" costs one ``stat`` per second per worker;
 - while the engine is unhealthy (a failed apply may have left a mix of versions), inference
   routes and ``/health`` answer 503; requests already held by the pause finish once a
   complete version is applied.
@@ -31,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import DBSyncError
+from .broadcast import TRANSPORTS, check_transport
 from .checkpoint import expected_from_checkpoint, resolve_model_dir
 from .controller import SwapController
 from .engine import AsyncEngineOps, engine_args
@@ -44,10 +49,12 @@ _GATED_PREFIXES = ("/v1/", "/health", "/generate", "/inference/", "/invocations"
 
 def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
           port: int = 8000, extra_args: Sequence[str] = (),
-          poll_interval: float | None = None) -> None:
+          poll_interval: float | None = None, transport: str = "auto") -> None:
     """Run the server until it is stopped (SIGINT/SIGTERM). ``extra_args`` are vLLM server
-    arguments (e.g. ``["--dtype", "bfloat16", "--max-model-len", "4096"]``). Raises
-    ``DBSyncError`` for arguments that cannot work with dbsync."""
+    arguments (e.g. ``["--dtype", "bfloat16", "--max-model-len", "4096"]``). ``transport``:
+    "auto", "broadcast" or "filesystem" (see the module docstring). Raises ``DBSyncError`` for
+    arguments that cannot work with dbsync."""
+    check_transport(transport)
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -68,7 +75,7 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
     configure_logging_from_args(args)
     _configure_logging()
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(args, os.fspath(root), poll_interval))
+    uvloop.run(_serve(args, os.fspath(root), poll_interval, transport))
 
 
 def _configure_logging() -> None:
@@ -100,7 +107,8 @@ def _add_dbsync_engine_args(args: argparse.Namespace) -> None:
         args.worker_extension_cls = wanted["worker_extension_cls"]
 
 
-async def _serve(args: argparse.Namespace, root: str, poll_interval: float | None) -> None:
+async def _serve(args: argparse.Namespace, root: str, poll_interval: float | None,
+                 transport: str) -> None:
     from vllm import envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -118,12 +126,18 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
             controller = SwapController(
                 root, AsyncEngineOps(engine_client, asyncio.get_running_loop()), expected,
                 allow_missing, poll_interval=poll_interval,
-                workers=engine_client.vllm_config.parallel_config.world_size)
+                workers=engine_client.vllm_config.parallel_config.world_size,
+                transport=transport)
             supported_tasks = await engine_client.get_supported_tasks()
             app = build_app(args, supported_tasks, model_config)
             install_routes(app, controller)
             await init_app_state(engine_client, app.state, args, supported_tasks)
-            # Late joiner: serve the current version from the first request on.
+            # Start the workers' staging (broadcast transports), then, as a late joiner,
+            # serve the current version from the first request on.
+            try:
+                await asyncio.to_thread(controller.init_transport)
+            except DBSyncError as exc:
+                raise DBSyncError(f"could not start the {transport} transport: {exc}") from exc
             try:
                 await asyncio.to_thread(controller.apply_latest)
             except DBSyncError:
@@ -205,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--poll-interval", type=float, default=None,
                         help="seconds between manifest polls on network filesystems "
                              "(default 1.0; local filesystems use inotify)")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                        help="how versions reach the workers: 'auto' (the trainer's broadcast "
+                             "when ROOT/broadcast.json offers one this engine can join, else "
+                             "the filesystem), 'broadcast' (join it as soon as it appears) or "
+                             "'filesystem'")
     return parser
 
 
@@ -219,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     try:
         serve(opts.root, opts.model, host=opts.host, port=opts.port, extra_args=extra,
-              poll_interval=opts.poll_interval)
+              poll_interval=opts.poll_interval, transport=opts.transport)
     except DBSyncError as exc:
         print(f"dbsync serve-vllm: {exc}", file=sys.stderr)
         return 2

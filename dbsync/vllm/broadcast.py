@@ -25,7 +25,8 @@ Hazards, stated plainly:
 - Each version is staged into freshly allocated tensors on the receiving device: the FULL
   model (not this rank's shard), so a worker briefly holds one extra copy of the model (two
   while a newer version arrives during an apply). On GPUs that memory must be free besides
-  vLLM's own (lower ``gpu_memory_utilization``). The copy is released once it is applied.
+  vLLM's own (lower ``gpu_memory_utilization``). The copy is released once it is applied (or
+  replaced by the next version; a refused or never-applied version stays staged until then).
 - While staging, this worker is a group member: its thread must keep receiving, and it does,
   but a worker process that stalls (e.g. swapped out) longer than the step timeout is dropped
   from the group; it then reads that version from the filesystem and re-joins.
@@ -142,6 +143,7 @@ class StagingReceiver:
         reader_id = reader_id or f"{socket.gethostname()}-{os.getpid()}-vllm-staging"
         self._rx = BroadcastReceiver(root, reader_id=reader_id, device=self.device,
                                      verify=True, timeout=step_timeout,
+                                     fallback_timeout=2 * step_timeout,
                                      poll_interval=_MEMBER_POLL_SECONDS)
         # Swap in a lease that never reports "loaded", and skip the filesystem path's hashing
         # (this thread refuses filesystem deliveries at their first tensor anyway).

@@ -218,9 +218,28 @@ class SwapController:
             if init is None:
                 raise DBSyncError(f"transport {self.transport!r} needs engine ops with init(); "
                                   "use LLMOps/AsyncEngineOps or transport='filesystem'")
-            init({"root": self.root, "transport": self.transport})
+            try:
+                init({"root": self.root, "transport": self.transport})
+            except Exception as exc:
+                raise DBSyncError(
+                    f"the engine's workers could not start the {self.transport!r} transport "
+                    f"({type(exc).__name__}: {exc}); use transport='filesystem' or fix the "
+                    "cause") from exc
             self._transport_ready = True
             log.info("dbsync: transport %s for %s", self.transport, self.root)
+
+    def stop_transport(self) -> None:
+        """Stop the workers' staging (best effort: an engine already shut down is fine)."""
+        with self._lock:
+            if self.transport == "filesystem" or not self._transport_ready:
+                return
+            self._transport_ready = False
+            init = getattr(self.ops, "init", None)
+            try:
+                if init is not None:
+                    init({"root": None, "transport": "filesystem"})
+            except Exception as exc:  # noqa: BLE001 - the engine may be gone
+                log.debug("dbsync: could not stop the workers' staging: %s", exc)
 
     def start_watching(self) -> Watcher:
         """Apply every version published from now on (and the current one) in a background
@@ -275,6 +294,7 @@ class SwapController:
             except LeaseExpiredError as exc:
                 raise SwapError(f"version {version}: {exc}", version, partial=False) from exc
             timings = SwapTimings(version, read_verify_s=time.perf_counter() - t0)
+            report = self._clear_reports()
             s.applying = version
             t_pause = time.perf_counter()
             started = False
@@ -284,7 +304,6 @@ class SwapController:
                     s.paused = True
                 t_apply = time.perf_counter()
                 started = True
-                report = self._clear_reports()
                 self.ops.start()
                 update: dict[str, Any] = {"root": self.root, "version": version}
                 if report is not None:

@@ -158,10 +158,14 @@ class Attachment:
             self._on_version(version)
 
     def detach(self) -> None:
-        """Stop watching and unregister the reader. The engine keeps the weights it has."""
+        """Stop watching, stop the workers' staging (not from an ``AsyncLLM``'s own loop, where
+        it would block: the workers then keep staging until the engine shuts down) and
+        unregister the reader. The engine keeps the weights it has."""
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+        if not (self.is_async and self._on_engine_loop()):
+            self.controller.stop_transport()
         self.controller.stop()
 
     def __enter__(self) -> Attachment:
@@ -190,6 +194,8 @@ def attach(engine: Any, root: str | os.PathLike[str], *, watch: bool = True,
 
 def apply_latest(engine: Any, root: str | os.PathLike[str], **kwargs: Any) -> int | None:
     """One-shot: apply the current version of ``root`` to ``engine`` (a ``vllm.LLM``) and
-    return it. Keep an ``Attachment`` instead when applying repeatedly."""
+    return it. Keep an ``Attachment`` instead when applying repeatedly (only an attachment
+    can take broadcasts: here the transport defaults to "filesystem")."""
+    kwargs.setdefault("transport", "filesystem")
     with attach(engine, root, watch=False, **kwargs) as attachment:
         return attachment.apply_latest()

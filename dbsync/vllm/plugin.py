@@ -147,6 +147,7 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
             self._stager = None
         if init_info.transport != "filesystem":
             assert init_info.root is not None
+            configure_logging()  # each apply says which source it used
             self._stager = Stager(os.path.abspath(init_info.root), init_info.transport,
                                   device=_device_name(self.device),
                                   step_timeout=init_info.step_timeout)
@@ -260,6 +261,19 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def configure_logging() -> None:
+    """Show dbsync's INFO lines in this process (vLLM configures only its own loggers), unless
+    the ``dbsync`` logger already has a handler."""
+    logger = logging.getLogger("dbsync")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "(dbsync) %(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def _worker_rank() -> int:

@@ -39,6 +39,7 @@ from .broadcast import TRANSPORTS, check_transport
 from .checkpoint import expected_from_checkpoint, resolve_model_dir
 from .controller import SwapController
 from .engine import AsyncEngineOps, engine_args
+from .plugin import configure_logging
 
 log = logging.getLogger("dbsync.vllm.server")
 
@@ -80,14 +81,7 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
 
 def _configure_logging() -> None:
     """Show dbsync's INFO lines (one per swap, one per refusal) next to vLLM's."""
-    logger = logging.getLogger("dbsync")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(
-            "(dbsync) %(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    configure_logging()
 
 
 def _add_dbsync_engine_args(args: argparse.Namespace) -> None:

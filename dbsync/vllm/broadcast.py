@@ -30,8 +30,12 @@ Hazards, stated plainly:
 - While staging, this worker is a group member: its thread must keep receiving, and it does,
   but a worker process that stalls (e.g. swapped out) longer than the step timeout is dropped
   from the group; it then reads that version from the filesystem and re-joins.
+- An apply whose version is still arriving over the broadcast (bytes received, staging copy
+  or checksum check not finished) waits for it inside the pause, at most
+  ``plugin.STAGE_WAIT_SECONDS``, then reads the filesystem.
 - The staging receiver's reader lease never reports a version as loaded (only the controller
-  does, once per engine), so ``Sender.wait_for_receivers`` still counts engines, not workers.
+  does, once per engine), so ``Sender.wait_for_receivers`` still counts engines, not workers;
+  ``dbsync status`` lists it as an idle reader ``<host>-<pid>-vllm-staging``.
 """
 
 from __future__ import annotations

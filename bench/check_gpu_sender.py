@@ -32,6 +32,7 @@ def main() -> None:
                for i in range(n_tensors)}
     total = sum(t.numel() * 2 for t in weights.values())
     expected = {k: v.cpu() for k, v in weights.items()}
+    originals = {k: v.clone() for k, v in weights.items()}
 
     # raw limit: one pinned D2H copy of the same bytes
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -57,10 +58,10 @@ def main() -> None:
             future = sender.push(weights, blocking=False)  # returns after the snapshot
             snaps.append(time.perf_counter() - t)
             for v in weights.values():  # the trainer moves on at once
-                v.add_(1)
+                v.fill_(7)
             version = future.result()
-            for v in weights.values():
-                v.sub_(1)
+            for k, v in weights.items():
+                v.copy_(originals[k])
         results["version"] = version
         results["staging_pinned"] = bool(sender._staging._buf.is_pinned())
     got: dict[str, torch.Tensor] = {}

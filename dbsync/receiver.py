@@ -159,7 +159,8 @@ class Receiver:
         verify: bool = True,
         poll_interval: float | None = None,
     ):
-        self.store = Store(root, create=False) if os.path.isdir(root) else Store(root, create=True)
+        # Creates ROOT and readers/ if missing: a receiver may start before the first push.
+        self.store = Store(root, create=True)
         self.reader_id = check_reader_id(
             reader_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
@@ -174,7 +175,6 @@ class Receiver:
         self._stop_beat = threading.Event()
         self._beater: threading.Thread | None = None
         self._open_lock = threading.Lock()
-        os.makedirs(self.store.readers_dir, exist_ok=True)
         self._write_lease()
 
     # ---- lease --------------------------------------------------------------------------

@@ -21,7 +21,6 @@ import fcntl
 import json
 import os
 import socket
-import time
 from typing import Any
 
 from . import fileio
@@ -219,7 +218,3 @@ class Store:
             if isinstance(record, dict):
                 leases[entry.name[: -len(".json")]] = record
         return leases
-
-
-def now() -> float:
-    return time.time()

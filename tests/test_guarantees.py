@@ -151,7 +151,8 @@ def test_wait_sees_a_flip_with_polling_only(root):
                 time.sleep(0.01)
         finally:
             watcher.stop()
-        assert watcher.mode == "polling" and seen == [1, 3] or seen == [1, 2, 3]
+        assert watcher.mode == "polling"
+        assert seen in ([1, 3], [1, 2, 3])  # two quick flips may fall into one poll
         assert receiver.wait(newer_than=2, timeout=1) == 3
 
 

@@ -177,9 +177,6 @@ class MappedFile:
             if nbytes:
                 self._mm = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)
 
-    def buffer(self) -> memoryview | bytes:
-        return memoryview(self._mm) if self._mm is not None else b""
-
     def checksum(self) -> str:
         return checksum(self._mm if self._mm is not None else b"")
 

@@ -80,8 +80,7 @@ def is_supported_dtype(dtype: torch.dtype) -> bool:
 
 
 def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return math.prod(shape) * itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def file_stems_for(names: list[str]) -> list[str]:
@@ -101,7 +100,7 @@ def file_stems_for(names: list[str]) -> list[str]:
             name.lower() in taken
         ):
             stem = _ENCODED_PREFIX + xxhash.xxh3_128_hexdigest(name.encode("utf-8"))
-        if stem.lower() in taken:  # only reachable if the same name is given twice
+        if stem.lower() in taken:  # the same name twice (callers validate this first)
             raise FormatError(f"tensor name {name!r} appears twice; names must be unique")
         taken.add(stem.lower())
         stems.append(stem)

@@ -46,17 +46,20 @@ class _HostBuffer:
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
 
-    def snapshot(self, pairs: sources.Pairs) -> sources.Pairs:
-        sizes = [t.numel() * t.element_size() for _, t in pairs]
+    def snapshot(self, pairs: sources.Pairs, dtype: torch.dtype | None) -> sources.Pairs:
+        """Copy into the buffer, converting floating tensors to ``dtype`` during the copy (no
+        converted second copy of the model on the GPU)."""
+        dtypes = [sources.target_dtype(t, dtype) for _, t in pairs]
+        sizes = [t.numel() * d.itemsize for (_, t), d in zip(pairs, dtypes, strict=True)]
         total = sum(_aligned(n) for n in sizes)
         if self._buf is None or self._buf.numel() < total:
             pin = torch.cuda.is_available()
             self._buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
         out: sources.Pairs = []
         offset = 0
-        for (name, t), size in zip(pairs, sizes, strict=True):
-            dst = self._buf[offset : offset + size].view(t.dtype).view(t.shape) if size else (
-                torch.empty(t.shape, dtype=t.dtype))
+        for (name, t), size, dt in zip(pairs, sizes, dtypes, strict=True):
+            dst = self._buf[offset : offset + size].view(dt).view(t.shape) if size else (
+                torch.empty(t.shape, dtype=dt))
             if size:
                 dst.copy_(t.detach(), non_blocking=t.device.type == "cuda")
             out.append((name, dst))
@@ -84,6 +87,8 @@ class Sender:
         durable: bool = True,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
     ):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise DBSyncError(f"dtype= must be a floating torch dtype, not {dtype!r}")
         if strategy not in sources.STRATEGIES:
             raise DBSyncError(f"strategy must be one of {sources.STRATEGIES}, not {strategy!r}")
         if num_threads < 1:
@@ -122,7 +127,7 @@ class Sender:
         if self._lock_fd is None:
             raise DBSyncError("this Sender is closed; create a new one")
         with self._push_lock:
-            pairs = sources.collect(weights, self.strategy, self.dtype)
+            pairs = sources.collect(weights, self.strategy)  # dtype is applied below
             if self._pending is not None:
                 # The staging buffer may still be in use by the previous push: wait for it.
                 # Its error (if any) belongs to its own future, not to this push.
@@ -132,9 +137,10 @@ class Sender:
                     pass
             needs_copy = not blocking or any(t.device.type != "cpu" for _, t in pairs)
             if needs_copy:
-                pairs = self._staging.snapshot(pairs)
+                pairs = self._staging.snapshot(pairs, self.dtype)
             else:
-                pairs = [(n, t.detach().contiguous()) for n, t in pairs]
+                pairs = [(n, t.detach().to(sources.target_dtype(t, self.dtype)).contiguous())
+                         for n, t in pairs]
             future = self._publisher.submit(self._publish, pairs, progress)
             self._pending = future
         return future.result() if blocking else future

@@ -35,9 +35,12 @@ def collect(weights: Any, strategy: str = "state_dict", dtype: torch.dtype | Non
         raise InvalidWeightsError(f"dtype= must be a floating torch dtype, not {dtype!r}")
     pairs = _pairs_of(weights, strategy)
     _validate(pairs)
-    if dtype is not None:
-        pairs = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in pairs]
-    return pairs
+    return pairs if dtype is None else [(n, t.to(target_dtype(t, dtype))) for n, t in pairs]
+
+
+def target_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``tensor`` is published in: ``dtype`` for floating tensors, else its own."""
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
 def _pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
@@ -127,23 +130,11 @@ def _load_safetensors_file(path: str) -> Pairs:
 
     try:
         with safe_open(path, framework="pt") as f:
-            keys = list(f.keys())  # noqa: SIM118
-            offsets = _data_offsets(path)
-            keys.sort(key=lambda k: offsets.get(k, 0))
-            return [(key, f.get_tensor(key)) for key in keys]
+            return [(key, f.get_tensor(key)) for key in f.offset_keys()]
     except Exception as exc:  # safetensors raises its own error types and OSError
         raise InvalidWeightsError(
             f"{path} is not a readable safetensors file ({exc}); re-export it"
         ) from None
-
-
-def _data_offsets(path: str) -> dict[str, int]:
-    """Start offset of each tensor's bytes, from the safetensors header (already validated
-    by ``safe_open``)."""
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    return {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def _load_safetensors_dir(path: str) -> Pairs:
@@ -209,7 +200,9 @@ def _load_tensordict_dir(path: str) -> Pairs:
                 meta = json.load(f)
         except ValueError as exc:
             raise InvalidWeightsError(f"{dirpath}/meta.json is not valid JSON ({exc})") from None
-        for key in (meta.get("leaves") or {}):
+        # tensordict writes each leaf as a top-level entry carrying a "dtype"
+        leaves = [k for k, v in meta.items() if isinstance(v, dict) and "dtype" in v]
+        for key in leaves:
             if not os.path.isfile(os.path.join(dirpath, f"{key}.memmap")):
                 problems.append(os.path.join(dirpath, f"{key}.memmap"))
     if problems:

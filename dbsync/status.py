@@ -32,8 +32,10 @@ def receivers(store: Store) -> list[dict[str, Any]]:
 
 
 def receivers_at(store: Store, version: int) -> list[str]:
-    return [r["id"] for r in receivers(store)
-            if isinstance(r["version"], int) and r["version"] >= version]
+    """Ids of receivers that report ``version`` or newer loaded (reads only the leases)."""
+    return sorted(reader_id for reader_id, lease in store.read_leases().items()
+                  if isinstance(lease.get("loaded_version"), int)
+                  and lease["loaded_version"] >= version)
 
 
 def wait_for_receivers(store: Store, version: int, count: int, timeout: float | None = None,

@@ -80,7 +80,7 @@ class Watcher:
         self.poll_interval = DEFAULT_POLL_INTERVAL if poll_interval is None else poll_interval
         self.polling = needs_polling(self.root) if use_polling is None else use_polling
         self.skip_current = skip_current
-        store = Store(self.root, create=True)
+        store = Store(self.root, create=False)
         self._read_version = read_version or (lambda: _version_of(store))
         self.last_version: int | None = None
         self.last_error: BaseException | None = None

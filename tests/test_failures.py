@@ -45,6 +45,30 @@ def test_push_failing_midway_leaves_current_version(root, tmp_path):
         assert sender.push({"w": torch.full((8,), 2.0)}) == 2
 
 
+def test_write_failing_after_the_slot_was_touched_publishes_nothing(root, monkeypatch):
+    from dbsync import fileio
+
+    publish(root, {"a": torch.ones(8), "b": torch.ones(8)})
+    real, calls = fileio._write_file, []
+
+    def fail_second(fd, data, durable, progress):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(fd, data, durable, progress)
+
+    monkeypatch.setattr(fileio, "_write_file", fail_second)
+    with dbsync.Sender(root) as sender:
+        with pytest.raises(OSError, match="No space"):
+            sender.push({"a": torch.full((8,), 2.0), "b": torch.full((8,), 2.0)})
+        assert sender.latest_version() == 1
+        got = {}
+        dbsync.Receiver(root).load(lambda pairs: got.update({n: t.clone() for n, t in pairs}))
+        assert torch.equal(got["a"], torch.ones(8)) and torch.equal(got["b"], torch.ones(8))
+        monkeypatch.setattr(fileio, "_write_file", real)
+        assert sender.push({"a": torch.full((8,), 3.0), "b": torch.ones(8)}) == 2
+
+
 def test_second_writer_is_refused(root):
     with dbsync.Sender(root), pytest.raises(dbsync.StoreBusyError, match="one Sender"):
         dbsync.Sender(root)

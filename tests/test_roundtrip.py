@@ -57,13 +57,18 @@ def test_every_dtype_and_shape_round_trips_bit_exact(root):
 
 def test_versions_alternate_slots_and_reuse_files(root):
     weights = {"w": torch.randn(64, 64)}
+    inodes: dict[int, int] = {}
     with dbsync.Sender(root) as sender:
         for expected in range(1, 5):
             weights["w"].add_(1)
             assert sender.push(weights) == expected
             version, got = load_all(root)
             assert version == expected and torch.equal(got["w"], weights["w"])
-    assert sorted(os.listdir(os.path.join(root, "slots"))) == ["a", "b"]
+            manifest = dbsync.Receiver(root).manifest()
+            assert manifest.slot == "ab"[(expected - 1) % 2]
+            path = os.path.join(root, "slots", manifest.slot, manifest.entry("w").file)
+            inodes[expected] = os.stat(path).st_ino
+    assert inodes[1] == inodes[3] and inodes[2] == inodes[4]  # rewritten in place
 
 
 def test_nonblocking_push_snapshots_before_returning(root):
@@ -77,13 +82,25 @@ def test_nonblocking_push_snapshots_before_returning(root):
     assert torch.count_nonzero(got["w"]) == 0 and torch.count_nonzero(got["b"]) == 0
 
 
-def test_dtype_conversion_only_touches_floating_tensors(root):
+@pytest.mark.parametrize("blocking", [True, False])
+def test_dtype_conversion_only_touches_floating_tensors(root, blocking):
     weights = {"f": torch.randn(10), "i": torch.arange(4)}
     with dbsync.Sender(root, dtype=torch.bfloat16) as sender:
-        sender.push(weights)
+        result = sender.push(weights, blocking=blocking)
+        assert (result if blocking else result.result()) == 1
     _, got = load_all(root)
     assert got["f"].dtype == torch.bfloat16 and torch.equal(got["f"], weights["f"].bfloat16())
     assert got["i"].dtype == torch.int64 and torch.equal(got["i"], weights["i"])
+
+
+def test_tensordict_directory_with_a_missing_file_is_refused(root, tmp_path):
+    td = TensorDict({"enc": {"w": torch.ones(3)}, "head": torch.zeros(2)}, [])
+    td.memmap(str(tmp_path / "td"))
+    os.unlink(tmp_path / "td" / "head.memmap")
+    with dbsync.Sender(root) as sender, pytest.raises(dbsync.InvalidWeightsError,
+                                                      match="head.memmap"):
+        sender.push(str(tmp_path / "td"))
+    assert dbsync.Receiver(root).latest_version() is None
 
 
 def test_module_tensordict_and_checkpoint_sources(root, tmp_path):
@@ -138,15 +155,14 @@ tensors = st.builds(
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.dictionaries(names, tensors, min_size=1, max_size=6))
 def test_random_dicts_and_names_round_trip(tmp_path_factory, weights):
-    root = str(tmp_path_factory.mktemp("store"))
+    root = str(tmp_path_factory.mktemp("case") / "store")
     with dbsync.Sender(root, num_threads=2) as sender:
         sender.push(weights)
         sender.push(weights)
     _, got = load_all(root)
     assert_bit_exact(weights, got)
-    for slot in ("a", "b"):  # every file stays inside its slot
-        for entry in os.listdir(os.path.join(root, "slots", slot)):
-            assert "/" not in entry and not entry.startswith("..")
+    for dirpath, _dirs, files in os.walk(os.path.dirname(root)):  # nothing outside the store
+        assert all(os.path.join(dirpath, f).startswith(root + os.sep) for f in files)
 
 
 @pytest.mark.parametrize("name", ["../../etc/passwd", "/abs/path", "a/../../b", "..", ".hidden",

@@ -158,6 +158,7 @@ class Receiver:
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         verify: bool = True,
         poll_interval: float | None = None,
+        report_loaded: bool = True,
     ):
         # Creates ROOT and readers/ if missing: a receiver may start before the first push.
         self.store = Store(root, create=True)
@@ -167,6 +168,9 @@ class Receiver:
         self.lease_timeout = lease_timeout
         self.verify = verify
         self.poll_interval = poll_interval
+        #: False for helper readers (e.g. a worker staging broadcasts) whose loads must not be
+        #: counted as an engine serving the version (``dbsync status``, wait_for_receivers).
+        self.report_loaded = report_loaded
         self.loaded_version: int | None = None
         self.loaded_at: float | None = None
         self._lock = threading.Lock()
@@ -189,8 +193,8 @@ class Receiver:
                 "state": READING if self._holding else IDLE,
                 "slot": slot,
                 "version": version,
-                "loaded_version": self.loaded_version,
-                "loaded_at": self.loaded_at,
+                "loaded_version": self.loaded_version if self.report_loaded else None,
+                "loaded_at": self.loaded_at if self.report_loaded else None,
                 "beat": self._beat,
                 "updated_at": time.time(),
             })

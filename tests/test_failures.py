@@ -145,3 +145,14 @@ def test_snapshot_close_twice_is_harmless(root):
     snap.close()
     with receiver.open() as again:  # the receiver is still usable
         assert again.version == 1
+
+
+def test_helper_reader_loads_are_not_counted_as_receivers(root):
+    from dbsync.status import receivers_at
+
+    publish(root, {"w": torch.ones(2)})
+    helper = dbsync.Receiver(root, reader_id="stager", report_loaded=False)
+    engine = dbsync.Receiver(root, reader_id="engine")
+    assert helper.load(lambda pairs: None) == 1 and engine.load(lambda pairs: None) == 1
+    helper.load(lambda pairs: None)  # a later lease write must not report it either
+    assert receivers_at(helper.store, 1) == ["engine"]

@@ -81,8 +81,14 @@ class BroadcastReceiver:
         poll_interval: float = 0.00025,
         address: str | None = None,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        report_loaded: bool = True,
+        fs_verify: bool | None = None,
     ):
-        self.fs = Receiver(root, reader_id=reader_id, lease_timeout=lease_timeout, verify=verify)
+        # report_loaded=False: loads are not reported in the lease (helper readers).
+        # fs_verify: checksum verification of filesystem loads (default: ``verify``).
+        self.fs = Receiver(root, reader_id=reader_id, lease_timeout=lease_timeout,
+                           verify=verify if fs_verify is None else fs_verify,
+                           report_loaded=report_loaded)
         self.reader_id = self.fs.reader_id
         self.device = torch.device(device)
         self.verify = verify
@@ -296,17 +302,23 @@ class BroadcastReceiver:
         store, epoch, seq = self._conn.store, self.epoch, header.seq
         self._seq = seq
         t0 = time.perf_counter()
+        wanted = header.version > floor
+
+        def fall_back() -> int | None:
+            # A push this receiver only had to drain is not loaded from the filesystem either.
+            return self._load_fs(load_weights, header.version) if wanted else None
+
         try:
             if header.epoch != epoch:
                 raise BroadcastError(f"push header names epoch {header.epoch}, not {epoch}")
             store.set(rv.ack_key(epoch, seq, self.reader_id), "1")
         except BroadcastError as exc:
             self._leave_group(str(exc))
-            return self._load_fs(load_weights, header.version)
+            return fall_back()
         except Exception as exc:  # noqa: BLE001 - the store connection broke
             self._disconnect()
             self.last_error = f"lost the broadcast sender ({exc})"
-            return self._load_fs(load_weights, header.version)
+            return fall_back()
 
         def cancelled() -> str | None:
             """Polled while waiting for the first bucket: did the sender abort this push?"""
@@ -316,12 +328,11 @@ class BroadcastReceiver:
                         "(another member did not acknowledge)")
             return None
 
-        wanted = header.version > floor
         cache = self._header_cache
         if "plan" not in cache or cache.get("plan_for") is not cache.get("raw"):  # new layout
             cache.update(plan=bucket_plan(header), plan_for=cache.get("raw"))
         incoming = IncomingVersion(
-            self._group, header, self._bucket_buffers(header), verify_now=self.verify,
+            self._group, header, self._bucket_buffers(header), verify_now=self.verify and wanted,
             hash_after=self.verify and wanted and not header.has_checksums, views=self._views,
             cancelled=cancelled, plan=cache["plan"])
         try:
@@ -330,7 +341,7 @@ class BroadcastReceiver:
             incoming.drain()  # whatever load_weights left unread (or all of it)
         except BroadcastError as exc:
             self._leave_group(str(exc))
-            return self._load_fs(load_weights, header.version)
+            return fall_back()
         except BaseException:
             self._leave_group("load_weights raised during a broadcast")
             raise

@@ -51,7 +51,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DBSyncError
-from ..receiver import Receiver
 from ..store import Store
 
 log = logging.getLogger(__name__)
@@ -124,14 +123,6 @@ class _NotBroadcast(Exception):
     thread stages broadcasts only (the apply reads the filesystem itself when needed)."""
 
 
-class _QuietLease(Receiver):
-    """The staging receiver's reader lease: never reports a version as loaded (see the module
-    hazards); it still protects the slot it reads while the receiver checks the filesystem."""
-
-    def mark_loaded(self, version: int) -> None:
-        self.loaded_version = version
-
-
 class StagingReceiver:
     """Background broadcast receiver that keeps the newest received, verified version staged.
 
@@ -148,11 +139,11 @@ class StagingReceiver:
         self._rx = BroadcastReceiver(root, reader_id=reader_id, device=self.device,
                                      verify=True, timeout=step_timeout,
                                      fallback_timeout=2 * step_timeout,
-                                     poll_interval=_MEMBER_POLL_SECONDS)
-        # Swap in a lease that never reports "loaded", and skip the filesystem path's hashing
-        # (this thread refuses filesystem deliveries at their first tensor anyway).
-        self._rx.fs.close()
-        self._rx.fs = _QuietLease(root, reader_id=reader_id, verify=False)
+                                     poll_interval=_MEMBER_POLL_SECONDS,
+                                     # never counted as an engine that loaded a version; no
+                                     # hashing of filesystem deliveries (refused at their first
+                                     # tensor anyway)
+                                     report_loaded=False, fs_verify=False)
         self._cond = threading.Condition()
         self._staged: Staged | None = None
         self._receiving: int | None = None

@@ -164,7 +164,29 @@ def test_partial_failure_rolls_forward_while_paused(setup: Any) -> None:
     assert controller.apply_latest() == v
     assert ops.calls == ["pause", "start", f"update:{v}",  # failed midway: stay paused
                          "start", f"update:{v}", f"finish:{v}", "reset", "resume"]
-    assert controller.status()["healthy"] and controller_v < v
+    assert controller.status()["healthy"] and controller.status()["version"] == v
+    assert controller_v == v - 1
+
+
+def test_watcher_retries_a_version_whose_apply_failed(tmp_path: Path) -> None:
+    """With no newer push to wake it, the watcher must still try again after a transient
+    failure, instead of serving the old version as if healthy until the next push."""
+    import time
+
+    ops = ScriptedOps()
+    with Sender(tmp_path / "store") as sender:
+        controller = SwapController(tmp_path / "store", ops, EXPECTED, poll_interval=0.05)
+        try:
+            sender.push(weights(1))
+            ops.failures = [f"{NOTHING_APPLIED} transient"]
+            controller.start_watching()
+            deadline = time.monotonic() + 15
+            while controller.status()["version"] != 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert controller.status()["version"] == 1
+            assert ops.calls.count("update:1") == 2  # failed once, then applied
+        finally:
+            controller.stop()
 
 
 def test_unhealthy_until_a_complete_version_applies(setup: Any) -> None:

@@ -264,8 +264,13 @@ class SwapController:
         self.state.published_version = version
         try:
             self.apply_latest()
+        except SwapError:
+            # Applying failed (a transient worker error, an expired lease): the watcher calls
+            # back once per version, so let its next look at the store try this one again.
+            if self._watcher is not None:
+                self._watcher.last_version = self.state.version
         except DBSyncError:
-            pass  # recorded in the status and logged by the controller already
+            pass  # a refusal: recorded in the status and logged by the controller already
 
     def _newer_than(self, version: int) -> bool:
         try:

@@ -82,7 +82,11 @@ class Attachment:
                                          poll_interval=poll_interval,
                                          workers=vllm_config.parallel_config.world_size,
                                          transport=transport)
-        self._init_transport()
+        try:
+            self._init_transport()
+        except BaseException:
+            self.controller.stop()  # releases the controller's reader lease
+            raise
         self._watcher: Watcher | None = None
         self._on_version: Callable[[int], Any] | None = None
 

@@ -200,3 +200,40 @@ def test_sender_closing_sends_members_to_the_filesystem(tmp_path: Any) -> None:
             thread.join(20)
             assert out["version"] == 2 and out["source"] == "filesystem"
             assert torch.equal(out["got"]["x"], torch.full((8,), 2.0))
+
+
+def test_version_republished_after_a_failed_publish_replaces_the_broadcast_copy(
+        tmp_path: Any) -> None:
+    """The filesystem publish of a broadcast version fails; the next push reuses its number
+    with other bytes. A member that took the first broadcast must end with the bytes the
+    manifest describes, not the unpublished ones."""
+    root = str(tmp_path)
+    with Sender(root, durable=False) as sender, BroadcastSender(
+            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT,
+            join_timeout=10) as bs, BroadcastReceiver(
+            root, reader_id="r", timeout=TIMEOUT, address="127.0.0.1") as rx:
+        first: dict[str, Any] = {}
+        thread = _receive_in_thread(rx, first, timeout=20)
+        assert bs.wait_for_joins(1, 10)
+        publish, calls = sender.store.publish_manifest, []
+
+        def fail_once(manifest: Any, durable: bool) -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError(28, "No space left on device")
+            publish(manifest, durable)
+
+        sender.store.publish_manifest = fail_once  # type: ignore[method-assign]
+        with pytest.raises(OSError):
+            bs.push({"x": torch.ones(4)})
+        thread.join(20)
+        assert first["version"] == 1 and first["source"] == "broadcast"
+        assert sender.latest_version() is None  # never published
+
+        second: dict[str, Any] = {}
+        thread = _receive_in_thread(rx, second, timeout=10)
+        time.sleep(0.2)
+        assert bs.push({"x": torch.full((4,), 2.0)}) == 1
+        thread.join(20)
+        assert second["version"] == 1, second
+        assert torch.equal(second["got"]["x"], torch.full((4,), 2.0))

@@ -110,6 +110,8 @@ class BroadcastReceiver:
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self._group: Group | None = None
         self._seq = 0
+        #: (epoch, seq, version) of the last push applied from the broadcast
+        self._applied_push: tuple[int, int, int] | None = None
         self._buffers: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -302,7 +304,12 @@ class BroadcastReceiver:
         store, epoch, seq = self._conn.store, self.epoch, header.seq
         self._seq = seq
         t0 = time.perf_counter()
-        wanted = header.version > floor
+        # A second push announcing the version applied last (epoch, seq differ) means the
+        # sender's filesystem publish of the first one failed and it published other bytes
+        # under that number: take them, or this receiver keeps bytes no manifest describes.
+        last = self._applied_push
+        wanted = header.version > floor or (
+            last is not None and last[2] == header.version and last[:2] != (epoch, seq))
 
         def fall_back() -> int | None:
             # A push this receiver only had to drain is not loaded from the filesystem either.
@@ -356,6 +363,7 @@ class BroadcastReceiver:
                 self.last_error = problem
                 return self._load_fs(load_weights, header.version)
         self.fs.mark_loaded(header.version)
+        self._applied_push = (epoch, seq, header.version)
         self.last_source, self.last_error = "broadcast", None
         return header.version
 

@@ -21,6 +21,13 @@ import torch
 import xxhash
 
 CHUNK_BYTES = 64 * 2**20
+#: Tensors packed into one host or bucket buffer start at multiples of this (any dtype's view).
+ALIGN = 64
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

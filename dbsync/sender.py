@@ -35,10 +35,6 @@ from .store import WRITING, Store
 Progress = Callable[[int, int], None]
 
 
-def _aligned(nbytes: int, alignment: int = 64) -> int:
-    return -(-nbytes // alignment) * alignment
-
-
 class _HostBuffer:
     """A reusable host staging buffer (pinned when CUDA is available) that snapshots tensors
     so the caller may modify its weights as soon as ``push`` returns."""
@@ -51,7 +47,7 @@ class _HostBuffer:
         converted second copy of the model on the GPU)."""
         dtypes = [sources.target_dtype(t, dtype) for _, t in pairs]
         sizes = [t.numel() * d.itemsize for (_, t), d in zip(pairs, dtypes, strict=True)]
-        total = sum(_aligned(n) for n in sizes)
+        total = sum(fileio.aligned(n) for n in sizes)
         if self._buf is None or self._buf.numel() < total:
             pin = torch.cuda.is_available()
             self._buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
@@ -63,7 +59,7 @@ class _HostBuffer:
             if size:
                 dst.copy_(t.detach(), non_blocking=t.device.type == "cuda")
             out.append((name, dst))
-            offset += _aligned(size)
+            offset += fileio.aligned(size)
         if any(t.device.type == "cuda" for _, t in pairs):
             torch.cuda.synchronize()
         return out

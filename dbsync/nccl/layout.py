@@ -21,16 +21,12 @@ from typing import Any
 
 import torch
 
+from ..fileio import ALIGN, aligned
 from ..format import dtype_from_name, dtype_name, nbytes_of
 from .errors import BroadcastError
 
-ALIGN = 64
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 _CHECKSUM = re.compile(r"[0-9a-f]{16}")
-
-
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,6 @@ class IncomingVersion:
         self.verify_now = verify_now and header.has_checksums
         self.hash_after = hash_after
         self.checksums: list[str] = []
-        self.delivered = 0
         self.complete = False
         self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
 
@@ -86,7 +85,6 @@ class IncomingVersion:
                     "filesystem instead")
             if self.hash_after:
                 self.checksums.append(got)
-        self.delivered += 1
         return entry.name, typed(entry, raw) if view is None else view
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:

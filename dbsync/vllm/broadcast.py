@@ -150,13 +150,8 @@ class StagingReceiver:
         self._floor = self._rx.fs.latest_version() or 0
         self._stop = threading.Event()
         self.last_error: str | None = None
-        self.received: list[int] = []
         self._thread = threading.Thread(target=self._run, name="dbsync-staging", daemon=True)
         self._thread.start()
-
-    @property
-    def is_member(self) -> bool:
-        return self._rx.is_member
 
     def _stage(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         from ..nccl.stream import IncomingVersion
@@ -202,7 +197,6 @@ class StagingReceiver:
                         and self._rx.last_source == "broadcast"):
                     self._staged = incoming
                     self._floor = max(self._floor, version)
-                    self.received.append(version)
                     log.info("dbsync: worker pid %d staged version %d from the broadcast",
                              os.getpid(), version)
                 self._cond.notify_all()

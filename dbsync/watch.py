@@ -1,24 +1,53 @@
 """Notice new versions: inotify (watchdog's observer) where events arrive, polling where they
-cannot, chosen from the mount type.
+cannot, chosen from the mount type. An idle watcher costs (almost) nothing.
 
-NFS, Lustre, CIFS and FUSE clients get no inotify events for changes made by other hosts (or,
-for FUSE, by the backing store), so on those mounts the watcher polls. Polling *opens and
-reads* the manifest each interval rather than ``stat``-ing it: on NFS ``stat`` answers from the
-attribute cache (up to ``acregmax``, 60 s by default), while an open revalidates
-(close-to-open consistency).
+How a look at the store works (``Watcher._check``):
 
-Callbacks run on one dispatcher thread, one at a time, in version order, never for the same
-version twice. A callback that raises is logged and kept in ``last_error``; the watcher goes on.
+1. *Probe*: open the manifest afresh, ``fstat`` it and read at most ``PROBE_BYTES`` of it. The
+   fingerprint (inode, size, times, those bytes) is compared with the last one seen; when
+   nothing changed, that is the end of it: no parse.
+2. *Head*: only when the fingerprint changed, read the (run id, version) pair
+   (``read_head``, the one function that knows how; it parses the manifest).
+3. *Decide*: a higher version of the same run, or any version of a different run (a new
+   training run at the same path starts again at 1), is reported to the callback.
+
+When it looks:
+
+- inotify mode: on events for the manifest file only: moved to, created, closed after a
+  write, modified. Opens, reads and closes without a write are not even asked of the kernel,
+  so the watcher's own reads never wake it (they once did: 100,000 reads in 10 idle seconds).
+  A burst of events costs one look; two looks are never closer than ``MIN_CHECK_INTERVAL``.
+  A safety look every ``SAFETY_POLL_INTERVAL`` seconds catches anything the events missed,
+  and a deleted or replaced store directory is watched again once it is back.
+- polling mode (NFS, Lustre, CIFS, FUSE: their clients get no inotify events for changes made
+  elsewhere): every ``poll_interval`` seconds (at least ``MIN_CHECK_INTERVAL``). Polling
+  *opens and reads* the manifest rather than ``stat``-ing its path: on NFS ``stat`` answers
+  from the attribute cache (up to ``acregmax``, 60 s by default), an open revalidates
+  (close-to-open consistency).
+
+Every sleep is on an ``Event``: ``stop()`` returns at once.
+
+Errors: a manifest that cannot be read or parsed is logged once per change of the store's
+content (a garbled manifest that stays garbled is one warning, not one per look), and at most
+once per ``ERROR_LOG_INTERVAL`` seconds while the content keeps changing; ``last_error`` holds
+the latest problem and is cleared once the store reads well again.
+
+Callbacks run on one thread, one at a time, never twice for the same (run, version). A
+callback that raises is logged and kept in ``last_error``; the watcher goes on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from .errors import DBSyncError, FormatError
 from .format import MANIFEST_FILE
 from .store import Store
 
@@ -26,6 +55,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_POLL_INTERVAL = 1.0
 SAFETY_POLL_INTERVAL = 5.0
+MIN_CHECK_INTERVAL = 0.01
+ERROR_LOG_INTERVAL = 30.0
+PROBE_BYTES = 64 * 1024
+
 _REMOTE_TYPES = {
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "9p",
     "beegfs", "afs", "fuse", "fuseblk", "virtiofs", "panfs", "orangefs", "weka", "wekafs",
@@ -59,12 +92,64 @@ def needs_polling(path: str) -> bool:
     return kind in _REMOTE_TYPES or kind.startswith(("fuse.", "nfs"))
 
 
+@dataclass(frozen=True)
+class Head:
+    """What the watcher follows: which training run, which version of it."""
+
+    run_id: str | None
+    version: int
+
+
+def read_head(store: Store) -> Head | None:
+    """The current (run id, version) of ``store``; None when nothing is published.
+
+    The only place the watcher learns a version: it parses the whole manifest today, and is
+    meant to become ``store.read_head()`` (a small pointer record) once the store has it."""
+    manifest = store.read_manifest()
+    if manifest is None:
+        return None
+    return Head(getattr(manifest, "run_id", None), manifest.version)
+
+
+def probe_manifest(path: str, limit: int = PROBE_BYTES) -> bytes | None:
+    """A cheap fingerprint of the file at ``path``: its identity, size and times, and at most
+    ``limit`` of its first bytes. None when it does not exist.
+
+    Opens afresh (NFS close-to-open revalidation), never follows a symlink and never blocks
+    on a FIFO; anything but a regular file raises ``FormatError``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if os.path.islink(path):
+            raise FormatError(f"{path} is a symbolic link; a store's manifest must be a "
+                              "regular file (publish again with a Sender)") from None
+        raise exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path} is not a regular file; a store's manifest must be one "
+                              "(remove it and publish again with a Sender)")
+        data = os.pread(fd, limit, 0)
+    finally:
+        os.close(fd)
+    ident = f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}\n"
+    return ident.encode() + data
+
+
 class Watcher:
     """Calls ``callback(version)`` for each new version published in ``root`` (and for the
     current one when started, unless ``skip_current``).
 
     ``use_polling``: None = decide from the mount type. ``poll_interval``: seconds between
-    polls (default 1.0). ``read_version``: injectable for tests (default: read the manifest)."""
+    polls (default 1.0; at least ``MIN_CHECK_INTERVAL``). ``probe`` and ``head``: injectable
+    for tests (defaults: ``probe_manifest`` of the manifest path, ``read_head`` of the store).
+
+    ``reads`` and ``parses`` count the probes and the head reads made so far.
+
+    Hazard: a new training run at the same path (a different run id) is reported even though
+    its version is lower than the last one seen; the callback receives only the version."""
 
     def __init__(
         self,
@@ -73,82 +158,78 @@ class Watcher:
         poll_interval: float | None = None,
         use_polling: bool | None = None,
         skip_current: bool = False,
-        read_version: Callable[[], int | None] | None = None,
+        *,
+        probe: Callable[[], bytes | None] | None = None,
+        head: Callable[[], Head | None] | None = None,
+        safety_interval: float = SAFETY_POLL_INTERVAL,
     ):
         self.root = os.path.abspath(os.fspath(root))
         self.callback = callback
-        self.poll_interval = DEFAULT_POLL_INTERVAL if poll_interval is None else poll_interval
+        interval = DEFAULT_POLL_INTERVAL if poll_interval is None else poll_interval
+        self.poll_interval = max(interval, MIN_CHECK_INTERVAL)
+        self.safety_interval = max(safety_interval, self.poll_interval)
         self.polling = needs_polling(self.root) if use_polling is None else use_polling
         self.skip_current = skip_current
         store = Store(self.root, create=False)
-        self._read_version = read_version or (lambda: _version_of(store))
-        self.last_version: int | None = None
+        manifest_path = os.path.join(self.root, MANIFEST_FILE)
+        self._probe = probe or (lambda: probe_manifest(manifest_path))
+        self._read_head = head or (lambda: read_head(store))
         self.last_error: BaseException | None = None
+        self.reads = 0
+        self.parses = 0
+        self._head: Head | None = None
+        self._seen: bytes | None = None  # fingerprint of the content last parsed (or refused)
+        self._read_failing = False
+        self._logged_key: object = None
+        self._logged_at = float("-inf")
+        self._pending: tuple[object, BaseException] | None = None
+        self._skipped = 0  # distinct problems replaced before they could be logged
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._observer: Any = None
+        self._watched: tuple[int, int] | None = None  # (st_dev, st_ino) of the watched root
+        self._rewatch = threading.Event()
 
+    # ---- public -------------------------------------------------------------------------
     @property
     def mode(self) -> str:
         return "polling" if self.polling else "inotify"
 
+    @property
+    def last_version(self) -> int | None:
+        """The last version reported (or recorded at start with ``skip_current``)."""
+        return None if self._head is None else self._head.version
+
+    @last_version.setter
+    def last_version(self, value: int | None) -> None:
+        """Forget versions after ``value``: the next look reports the current version again
+        if it is newer (how a caller asks for a failed version to be retried; that look is
+        the next event or poll, at the latest after ``safety_interval``)."""
+        run = None if self._head is None else self._head.run_id
+        self._head = None if value is None else Head(run, value)
+        self._seen = None
+
+    @property
+    def run_id(self) -> str | None:
+        """The run id of the last version reported (None before one, or for stores without
+        run ids)."""
+        return None if self._head is None else self._head.run_id
+
     def start(self) -> Watcher:
         if self.skip_current:
-            self.last_version = self._safe_read()
+            self._check(notify=False)
         if not self.polling:
             self._start_observer()
         self._thread = threading.Thread(target=self._run, name="dbsync-watch", daemon=True)
         self._thread.start()
         return self
 
-    def _start_observer(self) -> None:
-        from watchdog.events import FileSystemEventHandler
-        from watchdog.observers import Observer
-
-        wake = self._wake
-
-        class _OnManifest(FileSystemEventHandler):
-            def on_any_event(self, event: Any) -> None:
-                paths = (getattr(event, "src_path", ""), getattr(event, "dest_path", ""))
-                if any(os.path.basename(os.fsdecode(p)) == MANIFEST_FILE for p in paths if p):
-                    wake.set()
-
-        self._observer = Observer()
-        self._observer.schedule(_OnManifest(), self.root, recursive=False)
-        self._observer.start()
-
-    def _safe_read(self) -> int | None:
-        try:
-            return self._read_version()
-        except Exception as exc:  # a damaged manifest must not kill the watcher
-            self.last_error = exc
-            log.warning("dbsync watcher: cannot read the manifest in %s: %s", self.root, exc)
-            return None
-
-    def _run(self) -> None:
-        interval = self.poll_interval if self.polling else max(SAFETY_POLL_INTERVAL,
-                                                               self.poll_interval)
-        while not self._stop.is_set():
-            version = self._safe_read()
-            if version is not None and (self.last_version is None or version > self.last_version):
-                self.last_version = version
-                try:
-                    self.callback(version)
-                except Exception as exc:
-                    self.last_error = exc
-                    log.exception("dbsync watcher: callback failed for version %s", version)
-            self._wake.wait(interval)
-            self._wake.clear()
-
     def stop(self) -> None:
-        """Stop at once (the sleep is interruptible) and join the threads."""
+        """Stop at once (every sleep is interruptible) and join the threads."""
         self._stop.set()
         self._wake.set()
-        if self._observer is not None:
-            self._observer.stop()
-            self._observer.join()
-            self._observer = None
+        self._stop_observer()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._thread = None
@@ -159,7 +240,161 @@ class Watcher:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    # ---- the loop -----------------------------------------------------------------------
+    def _run(self) -> None:
+        clock = time.monotonic
+        while not self._stop.is_set():
+            self._wake.clear()
+            if not self.polling and (self._rewatch.is_set() or self._root_replaced()):
+                self._restart_observer()
+            self._check()
+            last = clock()
+            interval = self.poll_interval if (self.polling or self._rewatch.is_set()) else (
+                self.safety_interval)
+            self._wake.wait(interval)
+            # Bounded rate: events arriving meanwhile coalesce into the next look.
+            remaining = last + MIN_CHECK_INTERVAL - clock()
+            if remaining > 0:
+                self._stop.wait(remaining)
 
-def _version_of(store: Store) -> int | None:
-    manifest = store.read_manifest()
-    return None if manifest is None else manifest.version
+    def _check(self, notify: bool = True) -> None:
+        """One look: probe, and read the head only when the probe changed."""
+        self._log_pending()
+        self.reads += 1
+        try:
+            fingerprint = self._probe()
+        except Exception as exc:  # noqa: BLE001 - reported once, retried at the next look
+            self._read_failed(("probe", type(exc).__name__, str(exc)), exc)
+            return
+        if fingerprint is not None and fingerprint == self._seen:
+            return
+        self.parses += 1
+        try:
+            head = None if fingerprint is None else self._read_head()
+        except DBSyncError as exc:
+            self._seen = fingerprint  # the content is bad: look again once it changes
+            self._read_failed(fingerprint, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - an I/O hiccup: retried at the next look
+            self._read_failed(("head", type(exc).__name__, str(exc)), exc)
+            return
+        self._seen = fingerprint
+        if self._read_failing:
+            self._read_failing = False
+            self.last_error = None
+            self._logged_key, self._pending, self._skipped = None, None, 0
+            log.info("dbsync watcher: the manifest in %s reads well again", self.root)
+        if head is not None:
+            self._consider(head, notify)
+
+    def _consider(self, head: Head, notify: bool) -> None:
+        last = self._head
+        if last is not None and head.run_id != last.run_id:
+            log.info("dbsync watcher: a new training run (%s, was %s) publishes in %s; "
+                     "following it from its version %s", head.run_id, last.run_id, self.root,
+                     head.version)
+        elif last is not None and head.version <= last.version:
+            if head.version < last.version:
+                log.warning("dbsync watcher: %s went back from version %s to %s in the same "
+                            "run; ignored (a new run needs a new run id)", self.root,
+                            last.version, head.version)
+            return
+        self._head = head  # before the callback: it may reset last_version to retry
+        if not notify:
+            return
+        try:
+            self.callback(head.version)
+        except Exception as exc:
+            self.last_error = exc
+            log.exception("dbsync watcher: callback failed for version %s", head.version)
+        else:
+            if not self._read_failing:
+                self.last_error = None
+
+    def _read_failed(self, key: object, exc: BaseException) -> None:
+        """Keep ``last_error`` current; log once per distinct problem, at a bounded rate."""
+        self.last_error = exc
+        self._read_failing = True
+        if key != self._logged_key:
+            if self._pending is not None and self._pending[0] != key:
+                self._skipped += 1
+            self._pending = (key, exc)
+            self._log_pending()
+
+    def _log_pending(self) -> None:
+        """Log the newest unlogged problem unless one was logged less than
+        ``ERROR_LOG_INTERVAL`` ago (then a later look logs it, naming how many it skipped)."""
+        if self._pending is None:
+            return
+        now = time.monotonic()
+        if now - self._logged_at < ERROR_LOG_INTERVAL:
+            return
+        (key, exc), self._pending = self._pending, None
+        more = f" ({self._skipped} other problem(s) since the last message)" if (
+            self._skipped) else ""
+        self._logged_key, self._logged_at, self._skipped = key, now, 0
+        log.warning("dbsync watcher: cannot read the manifest in %s: %s%s; still watching, "
+                    "this is reported again only if it changes", self.root, exc, more)
+
+    # ---- inotify ------------------------------------------------------------------------
+    def _start_observer(self) -> None:
+        from watchdog.events import (
+            DirDeletedEvent,
+            FileClosedEvent,
+            FileCreatedEvent,
+            FileModifiedEvent,
+            FileMovedEvent,
+            FileSystemEventHandler,
+        )
+        from watchdog.observers import Observer
+
+        wake, rewatch, root = self._wake, self._rewatch, self.root
+
+        class _OnManifest(FileSystemEventHandler):
+            def on_any_event(self, event: Any) -> None:
+                if isinstance(event, DirDeletedEvent):
+                    if os.fsdecode(event.src_path) == root:
+                        rewatch.set()
+                        wake.set()
+                    return
+                paths = (getattr(event, "src_path", ""), getattr(event, "dest_path", ""))
+                if any(os.path.basename(os.fsdecode(p)) == MANIFEST_FILE for p in paths if p):
+                    wake.set()
+
+        try:
+            st = os.stat(self.root)
+            observer = Observer()
+            observer.schedule(_OnManifest(), self.root, recursive=False, event_filter=[
+                FileMovedEvent, FileCreatedEvent, FileClosedEvent, FileModifiedEvent,
+                DirDeletedEvent])
+            observer.start()
+        except OSError as exc:  # no inotify instances/watches left, or the root is gone
+            if not self._rewatch.is_set():
+                log.warning("dbsync watcher: no inotify watch on %s (%s); polling every %g s "
+                            "until one can be set", self.root, exc, self.poll_interval)
+            self._rewatch.set()
+            return
+        self._observer, self._watched = observer, (st.st_dev, st.st_ino)
+        self._rewatch.clear()
+
+    def _stop_observer(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join()
+            self._observer = None
+
+    def _restart_observer(self) -> None:
+        """The watched directory was deleted or replaced: watch the one now at ``root``."""
+        self._stop_observer()
+        if os.path.isdir(self.root):
+            self._start_observer()
+            if not self._rewatch.is_set():
+                log.info("dbsync watcher: watching %s again (the directory was replaced)",
+                         self.root)
+
+    def _root_replaced(self) -> bool:
+        try:
+            st = os.stat(self.root)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self._watched

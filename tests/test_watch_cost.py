@@ -1,0 +1,195 @@
+"""What an idle watcher costs: how often it reads the manifest when nothing changes, how fast it
+notices a flip, and what it does with a garbled manifest (one log line, no spinning)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+
+import dbsync
+from dbsync.format import MANIFEST_FILE
+from dbsync.watch import MIN_CHECK_INTERVAL, Head, Watcher, probe_manifest
+
+
+class Counting:
+    """The real manifest probe, counting its calls (each one is an open + read)."""
+
+    def __init__(self, root: str):
+        self.path = os.path.join(root, MANIFEST_FILE)
+        self.calls = 0
+
+    def __call__(self) -> bytes | None:
+        self.calls += 1
+        return probe_manifest(self.path)
+
+
+class Seen:
+    """Callback recording versions; ``until(v)`` waits (bounded) for ``v`` to be reported."""
+
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+        self.at: dict[int, float] = {}
+        self._cond = threading.Condition()
+
+    def __call__(self, version: int) -> None:
+        with self._cond:
+            self.versions.append(version)
+            self.at[version] = time.monotonic()
+            self._cond.notify_all()
+
+    def until(self, version: int, timeout: float = 10.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: version in self.versions, timeout)
+
+
+def idle(seconds: float) -> None:
+    """Let time pass (the quantity measured is what happens meanwhile)."""
+    threading.Event().wait(seconds)
+
+
+@pytest.fixture
+def store(root) -> str:
+    with dbsync.Sender(root, durable=False) as sender:
+        sender.push({"w": torch.ones(4)})
+    return root
+
+
+def push(root: str, value: float) -> int:
+    with dbsync.Sender(root, durable=False) as sender:
+        return sender.push({"w": torch.full((4,), value)})
+
+
+def test_idle_inotify_watcher_reads_a_handful_of_times_and_notices_a_flip_fast(store):
+    probe, seen = Counting(store), Seen()
+    with Watcher(store, seen, use_polling=False, probe=probe) as watcher:
+        assert watcher.mode == "inotify" and seen.until(1)
+        # Others reading the manifest (opens, reads, closes) must not wake the watcher.
+        reader = dbsync.Receiver(store)
+        for _ in range(500):
+            assert reader.latest_version() == 1
+        idle(2.0)
+        idle_reads = probe.calls
+        assert idle_reads <= 2, f"{idle_reads} manifest reads in 2 idle seconds"
+        published = time.monotonic()
+        assert push(store, 2.0) == 2
+        assert seen.until(2)
+        noticed = seen.at[2] - published
+        reader.close()
+    assert seen.versions == [1, 2]
+    assert noticed < 0.5, f"flip noticed after {noticed * 1000:.0f} ms"
+    assert probe.calls - idle_reads <= 3  # one flip = a few events, coalesced
+    assert watcher.parses <= watcher.reads == probe.calls
+
+
+def test_unchanged_manifest_is_not_parsed_again(store):
+    heads: list[Head | None] = []
+
+    def head() -> Head | None:
+        manifest = dbsync.Receiver(store).manifest()
+        heads.append(Head(None, manifest.version))
+        return heads[-1]
+
+    seen = Seen()
+    with Watcher(store, seen, use_polling=True, poll_interval=0.02, head=head) as watcher:
+        assert seen.until(1)
+        idle(0.5)
+        assert watcher.reads >= 10  # it polled
+        assert len(heads) == 1  # but parsed only once: the bytes never changed
+        push(store, 3.0)
+        assert seen.until(2)
+    assert len(heads) == 2
+
+
+def test_garbled_manifest_is_logged_once_and_never_spins(store, caplog):
+    caplog.set_level(logging.INFO, logger="dbsync")
+    seen = Seen()
+    path = os.path.join(store, MANIFEST_FILE)
+    with Watcher(store, seen, use_polling=False, safety_interval=0.02) as watcher:
+        assert seen.until(1)
+        with open(path, "rb") as f:
+            good = f.read()
+        with open(path, "wb") as f:  # in place, not atomic: several events
+            f.write(b'{"format": "dbsync", "format_')
+        idle(1.0)
+        assert isinstance(watcher.last_error, dbsync.FormatError)
+        assert watcher.reads <= 1.0 / 0.02 + 10  # the safety rate, nothing more
+        assert watcher.parses <= 4  # once per change of the bytes, not per look
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and MANIFEST_FILE in warnings[0].getMessage()
+        with open(path + ".tmp", "wb") as f:
+            f.write(good)
+        os.replace(path + ".tmp", path)  # repaired by hand
+        push(store, 4.0)
+        assert seen.until(2)
+        assert watcher.last_error is None
+    assert seen.versions == [1, 2]
+    assert any("reads well again" in r.getMessage() for r in caplog.records)
+
+
+def test_polling_is_bounded_and_stop_is_immediate(store):
+    seen = Seen()
+    with Watcher(store, seen, use_polling=True, poll_interval=0) as watcher:
+        assert seen.until(1)
+        start = watcher.reads
+        idle(0.5)
+        assert watcher.reads - start <= 0.5 / MIN_CHECK_INTERVAL + 5
+        assert watcher.parses == 1
+    slow = Watcher(store, Seen(), use_polling=True, poll_interval=60).start()
+    t0 = time.monotonic()
+    slow.stop()
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_new_run_is_followed_even_with_a_lower_version(store, caplog):
+    """The head is (run id, version): a different run id restarts the count."""
+    caplog.set_level(logging.INFO, logger="dbsync")
+    state: dict[str, object] = {"bytes": b"1", "head": Head("run-a", 5)}
+    seen = Seen()
+    with Watcher(store, seen, use_polling=True, poll_interval=0.01,
+                 probe=lambda: state["bytes"], head=lambda: state["head"]) as watcher:
+        assert seen.until(5)
+        state.update(bytes=b"2", head=Head("run-a", 6))
+        assert seen.until(6)
+        state.update(bytes=b"3", head=Head("run-b", 1))
+        assert seen.until(1)
+        assert watcher.run_id == "run-b" and watcher.last_version == 1
+        state.update(bytes=b"4", head=Head("run-b", 2))
+        assert seen.until(2)
+    assert seen.versions == [5, 6, 1, 2]
+    assert sum("new training run" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_last_version_reset_asks_for_a_retry(store):
+    """A caller whose apply failed resets ``last_version``; the next look reports again."""
+    seen = Seen()
+    fail = [True]
+
+    def on_version(version: int) -> None:
+        seen(version)
+        if fail[0]:
+            fail[0] = False
+            watcher.last_version = None  # retry
+    watcher = Watcher(store, on_version, use_polling=False, safety_interval=0.05)
+    with watcher:
+        assert seen.until(1)
+        deadline = time.monotonic() + 5
+        while seen.versions.count(1) < 2 and time.monotonic() < deadline:
+            idle(0.02)
+    assert seen.versions == [1, 1]
+
+
+def test_store_directory_replaced_is_watched_again(root):
+    push(root, 1.0)
+    seen = Seen()
+    with Watcher(root, seen, use_polling=False, poll_interval=0.05, safety_interval=60):
+        assert seen.until(1)
+        shutil.rmtree(root)
+        push(root, 1.0)
+        push(root, 2.0)  # version 2 of the new store: newer than 1
+        assert seen.until(2, timeout=5)  # long before the 60 s safety look

@@ -1,0 +1,665 @@
+"""A torchrl weight sync scheme backed by a dbsync store: a drop-in for torchrl's
+``VLLMDoubleBufferSyncScheme`` (torchrl 0.14.1) with versions, an atomic flip and checks.
+
+    from dbsync.torchrl import VLLMDoubleBufferSyncScheme   # was: torchrl.weight_update.llm
+
+    scheme = VLLMDoubleBufferSyncScheme(remote_addr="/mnt/shared/policy", num_threads=8)
+    sender = scheme.create_sender()                # trainer
+    sender.register_model(policy_model)
+    version = sender.update_weights()              # 1, 2, 3, ...: durable and published
+
+    receiver = scheme.create_receiver(llm)         # inference: a vllm.LLM or AsyncLLM
+    if receiver.poll_and_apply():                  # True when a newer version was applied
+        print("serving", receiver.version)
+
+The scheme is a ``torchrl.weight_update.WeightSyncScheme``, so it also works wherever torchrl
+takes one: ``Collector(..., weight_sync_schemes={"policy": scheme})`` (``init_on_sender``,
+``connect``, ``send`` through ``collector.update_policy_weights_``), receiver-side
+``init_on_receiver``/``connect``/``receive``, the ``UpdateWeights(sender=...)`` trainer hook,
+and the older ``init_on_worker``/``get_sender``/``get_receiver`` calls.
+
+Weight extraction is torchrl's own ``WeightStrategy`` (``strategy="tensordict"`` or
+``"state_dict"``), so the same names reach the store as with torchrl's scheme, with one
+difference: the ``"tensordict"`` strategy of an ``nn.Module`` leaves out non-persistent buffers
+(e.g. rotary ``inv_freq``), which are not weights and which a vLLM engine would refuse.
+
+Where this differs from torchrl's scheme, on purpose:
+- torchrl overwrites one directory in place: a reader can load half of two versions. Here each
+  push goes to a free slot and a manifest is flipped atomically once it is durable; readers
+  lease what they read, and every checksum is verified before the engine sees a tensor.
+- torchrl's ``update_weights`` returns nothing and ``poll_and_apply`` always returns True (it
+  reloads whatever is in the folder). Here ``update_weights``/``send`` return the published
+  version, ``poll_and_apply`` returns whether a newer version was applied, and
+  ``receiver.version`` says which version the engine serves.
+- torchrl's extraction turns an unsupported source into an empty set with a warning, and its
+  scheme cannot be initialized by a collector (``init_on_sender`` raises NotImplementedError).
+  Here nothing is skipped: empty or unresolvable weights raise ``InvalidWeightsError``, a
+  version the engine's model does not fit raises ``IncompatibleWeightsError`` (the served
+  version stays), and ``worker_ids`` (every receiver reads the same store) raises ValueError.
+
+Hazards:
+- ``receive()``/``receive_weights()`` do not wait unless given a ``timeout``: they apply a newer
+  version if there is one and return None otherwise (torchrl's own reload is immediate too).
+- A vLLM engine must be created with ``**dbsync.vllm.engine_args()``; torchrl's Ray-based
+  ``AsyncVLLM`` is not supported (attach inside each engine's process, or run
+  ``dbsync serve-vllm``). An offline ``vllm.LLM`` is not thread-safe: call ``poll_and_apply``
+  between ``generate`` calls, from the thread that generates.
+- One writer per store: the scheme keeps one ``dbsync.Sender`` per scheme object and process
+  (``create_transport``/``create_sender`` share it); ``shutdown()`` releases it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+try:
+    from tensordict import TensorDict, TensorDictBase
+    from torchrl.weight_update.utils import _resolve_model
+    from torchrl.weight_update.weight_sync_schemes import WeightStrategy, WeightSyncScheme
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "dbsync.torchrl needs torchrl (tested with torchrl 0.14.1): pip install torchrl"
+    ) from exc
+
+from .errors import DBSyncError, InvalidWeightsError
+from .receiver import Receiver
+from .sender import Sender
+from .store import Store
+from .watch import Watcher
+
+log = logging.getLogger(__name__)
+
+Strategy = Literal["tensordict", "state_dict"]
+
+__all__ = [
+    "DBSyncScheme",
+    "DBSyncTransport",
+    "DBSyncWeightReceiver",
+    "DBSyncWeightSender",
+    "VLLMDoubleBufferSyncScheme",
+    "VLLMDoubleBufferTransport",
+    "VLLMDoubleBufferWeightReceiver",
+    "VLLMDoubleBufferWeightSender",
+    "extract_weights",
+]
+
+
+# ---- weights ---------------------------------------------------------------------------------
+def _non_persistent_buffers(module: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name in getattr(sub, "_non_persistent_buffers_set", ()):
+            names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def extract_weights(strategy: WeightStrategy, source: Any) -> Any:
+    """``strategy.extract_weights(source)`` (torchrl's extraction, unchanged), except that for an
+    ``nn.Module`` under ``"tensordict"`` its non-persistent buffers are left out (they are not
+    in its state_dict, not in its checkpoint, and an engine would refuse them)."""
+    weights = strategy.extract_weights(source)
+    if strategy.extract_as == "tensordict" and isinstance(source, nn.Module):
+        dropped = _non_persistent_buffers(source)
+        if dropped:
+            keys = [tuple(name.split(".")) for name in dropped]
+            weights = weights.exclude(*keys)
+            log.debug("dbsync: not publishing non-persistent buffers %s", sorted(dropped))
+    return weights
+
+
+def _as_pairs(weights: Any) -> dict[str, torch.Tensor]:
+    """The flat ``{name: tensor}`` that is published, names joined with '.' (as torchrl's
+    ``flatten_keys(".")``)."""
+    if isinstance(weights, nn.Module):
+        weights = weights.state_dict()
+    if isinstance(weights, TensorDictBase):
+        flat = weights.flatten_keys(".")
+        pairs = {str(k): v for k, v in flat.items(include_nested=True, leaves_only=True)}
+    elif isinstance(weights, Mapping):
+        pairs = dict(weights)
+    else:
+        raise InvalidWeightsError(
+            f"cannot publish a {type(weights).__name__}: pass an nn.Module, a TensorDict or a "
+            "mapping of names to tensors")
+    if not pairs:
+        raise InvalidWeightsError(
+            "no weights to publish (an empty set): torchrl's extraction returns one for a "
+            "source it does not support; pass the model or its state_dict")
+    return pairs
+
+
+# ---- vLLM engines --------------------------------------------------------------------------
+def _vllm_engine(target: Any) -> Any | None:
+    """``target`` as a vLLM engine (``vllm.LLM``, ``AsyncLLM``, or a torchrl ``vLLMWrapper``
+    around one), or None when it is not one."""
+    import asyncio
+
+    if type(target).__name__ == "AsyncVLLM":
+        raise DBSyncError(
+            "torchrl's AsyncVLLM runs its engines in Ray actors, which this scheme cannot reach: "
+            "attach each engine in its own process (dbsync.vllm.attach) or run "
+            "`dbsync serve-vllm`")
+    for candidate in (target, getattr(target, "model", None)):
+        if candidate is None or isinstance(candidate, nn.Module):
+            continue
+        if hasattr(candidate, "llm_engine") or asyncio.iscoroutinefunction(
+                getattr(candidate, "pause_generation", None)):
+            return candidate
+    return None
+
+
+# ---- transport -------------------------------------------------------------------------------
+class DBSyncTransport:
+    """torchrl's ``VLLMDoubleBufferTransport`` over a dbsync store.
+
+    ``send_weights`` publishes a version into ``remote_addr`` and returns it;
+    ``receive_weights`` reads the newest version from ``local_addr`` (the same store, possibly
+    mounted elsewhere) if it is newer than the last one received, applies it to ``model`` when
+    given one, and returns it as a TensorDict with '.'-joined names (None when nothing is
+    newer). A vLLM engine as ``model`` gets the version through dbsync's swap path and the
+    version number is returned instead of tensors."""
+
+    def __init__(self, remote_addr: str | os.PathLike[str],
+                 local_addr: str | os.PathLike[str] | None = None, num_threads: int = 1, *,
+                 scheme: DBSyncScheme | None = None):
+        self.remote_addr = os.fspath(remote_addr)
+        self.local_addr = os.fspath(local_addr) if local_addr is not None else self.remote_addr
+        self.num_threads = num_threads
+        self._scheme = scheme
+        self._own_writer: Sender | None = None
+        self._reader: Receiver | None = None
+        self._vllm: DBSyncWeightReceiver | None = None
+        self.last_version: int | None = None
+
+    # -- sender side
+    def _writer(self) -> Sender:
+        if self._scheme is not None:
+            return self._scheme.writer()
+        if self._own_writer is None:
+            self._own_writer = Sender(self.remote_addr, num_threads=self.num_threads)
+        return self._own_writer
+
+    def send_weights(self, *args: Any) -> int:
+        """``send_weights(weights)`` (torchrl's scheme ``send``) or ``send_weights(model_id,
+        weights)`` (torchrl's double-buffer sender). Returns once the version is durable and
+        published; returns the version."""
+        if len(args) == 2:
+            model_id, weights = args
+        elif len(args) == 1:
+            model_id, weights = None, args[0]
+        else:
+            raise TypeError("send_weights(weights) or send_weights(model_id, weights)")
+        version = self._writer().push(_as_pairs(weights))
+        self.last_version = version
+        log.info("dbsync: published version %d of %s to %s", version, model_id or "the model",
+                 self.remote_addr)
+        return version
+
+    def setup_connection_and_weights_on_sender(self) -> None:
+        """Nothing to set up: receivers read the store's current version when they connect."""
+
+    # -- receiver side
+    def _receiver(self) -> Receiver:
+        if self._reader is None:
+            verify = True if self._scheme is None else self._scheme.verify
+            self._reader = Receiver(self.local_addr, verify=verify)
+        return self._reader
+
+    def receive_weights(self, timeout: float | None = None, *, weights: Any = None,
+                        model: Any = None, strategy: WeightStrategy | None = None) -> Any | None:
+        """Read (and apply to ``model``) the newest version if it is newer than the last one
+        received; wait up to ``timeout`` seconds for one (None: do not wait). ``weights`` is
+        ignored (the store holds them)."""
+        del weights
+        engine = _vllm_engine(model) if model is not None else None
+        if engine is not None:
+            if self._vllm is None or self._vllm.engine is not engine:
+                if self._scheme is None:
+                    raise DBSyncError("a vLLM engine receives through a scheme: "
+                                      "scheme.create_receiver(engine)")
+                self._vllm = DBSyncWeightReceiver(self._scheme, engine)
+            applied = self._vllm.poll(timeout)
+            return self._vllm.version if applied else None
+        receiver = self._receiver()
+        floor = self.last_version or 0
+        latest = receiver.latest_version()
+        if latest is None or latest <= floor:
+            if not timeout:
+                return None
+            if receiver.wait(newer_than=floor, timeout=timeout) is None:
+                return None
+        copies: dict[str, torch.Tensor] = {}
+
+        def load(pairs: Any) -> None:
+            for name, tensor in pairs:
+                copies[name] = tensor.clone()  # the store's views are valid only during load
+
+        version = receiver.load(load)
+        self.last_version = version
+        if model is not None and strategy is not None:
+            strategy.apply_weights(model, dict(copies))
+        log.info("dbsync: received version %d from %s", version, self.local_addr)
+        return TensorDict(copies, batch_size=[])
+
+    def setup_connection_and_weights_on_receiver(self, *, worker_idx: int | None = None,
+                                                 weights: Any = None, model: Any = None,
+                                                 strategy: WeightStrategy | None = None) -> None:
+        """Apply the store's current version, if any, so a late joiner starts from it. Returns
+        None (torchrl then applies nothing more)."""
+        del worker_idx
+        self.receive_weights(None, weights=weights, model=model, strategy=strategy)
+
+    def check_connection(self) -> bool:
+        """Whether the store's directory exists (nothing needs to be published yet)."""
+        return os.path.isdir(self.local_addr)
+
+    def close(self) -> None:
+        if self._own_writer is not None:
+            self._own_writer.close()
+            self._own_writer = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        if self._vllm is not None:
+            self._vllm.close()
+            self._vllm = None
+
+
+# ---- sender and receiver -----------------------------------------------------------------------
+class DBSyncWeightSender:
+    """torchrl's ``VLLMDoubleBufferWeightSender``: ``register_model(model)``, then
+    ``update_weights()`` publishes the model's current weights and returns the version."""
+
+    def __init__(self, scheme: DBSyncScheme):
+        self._scheme = scheme
+        self._strategy = scheme.strategy
+        self._model_ref: Any = None
+        self._transport: DBSyncTransport | None = None
+
+    def register_model(self, model: Any) -> None:
+        """Register the model to extract weights from (held by a weak reference)."""
+        import weakref
+
+        self._model_ref = weakref.ref(model)
+        self._transport = self._scheme.create_transport()
+        log.info("dbsync: registered a model for publishing to %s", self._scheme.remote_addr)
+
+    def update_weights(self, weights: Any | None = None) -> int:
+        """Publish ``weights`` (default: the registered model's, extracted with the scheme's
+        strategy); return the version once it is durable and published."""
+        if self._transport is None:
+            raise RuntimeError("Transport not initialized. Call register_model first.")
+        if weights is None:
+            model = self._model_ref()
+            if model is None:
+                raise RuntimeError("Model reference is dead")
+            weights = extract_weights(self._strategy, model)
+        elif hasattr(weights, "state_dict"):
+            weights = extract_weights(self._strategy, weights)
+        return self._transport.send_weights("vllm_model", weights)
+
+    def wait_for_receivers(self, version: int, count: int, timeout: float | None = None) -> bool:
+        """Wait until ``count`` receivers report ``version`` (or newer) applied; False on
+        timeout."""
+        return self._scheme.writer().wait_for_receivers(version, count, timeout)
+
+
+class DBSyncWeightReceiver:
+    """torchrl's ``VLLMDoubleBufferWeightReceiver`` on dbsync's swap path: each
+    ``poll_and_apply()`` applies the newest published version to the engine (read and verified
+    before the engine pauses) and says whether it applied one. ``target`` is a ``vllm.LLM`` or
+    ``AsyncLLM`` created with ``**dbsync.vllm.engine_args()`` (or a torchrl ``vLLMWrapper``
+    around one); an ``nn.Module`` is updated in place through torchrl's strategy."""
+
+    def __init__(self, scheme: DBSyncScheme, target: Any):
+        self._scheme = scheme
+        self._strategy = scheme.strategy
+        self.engine = _vllm_engine(target)
+        self._target = target
+        self._transport = scheme.create_transport()
+        self._attachment: Any = None
+        self._lock = threading.Lock()
+        if self.engine is not None:
+            from .vllm import attach
+
+            self._attachment = attach(self.engine, scheme.local_addr, watch=False,
+                                      model_dir=scheme.model_dir, verify=scheme.verify,
+                                      poll_interval=scheme.poll_interval,
+                                      transport="filesystem")
+        elif isinstance(target, nn.Module | TensorDictBase | dict):
+            self._transport._receiver()  # registers the reader now, as torchrl's does
+        else:
+            raise DBSyncError(
+                f"cannot receive into a {type(target).__name__}: pass a vllm.LLM or AsyncLLM "
+                "created with **dbsync.vllm.engine_args(), or an nn.Module")
+        log.info("dbsync: receiver reading from %s", scheme.local_addr)
+
+    @property
+    def version(self) -> int | None:
+        """The version applied (None: nothing applied yet; an engine serves its checkpoint)."""
+        if self._attachment is not None:
+            return self._attachment.version
+        return self._transport.last_version
+
+    def status(self) -> dict[str, Any]:
+        """For a vLLM engine: the same JSON ``serve-vllm`` answers on ``/dbsync/status``."""
+        if self._attachment is None:
+            return {"version": self.version}
+        return self._attachment.status()
+
+    def _wait_for(self, newer_than: int, timeout: float) -> bool:
+        store = Store(self._scheme.local_addr)
+        found = threading.Event()
+
+        def on_version(v: int) -> None:
+            if v > newer_than:
+                found.set()
+
+        with Watcher(self._scheme.local_addr, on_version,
+                     poll_interval=self._scheme.poll_interval):
+            manifest = store.read_manifest()
+            if manifest is not None and manifest.version > newer_than:
+                return True
+            return found.wait(timeout)
+
+    def poll(self, timeout: float | None = None) -> bool:
+        """Apply the newest version if it is newer than the one applied, waiting up to
+        ``timeout`` seconds for one (None or 0: do not wait). True if one was applied."""
+        with self._lock:
+            before = self.version
+            if self._attachment is None:
+                got = self._transport.receive_weights(timeout, model=self._target,
+                                                      strategy=self._strategy)
+                return got is not None
+            if timeout:
+                self._wait_for(before or 0, timeout)
+            after = self._attachment.apply_latest()
+            return after is not None and after != before
+
+    def poll_and_apply(self, timeout: float = 180.0) -> bool:
+        """Apply the newest published version if the engine does not serve it yet; True if a
+        version was applied, False if it already serves the newest one. Waits (up to
+        ``timeout`` seconds) only while nothing at all has been published. Raises
+        ``IncompatibleWeightsError``/``DamagedVersionError`` when the version is refused (the
+        previous one keeps serving)."""
+        published = Store(self._scheme.local_addr).read_manifest()
+        return self.poll(timeout if published is None else None)
+
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
+        """Apply given tensors to an ``nn.Module`` target (torchrl's strategy). A vLLM engine
+        only applies published versions (verified, versioned): use ``poll_and_apply``."""
+        if not inplace:
+            raise ValueError("Cannot apply weights out of place for vLLM double-buffer")
+        if self._attachment is not None:
+            raise DBSyncError(
+                "a vLLM engine applies only published versions: push the weights with the "
+                "sender (update_weights) and call poll_and_apply()")
+        self._strategy.apply_weights(self._target, weights, inplace=inplace)
+
+    def close(self) -> None:
+        """Detach from the engine (it keeps the weights it has) and unregister the reader."""
+        if self._attachment is not None:
+            self._attachment.detach()
+            self._attachment = None
+        self._transport.close()
+
+
+class _ReceiverTransport:
+    """The transport a receiver-side scheme uses for a vLLM engine: ``receive()`` polls the
+    scheme's ``DBSyncWeightReceiver``."""
+
+    def __init__(self, receiver: DBSyncWeightReceiver):
+        self.receiver = receiver
+
+    def receive_weights(self, timeout: float | None = None, **_: Any) -> int | None:
+        return self.receiver.version if self.receiver.poll(timeout) else None
+
+    def setup_connection_and_weights_on_receiver(self, **_: Any) -> None:
+        self.receiver.poll(None)
+
+    def check_connection(self) -> bool:
+        return os.path.isdir(self.receiver._scheme.local_addr)
+
+
+# ---- scheme ----------------------------------------------------------------------------------
+class DBSyncScheme(WeightSyncScheme):
+    """torchrl's ``VLLMDoubleBufferSyncScheme`` (same constructor and methods) over a dbsync
+    store; see the module docstring for what differs and why.
+
+    ``remote_addr``: the store the trainer publishes to. ``local_addr``: the same store as the
+    receiver sees it (default ``remote_addr``). ``num_threads``: parallel writers.
+    ``strategy``: torchrl's weight extraction, "tensordict" or "state_dict".
+    dbsync options (keyword-only): ``dtype`` (publish floating tensors in this dtype),
+    ``durable`` (fsync before the flip; turn off only for /dev/shm), ``verify`` (check every
+    checksum before applying), ``poll_interval`` (force polling the store, e.g. on NFS),
+    ``model_dir`` (the checkpoint an engine was started from, when not its model name),
+    ``wait_for``/``wait_timeout`` (``send`` waits until that many receivers applied the
+    version, like torchrl's acknowledged send)."""
+
+    def __init__(
+        self,
+        remote_addr: str | os.PathLike[str],
+        local_addr: str | os.PathLike[str] | None = None,
+        num_threads: int = 1,
+        strategy: Strategy = "tensordict",
+        *,
+        dtype: torch.dtype | None = None,
+        durable: bool = True,
+        verify: bool = True,
+        poll_interval: float | None = None,
+        model_dir: str | None = None,
+        wait_for: int = 0,
+        wait_timeout: float | None = 120.0,
+    ):
+        super().__init__(strategy=strategy)
+        if num_threads < 1:
+            raise ValueError("num_threads must be at least 1")
+        self.remote_addr = os.fspath(remote_addr)
+        self.local_addr = os.fspath(local_addr) if local_addr is not None else self.remote_addr
+        self.num_threads = num_threads
+        self.strategy_name = strategy
+        self.dtype = dtype
+        self.durable = durable
+        self.verify = verify
+        self.poll_interval = poll_interval
+        self.model_dir = model_dir
+        self.wait_for = wait_for
+        self.wait_timeout = wait_timeout
+        self.version: int | None = None
+        self._writer_obj: Sender | None = None
+        self._writer_lock = threading.Lock()
+        self._sender: DBSyncWeightSender | None = None
+        self._receiver: DBSyncWeightReceiver | None = None
+
+    # -- torchrl's VLLMDoubleBufferSyncScheme API
+    def create_transport(self, **kwargs: Any) -> DBSyncTransport:
+        """A transport over this scheme's store (``kwargs`` are accepted and unused, as in
+        torchrl). Transports of one scheme share its writer."""
+        del kwargs
+        return DBSyncTransport(self.remote_addr, self.local_addr, self.num_threads, scheme=self)
+
+    def create_sender(self) -> DBSyncWeightSender:
+        """A sender for the trainer process."""
+        return DBSyncWeightSender(self)
+
+    def create_receiver(self, vllm_engine: Any) -> DBSyncWeightReceiver:
+        """A receiver applying versions to ``vllm_engine`` (see ``DBSyncWeightReceiver``)."""
+        return DBSyncWeightReceiver(self, vllm_engine)
+
+    def writer(self) -> Sender:
+        """This scheme's ``dbsync.Sender`` (created on first use; holds the writer lock)."""
+        with self._writer_lock:
+            if self._writer_obj is None:
+                self._writer_obj = Sender(self.remote_addr, num_threads=self.num_threads,
+                                          dtype=self.dtype, durable=self.durable)
+            return self._writer_obj
+
+    # -- torchrl's WeightSyncScheme API (sender side)
+    def _init_on_sender_impl(self, model_id: str | None = None, context: Any = None, *,
+                             model: Any = None, weights: Any = None, **kwargs: Any) -> None:
+        del kwargs  # devices, num_workers, params_map...: one store serves every worker
+        self._model_id = model_id
+        self.context = context
+        if model is not None:
+            self.model = model
+        if weights is not None:
+            self.weights = weights
+        self.shared_transport = self.create_transport()
+        self._sender = self.create_sender()
+        self._sender._transport = self.shared_transport
+        if model is not None:
+            self._sender._model_ref = self._model_ref
+
+    def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None,
+                                                     weights: Any | None = None) -> None:
+        """``connect(weights=...)`` publishes them as the first version; ``connect()``
+        publishes nothing (receivers start from the store's current version, or their own
+        checkpoint)."""
+        del worker_idx
+        if weights is not None:
+            self.version = self.shared_transport.send_weights(
+                self.prepare_weights(weights, self._model_id or "policy", self._strategy,
+                                     self.context))
+
+    def prepare_weights(self, weights: Any, model_id: str | None, strategy: WeightStrategy,
+                        context: Any = None) -> Any:
+        """torchrl's ``prepare_weights`` (weights, else the model resolved from ``context``,
+        else the model given to ``init_on_sender``), with ``extract_weights`` for modules. An
+        unresolvable model raises instead of sending nothing."""
+        if weights is None:
+            model = None
+            if context is not None:
+                try:
+                    model = _resolve_model(context, model_id or "policy")
+                except (AttributeError, KeyError):
+                    model = getattr(context, "_fallback_policy", None) \
+                        if (model_id or "policy") == "policy" else None
+            if model is None and self._model_ref is not None:
+                model = self._model_ref()
+            if model is None:
+                raise InvalidWeightsError(
+                    f"no weights to send for {model_id or 'the model'!r}: pass weights=, or "
+                    "give init_on_sender a model= or a context holding it")
+            return extract_weights(strategy, model)
+        if isinstance(weights, nn.Module):
+            return extract_weights(strategy, weights)
+        if isinstance(weights, str):
+            if context is None:
+                raise ValueError(f"Cannot resolve string reference '{weights}' without context")
+            return extract_weights(strategy, _resolve_model(context, weights))
+        return weights
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> int:
+        """Publish ``weights`` (None: the model's, see ``prepare_weights``) as the next
+        version; with ``wait_for`` set, also wait until that many receivers applied it.
+        Returns the version. Every receiver reads the same store, so ``worker_ids`` cannot
+        select some of them: passing it raises ValueError."""
+        if not self.initialized_on_sender:
+            raise RuntimeError("Must be initialized on sender before sending weights")
+        if not self.synchronized_on_sender:
+            raise RuntimeError("Must be synchronized on sender before sending weights")
+        if worker_ids is not None:
+            raise ValueError(
+                "a dbsync store publishes to every receiver: send() cannot target worker_ids "
+                f"{worker_ids!r}; call it without worker_ids")
+        prepared = self.prepare_weights(weights, self._model_id, self._strategy, self.context)
+        version = self.shared_transport.send_weights(prepared)
+        self.version = version
+        if self.wait_for > 0 and not self.writer().wait_for_receivers(
+                version, self.wait_for, self.wait_timeout):
+            raise TimeoutError(
+                f"fewer than {self.wait_for} receivers applied version {version} within "
+                f"{self.wait_timeout} s (see `dbsync status {self.remote_addr}`)")
+        return version
+
+    # -- torchrl's WeightSyncScheme API (receiver side)
+    def _init_on_receiver_impl(self, model_id: str, context: Any = None, *,
+                               model: Any = None, vllm_engine: Any = None,
+                               worker_idx: int | None = None, **kwargs: Any) -> None:
+        del kwargs
+        self._model_id = model_id
+        self.context = context
+        self._worker_idx = worker_idx
+        target = vllm_engine if vllm_engine is not None else model
+        if target is None and context is not None:
+            target = _resolve_model(context, model_id)
+        if target is None:
+            raise DBSyncError(f"no model to receive {model_id!r} into: pass model= (an "
+                              "nn.Module or a vLLM engine) or a context holding it")
+        self._receiver = DBSyncWeightReceiver(self, target)
+        self.model = target
+        if self._receiver.engine is not None:
+            self._receiver_transport = _ReceiverTransport(self._receiver)
+        else:
+            self._receiver_transport = self._receiver._transport
+
+    @property
+    def weights(self) -> Any | None:
+        """torchrl's ``weights``; None for a vLLM engine (its weights live in the engine)."""
+        weights = getattr(self, "_weights", None)
+        if weights is not None:
+            return weights
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None and receiver.engine is not None:
+            return None
+        return WeightSyncScheme.weights.fget(self)  # type: ignore[attr-defined]
+
+    @weights.setter
+    def weights(self, value: Any) -> None:
+        self._weights = value
+
+    # -- torchrl 0.10's API
+    def init_on_worker(self, model_id: str, context: Any = None, **kwargs: Any) -> None:
+        """torchrl 0.10's name for ``init_on_receiver``."""
+        self.init_on_receiver(model_id=model_id, context=context, **kwargs)
+
+    def get_sender(self) -> DBSyncWeightSender:
+        if not self.initialized_on_sender or self._sender is None:
+            raise RuntimeError(
+                f"Must call init_on_sender() before get_sender() on {type(self).__name__}")
+        return self._sender
+
+    def get_receiver(self) -> DBSyncWeightReceiver:
+        if not self.initialized_on_receiver or self._receiver is None:
+            raise RuntimeError(
+                f"Must call init_on_worker() before get_receiver() on {type(self).__name__}")
+        return self._receiver
+
+    # -- lifecycle
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for key in ("_writer_obj", "_sender", "_receiver", "_receiver_transport",
+                    "_shared_transport", "_sender_transports"):
+            state[key] = None
+        state["_writer_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._writer_lock = threading.Lock()
+
+    def shutdown(self) -> None:
+        """Release the writer lock, detach receivers; safe to call twice."""
+        super().shutdown()
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            self._receiver = None
+            receiver.close()
+        writer = getattr(self, "_writer_obj", None)
+        if writer is not None:
+            self._writer_obj = None
+            writer.close()
+
+
+# torchrl's names, for a one-line migration.
+VLLMDoubleBufferSyncScheme = DBSyncScheme
+VLLMDoubleBufferTransport = DBSyncTransport
+VLLMDoubleBufferWeightSender = DBSyncWeightSender
+VLLMDoubleBufferWeightReceiver = DBSyncWeightReceiver

@@ -1,0 +1,244 @@
+"""``dbsync.torchrl`` through torchrl 0.14.1's own code: its ``UpdateWeights`` trainer hook and
+``Collector`` weight sync drive a real vLLM (CPU) engine, which then serves the pushed weights
+token for token; the scheme matches torchrl's ``VLLMDoubleBufferSyncScheme`` name for name.
+
+Runs in ``.venv-torchrl`` (``make test`` creates it: torchrl 0.14.1 with the tensordict it pins,
+below 0.15, over the main environment's torch and vLLM). Where torchrl is missing this module
+is skipped, unless DBSYNC_REQUIRE_TORCHRL=1 (set by ``make test``) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+if os.environ.get("DBSYNC_REQUIRE_TORCHRL") != "1":
+    pytest.importorskip("torchrl", reason="runs in .venv-torchrl (make test)")
+
+import tensordict  # noqa: E402
+import torchrl  # noqa: E402
+from tensordict.nn import TensorDictModule  # noqa: E402
+from torchrl.collectors import Collector  # noqa: E402
+from torchrl.envs import PendulumEnv  # noqa: E402
+from torchrl.trainers import UpdateWeights  # noqa: E402
+from torchrl.weight_update.llm import (  # noqa: E402
+    VLLMDoubleBufferSyncScheme as TorchrlDoubleBufferScheme,
+)
+from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme  # noqa: E402
+
+import dbsync  # noqa: E402
+from dbsync import IncompatibleWeightsError, InvalidWeightsError  # noqa: E402
+from dbsync.torchrl import VLLMDoubleBufferSyncScheme  # noqa: E402
+from tests.vllm_helpers import engine_kwargs, greedy, reference, tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:state_dict strategy is experimental")]
+STRATEGIES = ["tensordict", "state_dict"]
+
+
+def test_environment_is_torchrls() -> None:
+    """The versions this module claims to test (and pyproject's lowest tensordict)."""
+    if os.environ.get("DBSYNC_REQUIRE_TORCHRL") != "1":
+        pytest.skip("only checked in .venv-torchrl")
+    assert torchrl.__version__ == "0.14.1"
+    assert tensordict.__version__ == "0.14.3"
+
+
+def hf_model(name: str) -> nn.Module:
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM.from_pretrained(tiny_model(name), dtype=torch.float32)
+
+
+class Pendulum(nn.Module):
+    """A tiny policy for torchrl's pure-torch PendulumEnv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+        self.register_buffer("scale", torch.ones(1))  # persistent: published
+        self.register_buffer("cache", torch.zeros(3), persistent=False)  # not a weight
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.stack([th, thdot], -1)) * self.scale
+
+
+def pendulum_policy(fill: float | None = None) -> TensorDictModule:
+    policy = TensorDictModule(Pendulum(), in_keys=["th", "thdot"], out_keys=["action"])
+    if fill is not None:
+        with torch.no_grad():
+            policy.module.lin.weight.fill_(fill)
+            policy.module.lin.bias.fill_(-fill)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    """One engine started from checkpoint A, and A's greedy completions."""
+    from vllm import LLM
+
+    from dbsync import vllm as dbsync_vllm
+
+    reference("B")  # overlaps this engine's start-up
+    llm = LLM(model=str(tiny_model("A")), **engine_kwargs(**dbsync_vllm.engine_args()))
+    yield llm, greedy(llm)
+    llm.llm_engine.engine_core.shutdown()
+
+
+# ---- torchrl's flows into a real engine ----------------------------------------------------
+def test_update_weights_hook_drives_vllm(engine: Any, tmp_path: Path) -> None:
+    """torchrl's UpdateWeights trainer hook pushes through the scheme's sender (tensordict
+    extraction of a transformers model); the receiver's poll_and_apply swaps each version into
+    the engine, which then answers with the pushed weights' tokens."""
+    llm, a_tokens = engine
+    b_tokens = reference("B").result()
+    assert b_tokens != a_tokens
+    scheme = VLLMDoubleBufferSyncScheme(remote_addr=str(tmp_path / "store"), num_threads=2,
+                                        strategy="tensordict")
+    receiver = scheme.create_receiver(llm)
+    assert receiver.poll_and_apply(timeout=0.2) is False  # nothing published yet
+
+    trainer_model = hf_model("B")
+    sender = scheme.create_sender()
+    sender.register_model(trainer_model)
+    hook = UpdateWeights(sender=sender, update_weights_interval=2)
+    hook()  # first of two batches: torchrl's hook does not push yet
+    assert dbsync.Receiver(scheme.remote_addr).latest_version() is None
+    hook()
+    assert receiver.poll_and_apply() is True
+    assert receiver.version == 1 and llm.get_weight_version() == "1"
+    assert greedy(llm) == b_tokens
+    assert receiver.poll_and_apply() is False  # already serving the newest
+
+    trainer_model.load_state_dict(hf_model("A").state_dict())  # "training" moves to A
+    hook()
+    hook()
+    assert receiver.poll_and_apply() is True
+    assert receiver.version == 2 and llm.get_weight_version() == "2"
+    assert greedy(llm) == a_tokens
+    assert receiver.status()["version"] == 2
+    receiver.close()
+    scheme.shutdown()
+
+
+def test_collector_sync_drives_vllm_through_torchrls_receive(engine: Any,
+                                                            tmp_path: Path) -> None:
+    """A torchrl Collector holds the scheme (init_on_sender + connect), collects, and
+    update_policy_weights_ sends through it (state_dict extraction); a receiver-side copy of
+    the scheme (pickled, as torchrl ships schemes to workers) goes through torchrl's
+    init_on_receiver/connect/receive into the engine."""
+    llm, a_tokens = engine
+    b_tokens = reference("B").result()
+    store = str(tmp_path / "store")
+    scheme = VLLMDoubleBufferSyncScheme(store, strategy="state_dict")
+    collector = Collector(PendulumEnv(), pendulum_policy(), frames_per_batch=8,
+                          total_frames=16, weight_sync_schemes={"vllm": scheme},
+                          auto_register_policy_transforms=False)
+    try:
+        assert scheme.initialized_on_sender and scheme.synchronized_on_sender
+        assert next(iter(collector)).numel() == 8
+        collector.update_policy_weights_(hf_model("B"), model_id="vllm")
+        assert scheme.version == 1
+
+        worker_side = pickle.loads(pickle.dumps(scheme))
+        worker_side.init_on_receiver(model_id="vllm", model=llm)
+        worker_side.connect(worker_idx=0)  # a late joiner applies the current version
+        assert llm.get_weight_version() == "1" and greedy(llm) == b_tokens
+        assert worker_side.receive() is None  # nothing newer
+
+        collector.update_policy_weights_(hf_model("A"), model_id="vllm")
+        assert scheme.version == 2
+        assert worker_side.receive() == 2
+        assert llm.get_weight_version() == "2" and greedy(llm) == a_tokens
+
+        # A version the served model does not fit is refused by name; 2 keeps serving.
+        collector.update_policy_weights_(hf_model("C"), model_id="vllm")
+        with pytest.raises(IncompatibleWeightsError, match="mlp.down_proj.weight"):
+            worker_side.receive()
+        assert llm.get_weight_version() == "2" and greedy(llm) == a_tokens
+        worker_side.shutdown()
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+# ---- the scheme through torchrl's double-buffer code paths ---------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_same_names_and_values_as_torchrls_scheme(strategy: str, tmp_path: Path) -> None:
+    """Both schemes' sender -> transport round trip on the same model: the same tensors under
+    the same names, except the non-persistent buffers torchrl's tensordict extraction adds."""
+    model = hf_model("B")
+    theirs = TorchrlDoubleBufferScheme(remote_addr=str(tmp_path / "torchrl"), strategy=strategy)
+    ours = VLLMDoubleBufferSyncScheme(remote_addr=str(tmp_path / "dbsync"), strategy=strategy)
+    for scheme in (theirs, ours):
+        sender = scheme.create_sender()
+        sender.register_model(model)
+        sender.update_weights()
+    got_theirs = theirs.create_transport().receive_weights()
+    got_ours = ours.create_transport().receive_weights()
+    names = set(model.state_dict())
+    assert set(got_ours.keys()) == names
+    extra = {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+    assert set(got_theirs.keys()) == (names | extra if strategy == "tensordict" else names)
+    for name in names:
+        assert torch.equal(got_ours[name], got_theirs[name]), name
+    ours.shutdown()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_double_buffer_paths_on_modules(strategy: str, tmp_path: Path) -> None:
+    """torchrl's sender/receiver/transport calls and its 0.10 names (init_on_worker,
+    get_sender, get_receiver), with versions where torchrl has none and errors where it skips."""
+    store = str(tmp_path / "store")
+    scheme = VLLMDoubleBufferSyncScheme(store, strategy=strategy)
+    assert isinstance(scheme, WeightSyncScheme) and scheme.strategy_str == strategy
+    trained = pendulum_policy(fill=0.5)
+    scheme.init_on_sender(model_id="policy", model=trained)
+    scheme.connect()
+    assert dbsync.Receiver(store).latest_version() is None  # connect() publishes nothing
+    assert scheme.send() == 1  # the model given to init_on_sender
+    assert scheme.get_sender().update_weights() == 2
+    transport = scheme.create_transport()
+    assert transport.send_weights("vllm_model", trained) == 3  # torchrl's call shape
+    with pytest.raises(ValueError, match="worker_ids"):
+        scheme.send(worker_ids=[0])
+    with pytest.raises(InvalidWeightsError, match="empty"):
+        scheme.send(weights={})
+
+    worker = pickle.loads(pickle.dumps(scheme))
+    target = pendulum_policy(fill=0.0)
+    worker.init_on_worker("policy", model=target)
+    worker.connect(worker_idx=0)  # applies version 3
+    receiver = worker.get_receiver()
+    assert receiver.version == 3
+    assert torch.equal(target.module.lin.weight, trained.module.lin.weight)
+    assert receiver.poll_and_apply() is False
+    with torch.no_grad():
+        trained.module.lin.weight.fill_(-2.0)
+    assert scheme.send() == 4
+    got = worker.receive()
+    assert sorted(got.keys()) == ["module.lin.bias", "module.lin.weight", "module.scale"]
+    assert torch.equal(target.module.lin.weight, trained.module.lin.weight)
+    with pytest.raises(RuntimeError, match="init_on_sender"):
+        worker.get_sender()
+    worker.shutdown()
+    scheme.shutdown()
+    assert dbsync.Receiver(store).latest_version() == 4
+
+
+def test_engine_receiver_refuses_what_torchrl_would_apply_unversioned(engine: Any,
+                                                                     tmp_path: Path) -> None:
+    """apply_weights(tensors) would bypass versions and checks: refused for an engine, with
+    what to do instead."""
+    llm, _ = engine
+    scheme = VLLMDoubleBufferSyncScheme(str(tmp_path / "store"))
+    receiver = scheme.create_receiver(llm)
+    with pytest.raises(dbsync.DBSyncError, match="poll_and_apply"):
+        receiver.apply_weights({"lm_head.weight": torch.zeros(1)})
+    receiver.close()

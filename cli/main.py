@@ -1,9 +1,13 @@
 """``dbsync``: publish weights into a store, inspect it, watch it, verify it, serve it.
 
 Each command is a few lines over the library. Exit codes: 0 success, 1 failure (the message
-names the file or tensor and what to do), 2 usage error (click's). Errors from the library
+names the file or tensor and what to do), 2 usage error (click's), 130 interrupted (Ctrl-C),
+141 the reader of our output went away (``| head``). Errors from the library
 (``DBSyncError``) and the OS (``OSError``) are caught here and printed as plain lines; set
 ``DBSYNC_DEBUG=1`` to see tracebacks of unexpected errors.
+
+Start-up stays quick: this module imports neither torch nor the library's heavy parts; each
+command imports what it needs when it runs (``--help`` never imports torch).
 """
 
 from __future__ import annotations
@@ -14,22 +18,21 @@ import os
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-import torch
 
-import dbsync
-from dbsync import sources
-from dbsync.errors import DamagedVersionError, DBSyncError, LeaseExpiredError
-from dbsync.status import receivers_at, store_status, wait_for_receivers
-from dbsync.store import Store
+from dbsync import __version__
+from dbsync.errors import DBSyncError
 
-from .checks import current_problems
+from . import pipes
 from .fmt import human_age, human_bytes, human_time, table
-from .progress import ProgressBar
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+if TYPE_CHECKING:
+    from dbsync.store import Store
+
+DTYPES = ("bf16", "fp16", "fp32")
+INTERRUPTED_EXIT = 130
 
 
 class Failure(click.ClickException):
@@ -49,17 +52,28 @@ def _describe_os_error(exc: OSError) -> str:
     return what
 
 
+def _interrupted(message: str) -> NoReturn:
+    click.echo(message, err=True)
+    raise click.exceptions.Exit(INTERRUPTED_EXIT)
+
+
 class _Group(click.Group):
-    """Turns library and OS errors raised by any command into plain one-paragraph failures."""
+    """Turns library and OS errors raised by any command into plain one-paragraph failures,
+    Ctrl-C into exit status 130, and a vanished reader of our output into a quiet exit."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except KeyboardInterrupt:
+            _interrupted("\ninterrupted")
         except DBSyncError as exc:
             raise Failure(str(exc)) from None
         except OSError as exc:
+            if pipes.is_closed_pipe(exc):
+                pipes.silence()
+                raise click.exceptions.Exit(pipes.CLOSED_PIPE_EXIT) from None
             raise Failure(_describe_os_error(exc)) from None
         except Exception as exc:
             if os.environ.get("DBSYNC_DEBUG"):
@@ -70,13 +84,28 @@ class _Group(click.Group):
 
 def _existing_store(root: str) -> Store:
     """A Store for reading; never creates ``root`` (a typo must not make a directory)."""
+    from dbsync.store import Store
+
     if not os.path.isdir(root):
         fail(f"{root} is not a directory; check the path (nothing has been published there)")
     return Store(root, create=False)
 
 
+def _current_version(root: str) -> int | None:
+    """The version ROOT serves now; None if none (or the store cannot be read)."""
+    from dbsync.store import Store
+
+    if not os.path.isdir(root):
+        return None
+    try:
+        manifest = Store(root, create=False).read_manifest()
+    except (DBSyncError, OSError):
+        return None
+    return None if manifest is None else manifest.version
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(dbsync.__version__, prog_name="dbsync")
+@click.version_option(__version__, prog_name="dbsync")
 def cli() -> None:
     """Publish trainer weights into a shared directory (ROOT) and hot-swap them into running
     vLLM engines."""
@@ -88,7 +117,7 @@ def cli() -> None:
 @click.argument("root", type=click.Path(file_okay=False, path_type=str))
 @click.option("--threads", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Parallel writer threads.")
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Convert floating tensors to this dtype before publishing.")
 @click.option("--wait-for", "wait_for", type=click.IntRange(1), default=None, metavar="N",
               help="After publishing, wait until N receivers report this version loaded.")
@@ -101,32 +130,91 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
     SRC: a .safetensors file, an HF checkpoint directory (sharded, with
     model.safetensors.index.json, or not), a torch .pt/.pth/.bin state dict (loaded with
     weights_only=True: no code runs), or a tensordict memmap directory. Everything is checked
-    before ROOT is touched: a failed push publishes nothing."""
+    before ROOT is touched: a failed push publishes nothing. Ctrl-C before the new version is
+    published publishes nothing (exit 130)."""
     if timeout is not None and wait_for is None:
         raise click.UsageError("--timeout only applies with --wait-for N")
+    from dbsync import sources
+    from dbsync.sender import Sender
+
+    from .interrupt import SigintFlag
+    from .progress import ProgressBar
+
     started = time.monotonic()
-    pairs = sources.collect(src, dtype=DTYPES[dtype] if dtype else None)
-    bar = ProgressBar()
-    with dbsync.Sender(root, num_threads=threads) as sender:
-        try:
-            version = sender.push(dict(pairs), progress=bar)
-        finally:
-            bar.finish()
-        store = sender.store
+    before = _current_version(root)
+    try:
+        pairs = sources.collect(src, dtype=_torch_dtype(dtype))
+    except KeyboardInterrupt:
+        _interrupted(f"\ninterrupted while reading {src}: nothing was published")
     nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+    bar = ProgressBar()
+    stop = SigintFlag("interrupted: stopping before the new version is published "
+                      "(Ctrl-C again to stop waiting)")
+
+    def progress(done: int, total: int) -> None:
+        stop.check()  # raises in a writer thread: the push fails before its flip
+        bar(done, total)
+
+    try:
+        with stop:
+            click.echo(f"publishing {len(pairs)} tensors ({human_bytes(nbytes)}) from {src} "
+                       f"as the next version of {os.path.abspath(root)}", err=True)
+            with Sender(root, num_threads=threads) as sender:
+                stop.check()
+                try:
+                    version = sender.push(dict(pairs), progress=progress)
+                finally:
+                    bar.finish()
+                store = sender.store
+    except BaseException as exc:
+        if stop.is_set() or isinstance(exc, KeyboardInterrupt):
+            _report_interrupted_push(root, before)
+        raise
+    if stop.is_set():  # Ctrl-C came after the last byte was written: the flip happened
+        click.echo(version)
+        _interrupted(f"interrupted too late: version {version} was already published in "
+                     f"{store.root} ({len(pairs)} tensors, {human_bytes(nbytes)})")
     click.echo(f"published version {version} in {store.root}: {len(pairs)} tensors, "
                f"{human_bytes(nbytes)}, {time.monotonic() - started:.2f} s", err=True)
     click.echo(version)
     if wait_for is not None:
-        click.echo(f"waiting for {wait_for} receiver(s) to load version {version} ...",
-                   err=True)
-        done = wait_for_receivers(store, version, wait_for, timeout)
-        loaded = receivers_at(store, version)
-        if not done:
-            fail(f"version {version} is published, but only {len(loaded)} of {wait_for} "
-                 f"receiver(s) loaded it within {timeout:g} s; see `dbsync status {root}`")
-        click.echo(f"{len(loaded)} receiver(s) loaded version {version}: {', '.join(loaded)}",
-                   err=True)
+        _wait_for(store, root, version, wait_for, timeout)
+
+
+def _torch_dtype(name: str | None) -> Any:
+    if name is None:
+        return None
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _report_interrupted_push(root: str, before: int | None) -> NoReturn:
+    """Say truthfully what ROOT holds after an interrupted push, then exit 130."""
+    now = _current_version(root)
+    if now == before:
+        held = "no version" if now is None else f"version {now}"
+        _interrupted(f"interrupted: nothing was published; {root} still serves {held}")
+    click.echo(now)
+    _interrupted(f"interrupted, but version {now} had already been published in {root}")
+
+
+def _wait_for(store: Store, root: str, version: int, count: int,
+              timeout: float | None) -> None:
+    from dbsync.status import receivers_at, wait_for_receivers
+
+    click.echo(f"waiting for {count} receiver(s) to load version {version} ...", err=True)
+    try:
+        done = wait_for_receivers(store, version, count, timeout)
+    except KeyboardInterrupt:
+        _interrupted(f"\ninterrupted while waiting for receivers; version {version} is "
+                     f"published in {store.root} (see `dbsync status {root}`)")
+    loaded = receivers_at(store, version)
+    if not done:
+        fail(f"version {version} is published, but only {len(loaded)} of {count} "
+             f"receiver(s) loaded it within {timeout:g} s; see `dbsync status {root}`")
+    click.echo(f"{len(loaded)} receiver(s) loaded version {version}: {', '.join(loaded)}",
+               err=True)
 
 
 # ---- status --------------------------------------------------------------------------------
@@ -134,14 +222,21 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
 @click.argument("root", type=click.Path(file_okay=False, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(root: str, as_json: bool) -> None:
-    """Show ROOT's current version and its receivers. Exits 1 if the current version's files
+    """Show ROOT's current version and its receivers: host, loaded version, lag, last seen,
+    state (live, idle, refused with the reason, dead). Exits 1 if the current version's files
     are missing or the wrong size (contents are checked by `dbsync verify`)."""
+    from dbsync.status import store_status
+
+    from .checks import current_problems
+    from .fleet import fleet
+
     store = _existing_store(root)
     manifest, problems = current_problems(store)
     info = store_status(store)
     if manifest is not None and info.get("version") != manifest.version:
         manifest, problems = current_problems(store)  # published meanwhile: look again
     info["problems"] = problems
+    info["receivers"] = fleet(info["receivers"], store.read_leases())
     if as_json:
         click.echo(json.dumps(info, indent=1, sort_keys=True))
     else:
@@ -169,7 +264,9 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
     for name, problem in info.get("problems", {}).items():
         lines.append(f"DAMAGED    {name}: {problem}")
     rx = info["receivers"]
-    lines.append(f"receivers  {len(rx)}")
+    counts = {s: sum(r["state"] == s for r in rx) for s in ("live", "idle", "refused", "dead")}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    lines.append(f"receivers  {len(rx)}" + (f" ({summary})" if summary else ""))
     if rx:
         rows = [[r["id"], str(r.get("host")), str(r.get("state")),
                  "-" if r["version"] is None else str(r["version"]),
@@ -177,6 +274,7 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
                  human_age(r.get("seconds_since_seen")) + " ago"] for r in rx]
         lines += ["  " + line for line in table(
             ["ID", "HOST", "STATE", "LOADED", "LAG", "LAST SEEN"], rows)]
+        lines += [f"  {r['id']} {r['state']}: {r['reason']}" for r in rx if r.get("reason")]
     return lines
 
 
@@ -191,24 +289,36 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
 def watch(root: str, as_json: bool, poll_interval: float | None, count: int | None) -> None:
     """Print the current version of ROOT, then a line per new version, until interrupted.
 
-    Versions published faster than they are noticed are reported once, as the newest."""
+    Versions published faster than they are noticed are reported once, as the newest. A new
+    training run at ROOT (a new run id) is reported even though its versions start again."""
+    from dbsync.watch import Watcher
+
     store = _existing_store(root)
     printed = [0]
     done = threading.Event()
+    closed: list[OSError] = []
 
     def on_version(version: int) -> None:
-        click.echo(_version_line(store, version, as_json))
-        sys.stdout.flush()
+        if done.is_set():
+            return
+        try:
+            click.echo(_version_line(store, version, as_json))
+        except OSError as exc:  # our reader went away (| head): stop, quietly
+            closed.append(exc)
+            done.set()
+            return
         printed[0] += 1
         if count is not None and printed[0] >= count:
             done.set()
 
-    with dbsync.Watcher(store.root, on_version, poll_interval=poll_interval):
+    with Watcher(store.root, on_version, poll_interval=poll_interval):
         try:
             while not done.wait(0.5):
                 pass
         except KeyboardInterrupt:
             pass
+    if closed:
+        raise closed[0]
 
 
 def _version_line(store: Store, version: int, as_json: bool) -> str:
@@ -220,12 +330,17 @@ def _version_line(store: Store, version: int, as_json: bool) -> str:
     if manifest is not None and manifest.version == version:
         record.update(slot=manifest.slot, tensors=len(manifest.tensors),
                       bytes=manifest.total_bytes, published_at=manifest.created_at)
+        run_id = getattr(manifest, "run_id", None)
+        if run_id is not None:
+            record["run_id"] = run_id
     if as_json:
         return json.dumps(record, sort_keys=True)
     if "slot" not in record:
         return f"version {version}"
+    run = f"  run {record['run_id']}" if "run_id" in record else ""
     return (f"version {version}  slot {record['slot']}  {record['tensors']} tensors  "
-            f"{human_bytes(record['bytes'])}  published {human_time(record['published_at'])}")
+            f"{human_bytes(record['bytes'])}  published {human_time(record['published_at'])}"
+            f"{run}")
 
 
 # ---- verify --------------------------------------------------------------------------------
@@ -239,9 +354,12 @@ def verify(root: str, want: int | None, threads: int) -> None:
     """Recompute the checksums of ROOT's current version; exit 1 naming every damaged tensor.
 
     Registers as a receiver while it reads, so a writer will not reuse the slot meanwhile."""
+    from dbsync.errors import DamagedVersionError, LeaseExpiredError
+    from dbsync.receiver import Receiver
+
     store = _existing_store(root)
     started = time.monotonic()
-    with dbsync.Receiver(store.root) as receiver:
+    with Receiver(store.root) as receiver:
         try:
             snap = receiver.open()
         except LeaseExpiredError:
@@ -318,7 +436,24 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
 
 def main() -> None:
     """Console-script entry point."""
-    cli(prog_name="dbsync")
+    try:
+        cli.main(prog_name="dbsync")
+        code: Any = 0
+    except SystemExit as exc:
+        code = exc.code
+    if type(sys.stdout).__name__ == "_PacifyFlushWrapper":
+        # click met a closed pipe outside a command (--help, --version) and exits 1: the
+        # reader went away, it is not a failure.
+        pipes.silence()
+        code = pipes.CLOSED_PIPE_EXIT
+    try:  # what is still buffered must not fail noisily at interpreter exit
+        sys.stdout.flush()
+    except OSError as exc:
+        if not pipes.is_closed_pipe(exc):
+            raise
+        pipes.silence()
+        code = code or pipes.CLOSED_PIPE_EXIT
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,321 @@
+"""The ``dbsync`` command as a process: quick start without torch, Ctrl-C during a push (nothing
+published before the flip, the truth after it), a reader of its output that goes away, bad
+stores reported in one line without spinning, and the fleet view of ``dbsync status``."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+import dbsync
+from cli.main import cli
+from dbsync.format import MANIFEST_FILE
+from dbsync.store import Store
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", *args]
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("DBSYNC_DEBUG", None)
+    return env
+
+
+class Lines:
+    """Lines of a child's stream, read by a thread; ``wait_for`` blocks (bounded) for one."""
+
+    def __init__(self, stream):
+        self.seen: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._q.put(line)
+        self._q.put(None)
+
+    def wait_for(self, needle: str, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self._q.get(timeout=max(deadline - time.monotonic(), 0.01))
+            if line is None:
+                raise AssertionError(f"stream ended before {needle!r}: {self.seen}")
+            self.seen.append(line)
+            if needle in line:
+                return line
+
+    def rest(self) -> str:
+        while (line := self._q.get(timeout=60)) is not None:
+            self.seen.append(line)
+        return "".join(self.seen)
+
+
+def version_of(root: str) -> int | None:
+    manifest = Store(root).read_manifest()
+    return None if manifest is None else manifest.version
+
+
+@pytest.fixture
+def st_file(tmp_path) -> str:
+    path = str(tmp_path / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({"a.weight": torch.randn(64, 64, generator=g),
+               "b.weight": torch.randn(256, 64, generator=g)}, path)
+    return path
+
+
+@pytest.fixture
+def store2(root) -> str:
+    """A store at version 2 (1 in slot a, 2 in slot b)."""
+    with dbsync.Sender(root, durable=False) as sender:
+        sender.push({"w": torch.ones(4)})
+        sender.push({"w": torch.full((4,), 2.0)})
+    return root
+
+
+# ---- start-up ------------------------------------------------------------------------------
+def test_help_starts_fast_and_without_torch():
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "cli.main", "--help"],
+                          capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=60)
+    assert proc.returncode == 0 and "serve-vllm" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "click" in imported
+    assert not {"torch", "numpy", "safetensors", "tensordict"} & imported
+    walls = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        subprocess.run(cli_cmd("--help"), capture_output=True, env=cli_env(), cwd=REPO,
+                       timeout=60, check=True)
+        walls.append(time.monotonic() - t0)
+    assert min(walls) < 0.5, walls
+
+
+def test_status_and_watch_import_no_torch_of_their_own(store2):
+    """The CLI adds no torch import to what the store and watcher modules need themselves
+    (none, once the store format is torch-free)."""
+    script = (
+        "import sys, json\n"
+        "import dbsync.status, dbsync.store, dbsync.watch, dbsync.errors\n"
+        "library = 'torch' in sys.modules\n"
+        "from cli.main import cli\n"
+        "for args in (['status', sys.argv[1], '--json'], ['watch', sys.argv[1], '--count', '1']):\n"
+        "    try:\n"
+        "        cli.main(args, standalone_mode=False)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(json.dumps({'library': library, 'after': 'torch' in sys.modules}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, store2], capture_output=True,
+                          text=True, env=cli_env(), cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["after"] == got["library"], got
+
+
+# ---- Ctrl-C during push --------------------------------------------------------------------
+def test_ctrl_c_before_the_flip_publishes_nothing(store2, st_file):
+    """A reader holds the slot the push must write, so the push waits before writing; Ctrl-C
+    then, and the push stops before its flip: version 2 stays current."""
+    with dbsync.Receiver(store2) as reader:
+        snap = reader.open()  # leases version 2's slot
+        with dbsync.Sender(store2, durable=False) as sender:
+            assert sender.push({"w": torch.full((4,), 3.0)}) == 3  # into the other slot
+        # The next push needs the slot ``snap`` holds.
+        proc = subprocess.Popen(cli_cmd("push", st_file, store2), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO)
+        err, out = Lines(proc.stderr), Lines(proc.stdout)
+        try:
+            err.wait_for("publishing 2 tensors")  # the Ctrl-C handler is in place
+            proc.send_signal(signal.SIGINT)
+            err.wait_for("stopping before the new version is published")
+            snap.close()  # the slot frees: the push proceeds, then stops before its flip
+            assert proc.wait(timeout=60) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stderr = err.rest()
+    assert "nothing was published" in stderr and "still serves version 3" in stderr
+    assert "Traceback" not in stderr
+    assert out.rest() == ""
+    assert version_of(store2) == 3
+    got: dict[str, torch.Tensor] = {}
+    dbsync.Receiver(store2).load(lambda pairs: got.update((n, t.clone()) for n, t in pairs))
+    assert torch.equal(got["w"], torch.full((4,), 3.0))  # version 3 still serves, intact
+
+
+def test_ctrl_c_after_the_flip_says_what_was_published(store2, st_file):
+    proc = subprocess.Popen(cli_cmd("push", st_file, store2, "--wait-for", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env(), cwd=REPO)
+    err, out = Lines(proc.stderr), Lines(proc.stdout)
+    try:
+        assert out.wait_for("3").strip() == "3"  # published; now waiting for receivers
+        err.wait_for("waiting for 1 receiver")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.rest()
+    assert "version 3 is published" in stderr and "Traceback" not in stderr
+    assert version_of(store2) == 3
+
+
+# ---- a reader that goes away -----------------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ("status", "{root}"), ("status", "{root}", "--json"), ("watch", "{root}"),
+    ("watch", "{root}", "--json"), ("verify", "{root}"), ("push", "{src}", "{root}"),
+    ("--help",), ("--version",),
+], ids=lambda a: "-".join(x.strip("{}-") for x in a))
+def test_closed_output_pipe_exits_quietly(store2, st_file, args):
+    argv = [a.format(root=store2, src=st_file) for a in args]
+    proc = subprocess.Popen(cli_cmd(*argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=cli_env(), cwd=REPO)
+    proc.stdout.close()  # before the child can write a byte: its first write fails
+    try:
+        stderr = proc.stderr.read().decode()
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code in (0, 141), (code, stderr)
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr
+    assert "Broken pipe" not in stderr and "Error" not in stderr, stderr
+
+
+def test_watch_into_head_exits_at_the_next_version(store2, st_file):
+    """`dbsync watch ROOT | head -1`: head exits after one line; watch ends quietly as soon as
+    it has the next line to print."""
+    script = (f"{' '.join(cli_cmd('watch', store2))} | head -1; "
+              'echo "watch exit ${PIPESTATUS[0]}" >&2')
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO)
+    out, err = Lines(proc.stdout), Lines(proc.stderr)
+    try:
+        assert out.wait_for("version 2").startswith("version 2")
+        with dbsync.Sender(store2, durable=False) as sender:
+            sender.push({"w": torch.full((4,), 3.0)})
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.rest()
+    assert "watch exit 141" in stderr, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr
+
+
+# ---- bad stores --------------------------------------------------------------------------------
+def run(*args: str):
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        result.exception)
+    return result
+
+
+def test_manifest_that_is_a_directory_is_one_plain_line(store2):
+    path = os.path.join(store2, MANIFEST_FILE)
+    os.replace(path, path + ".bak")
+    os.mkdir(path)
+    for args in (("status", store2), ("verify", store2)):
+        result = run(*args)
+        assert result.exit_code == 1, result.output
+        lines = [x for x in result.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+        assert MANIFEST_FILE in lines[0] and "bug in dbsync" not in lines[0]
+
+
+def test_watch_on_a_garbled_manifest_warns_once_and_keeps_watching(store2):
+    path = os.path.join(store2, MANIFEST_FILE)
+    with open(path, "rb") as f:
+        good = f.read()
+    with open(path, "wb") as f:
+        f.write(b'{"format": "dbsync", "vers')
+    proc = subprocess.Popen(cli_cmd("watch", store2, "--json"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=REPO)
+    out, err = Lines(proc.stdout), Lines(proc.stderr)
+    try:
+        err.wait_for("cannot read the manifest")
+        with open(path + ".tmp", "wb") as f:
+            f.write(good)
+        os.replace(path + ".tmp", path)  # repaired: version 2 readable again
+        assert json.loads(out.wait_for("version"))["version"] == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.rest()
+    assert stderr.count("cannot read the manifest") == 1, stderr
+    assert len(stderr.splitlines()) <= 3, stderr
+    assert "Traceback" not in stderr
+
+
+# ---- fleet view ------------------------------------------------------------------------------
+def test_status_fleet_view_live_idle_dead_refused(store2):
+    store = Store(store2)
+    here = socket.gethostname()
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    now = time.time()
+
+    def lease(reader_id: str, **fields) -> None:
+        record = {"reader_id": reader_id, "host": "node-7", "pid": 4242, "state": "idle",
+                  "slot": None, "version": None, "loaded_version": 2, "beat": 1,
+                  "updated_at": now}
+        record.update(fields)
+        store.write_lease(reader_id, record)
+
+    lease("local-gone", host=here, pid=finished.pid, updated_at=now)
+    lease("remote-stale", updated_at=now - 100, lease_timeout=60)
+    lease("remote-slow-beat", updated_at=now - 45, lease_timeout=60)
+    lease("remote-default", updated_at=now - 45)
+    lease("remote-refused", loaded_version=1,
+          refused={"version": 2, "reason": "lm_head.weight: shape [8, 4] != [16, 4]"})
+    lease("remote-old-refusal", refused={"version": 1, "reason": "since replaced"})
+    with dbsync.Receiver(store2, reader_id="engine-live") as live, \
+            dbsync.Receiver(store2, reader_id="engine-idle"):
+        live.load(lambda pairs: None)
+        result = run("status", store2, "--json")
+        assert result.exit_code == 0, result.output
+        rx = {r["id"]: r for r in json.loads(result.stdout)["receivers"]}
+        human = run("status", store2).stdout
+    states = {k: v["state"] for k, v in rx.items()}
+    assert states == {
+        "engine-live": "live", "engine-idle": "idle", "local-gone": "dead",
+        "remote-stale": "dead", "remote-slow-beat": "live", "remote-default": "dead",
+        "remote-refused": "refused", "remote-old-refusal": "live",
+    }
+    assert rx["engine-live"]["version"] == 2 and rx["engine-live"]["lag"] == 0
+    assert rx["engine-live"]["host"] == here
+    assert f"process {finished.pid}" in rx["local-gone"]["reason"]
+    assert "not updated for 100 s" in rx["remote-stale"]["reason"]
+    assert "timeout is 30 s" in rx["remote-default"]["reason"]
+    assert rx["remote-refused"]["reason"].startswith("version 2: lm_head.weight: shape")
+    assert rx["remote-refused"]["refused"]["version"] == 2
+    assert rx["remote-refused"]["lag"] == 1
+    assert rx["remote-stale"]["lease_timeout"] == 60
+    assert "receivers  8 (3 live, 1 idle, 1 refused, 3 dead)" in human
+    assert "remote-refused refused: version 2: lm_head.weight" in human

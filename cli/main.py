@@ -408,21 +408,33 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
               help="How versions reach the workers: the trainer's broadcast (NCCL on GPUs, "
                    "gloo on CPU) when ROOT/broadcast.json offers one ('auto'), always join it "
                    "('broadcast'), or read the filesystem only.")
+@click.option("--pause-mode", type=click.Choice(["keep", "wait", "abort"]), default="keep",
+              show_default=True,
+              help="Requests in flight during a swap: held and finished on the new version "
+                   "('keep'), drained first for at most --drain-timeout seconds, then kept "
+                   "('wait'), or aborted ('abort').")
+@click.option("--drain-timeout", type=click.FloatRange(0, min_open=True), default=30.0,
+              show_default=True, metavar="S",
+              help="Seconds --pause-mode wait lets requests in flight finish.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float | None,
-               transport: str, vllm_args: tuple[str, ...]) -> None:
+               transport: str, pause_mode: str, drain_timeout: float,
+               vllm_args: tuple[str, ...]) -> None:
     """Serve --model with vLLM's OpenAI server and hot-swap every version published in ROOT.
 
-    Arguments after `--` go to vLLM, e.g. `-- --dtype float32 --enforce-eager`. Adds
-    GET /dbsync/status (the served version, health, the last error). The current version
-    is applied before the port accepts requests. Needs vLLM: pip install 'dbsync[vllm]'."""
+    Arguments after `--` go to vLLM, e.g. `-- --dtype bfloat16 --max-model-len 4096`. Adds
+    GET /dbsync/status (the served version, health, the last error), the x-dbsync-version
+    response header and dbsync series on /metrics. The current version is applied before
+    the port accepts requests. On CPU hosts the KV cache defaults to at most 1 GiB and the
+    model runs eagerly. Needs vLLM: pip install 'dbsync[vllm]'."""
     try:
         from dbsync.vllm import server
     except ImportError as exc:
         fail(f"serve-vllm is not available here ({exc}); install vLLM with "
              "pip install 'dbsync[vllm]'")
     argv = [root, "--model", model, "--host", host, "--port", str(port),
-            "--transport", transport]
+            "--transport", transport, "--pause-mode", pause_mode,
+            "--drain-timeout", str(drain_timeout)]
     if poll_interval is not None:
         argv += ["--poll-interval", str(poll_interval)]
     try:

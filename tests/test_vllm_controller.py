@@ -43,9 +43,10 @@ class ScriptedOps:
         self.paused = False
         self.served: str | None = None
 
-    def pause(self) -> None:
-        self.calls.append("pause")
+    def pause(self, mode: str = "keep", drain_timeout: float = 0.0) -> str:
+        self.calls.append("pause" if mode == "keep" else f"pause:{mode}")
         self.paused = True
+        return mode
 
     def resume(self) -> None:
         self.calls.append("resume")
@@ -118,7 +119,7 @@ def test_incompatible_version_refused_before_pausing(setup: Any,
     controller.apply_latest()
     wrong = weights(2, hidden=4)
     wrong["extra.weight"] = torch.zeros(2)
-    wrong["model.embed_tokens.weight"] = weights(2)["model.embed_tokens.weight"].bfloat16()
+    wrong["model.embed_tokens.weight"] = weights(2)["model.embed_tokens.weight"].to(torch.int32)
     del wrong["model.norm.weight"]
     bad = sender.push(wrong)
     ops.calls.clear()
@@ -131,7 +132,7 @@ def test_incompatible_version_refused_before_pausing(setup: Any,
     assert problems["extra.weight"] == "not a parameter of the served model"
     assert problems["model.norm.weight"] == "missing from the published version"
     assert "shape [8, 4] != expected [16, 8]" in problems["model.layers.0.mlp.up_proj.weight"]
-    assert "dtype bfloat16 != expected torch.float32" in problems["model.embed_tokens.weight"]
+    assert "dtype int32 != expected torch.float32" in problems["model.embed_tokens.weight"]
     status = controller.status()
     assert status["version"] == good and status["refused_versions"] == [bad]
     assert sum(f"version {bad} refused" in r.message for r in caplog.records) == 1
@@ -263,3 +264,151 @@ def test_server_gate_answers_503_while_unhealthy(setup: Any) -> None:
         response = getattr(client, method)(path)
         assert response.status_code == 503, path
         assert "unhealthy until a complete version is applied" in response.text
+
+
+def test_float_dtypes_are_cast_only_names_and_shapes_must_match(setup: Any) -> None:
+    """A version in another floating dtype fits (the weight loaders cast it); the pause mode
+    reaches the engine."""
+    sender, controller, ops = setup
+    controller.pause_mode = "wait"
+    v = sender.push({n: t.bfloat16() for n, t in weights(1).items()})
+    assert controller.apply_latest() == v
+    assert ops.calls[0] == "pause:wait" and ops.served == str(v)
+    assert controller.status()["timings"]["pause_mode"] == "wait"
+
+
+def test_superseded_apply_logs_info_not_error(setup: Any,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    from dbsync.vllm.plugin import SUPERSEDED
+
+    sender, controller, ops = setup
+    v1 = sender.push(weights(1))
+    ops.failures = [f"{NOTHING_APPLIED} {SUPERSEDED} the store now holds version {v1 + 1}"]
+    with caplog.at_level(logging.INFO, logger="dbsync"):
+        assert controller.apply_latest() == v1  # tried again at once, applied
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("superseded" in r.getMessage() for r in caplog.records)
+
+
+def test_vllm_rpc_error_for_a_race_becomes_one_info_line() -> None:
+    """vLLM logs a failed worker call as an ERROR traceback; for a superseded apply the
+    registered filter turns it into one INFO line (other errors stay as they are)."""
+    from dbsync.vllm.plugin import SUPERSEDED, register
+
+    register()
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("vllm.v1.executor.multiproc_executor")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        for text in (f"{NOTHING_APPLIED} version 3 ({SUPERSEDED} now holds 4)", "disk on fire"):
+            try:
+                raise RuntimeError(text)
+            except RuntimeError:
+                logger.exception("WorkerProc hit an exception.")
+    finally:
+        logger.removeHandler(handler)
+    race, other = records
+    assert race.levelno == logging.INFO and race.exc_info is None
+    assert "now holds 4" in race.getMessage()
+    assert other.levelno == logging.ERROR and other.exc_info is not None
+
+
+def test_transient_read_error_is_retried_until_served(tmp_path: Path) -> None:
+    """An OSError (ESTALE) while opening a new version does not mark it seen: the controller
+    retries with backoff, shows the error meanwhile, and serves the newest version once the
+    store reads again."""
+    import errno
+    import threading
+
+    ops = ScriptedOps()
+    failing = threading.Event()
+    failing.set()
+    failures: list[float] = []
+    three = threading.Event()
+    with Sender(tmp_path / "store") as sender:
+        controller = SwapController(tmp_path / "store", ops, EXPECTED, poll_interval=0.05)
+        real_open = controller.receiver.open
+
+        def flaky_open(*args: Any, **kwargs: Any) -> Any:
+            if failing.is_set():
+                import time
+
+                failures.append(time.monotonic())
+                if len(failures) >= 3:
+                    three.set()
+                raise OSError(errno.ESTALE, os_strerror(errno.ESTALE))
+            return real_open(*args, **kwargs)
+
+        controller.receiver.open = flaky_open
+        try:
+            v1 = sender.push(weights(1))
+            controller.start_watching()
+            assert three.wait(30)
+            status = controller.status()
+            assert status["version"] is None and status["retrying"]
+            assert "Stale file handle" in status["last_error"]
+            v2 = sender.push(weights(2))  # superseded while failing
+            failing.clear()
+            wait_for(lambda: controller.status()["version"] == v2, 30)
+            status = controller.status()
+            assert not status["retrying"] and status["last_error"] is None
+            assert f"update:{v1}" not in ops.calls and ops.served == str(v2)
+            gaps = [b - a for a, b in zip(failures, failures[1:], strict=False)]
+            assert min(gaps) >= 0.15  # bounded rate: backoff from 0.2 s
+        finally:
+            controller.stop()
+
+
+def os_strerror(code: int) -> str:
+    import os
+
+    return os.strerror(code)
+
+
+def wait_for(predicate: Any, timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_expected_names_come_from_the_index(tmp_path: Path) -> None:
+    """A stray consolidated.safetensors (Mistral-style repos) next to indexed shards is not
+    part of the model vLLM loads, so its names are not expected."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dbsync.vllm.checkpoint import expected_from_checkpoint
+
+    save_file({"model.embed_tokens.weight": torch.zeros(16, 8)},
+              str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"model.norm.weight": torch.zeros(8)},
+              str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({"tok_embeddings.weight": torch.zeros(16, 8)},
+              str(tmp_path / "consolidated.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    expected, _ = expected_from_checkpoint(str(tmp_path), torch.bfloat16)
+    assert set(expected) == {"model.embed_tokens.weight", "model.norm.weight"}
+
+
+def test_mistyped_model_path_is_refused_at_once(tmp_path: Path) -> None:
+    from dbsync import DBSyncError
+    from dbsync.vllm.checkpoint import check_model
+
+    for bad in (str(tmp_path / "modle"), "./modle", "~/no-such-model-dir"):
+        with pytest.raises(DBSyncError, match="no such directory"):
+            check_model(bad)
+    with pytest.raises(DBSyncError, match="no config.json"):
+        check_model(str(tmp_path))
+    check_model("Qwen/Qwen2-0.5B")  # a hub id is left to vLLM

@@ -2,9 +2,14 @@
 read from the safetensors headers of the model directory vLLM was started from (no tensor data
 is read).
 
-A published version fits when it has exactly these names and shapes, and floating tensors come
-in the dtype the engine serves (``--dtype``); other tensors keep the checkpoint's dtype. A tied
-``lm_head.weight`` (``tie_word_embeddings``) may be published or left out.
+A published version fits when it has exactly these names and shapes; floating tensors may come
+in any float dtype (the controller lets the weight loaders cast them to the served ``--dtype``),
+other tensors keep the checkpoint's dtype. A tied ``lm_head.weight`` (``tie_word_embeddings``)
+may be published or left out.
+
+Which files: those named by ``model.safetensors.index.json`` when the directory has one (as
+vLLM loads them: a stray ``consolidated.safetensors`` next to the shards is ignored), else every
+``*.safetensors`` file.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ _SAFETENSORS_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 2**20
+INDEX_FILE = "model.safetensors.index.json"
 
 Expected = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -43,6 +49,46 @@ def resolve_model_dir(model: str) -> str:
             "its safetensors files to check that published versions fit: pass a local "
             "directory as the model"
         ) from None
+
+
+def check_model(model: str) -> None:
+    """Fail at once, with what to do, when ``model`` names a local path that cannot be a model
+    directory (vLLM would try it as a Hugging Face hub id, with retries). A hub id (``org/name``,
+    no such local path) is left to vLLM."""
+    expanded = os.path.expanduser(model)
+    if os.path.isdir(expanded):
+        if not os.path.exists(os.path.join(expanded, "config.json")):
+            raise DBSyncError(f"--model {model} has no config.json: pass the directory of a "
+                              "Hugging Face checkpoint (config.json, tokenizer, *.safetensors)")
+        return
+    parent = os.path.dirname(expanded.rstrip(os.sep))
+    path_like = (os.path.isabs(expanded) or model.startswith((".", "~"))
+                 or expanded.count(os.sep) > 1 or (parent != "" and os.path.isdir(parent))
+                 or os.path.exists(expanded))
+    if path_like:
+        raise DBSyncError(f"--model {model}: no such directory on this host; pass the "
+                          "directory of a Hugging Face checkpoint (config.json, tokenizer, "
+                          "*.safetensors)")
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files vLLM loads from ``model_dir``: those the index names, when there
+    is an index, else every ``*.safetensors`` file."""
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.exists(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise DBSyncError(f"{index_path} is not a valid safetensors index ({exc}); fix or "
+                              "remove it") from None
+        missing = [f for f in files if not os.path.exists(os.path.join(model_dir, f))]
+        if missing:
+            raise DBSyncError(f"{index_path} names files that are not in {model_dir}: "
+                              f"{', '.join(missing)}")
+        return files
+    return sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
 
 
 def read_safetensors_header(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -69,7 +115,7 @@ def expected_from_checkpoint(model_dir: str, served_dtype: torch.dtype | None
                              ) -> tuple[Expected, list[str]]:
     """(expected name -> (shape, dtype), names allowed to be missing) for the model in
     ``model_dir`` served in ``served_dtype`` (None: keep the checkpoint's dtypes)."""
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    files = checkpoint_files(model_dir)
     if not files:
         raise DBSyncError(
             f"{model_dir} holds no .safetensors files; dbsync reads their headers to check "

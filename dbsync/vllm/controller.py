@@ -1,10 +1,29 @@
 """The swap controller: turns each published version into one complete, verified apply.
 
-Per version: lease + check names/shapes/dtypes against the served model + verify checksums
-(all BEFORE pausing, so the pause covers only the apply) -> pause(keep) -> start -> update ->
-finish(weight_version=str(version)) -> reset the prefix cache -> resume. The controller drives
+Per version: lease + check names and shapes against the served model + verify checksums
+(all BEFORE pausing, so the pause covers only the apply) -> pause (``pause_mode``) -> start ->
+update -> finish(weight_version=str(version)) -> reset the prefix cache -> resume. Floating-point
+tensors may come in any of float16/bfloat16/float32/float64: the model's weight loaders cast
+them to the served dtype, as when vLLM loads a float32 checkpoint into a bfloat16 model; every
+other dtype must match.
+
+Pause modes (what happens to requests in flight when a version is applied):
+- "keep" (default): they are frozen, their KV cache is recomputed with the new weights and they
+  finish on the new version. Their tokens come from two versions; vLLM records which in
+  ``CompletionOutput.weight_versions`` (``serve-vllm`` reports it per response).
+- "wait": new requests are queued and the engine runs until the requests in flight finish, at
+  most ``drain_timeout`` seconds; then it applies. No response mixes versions, but the swap
+  waits for the longest request. When the drain times out, the rest is held as with "keep"
+  (``timings.pause_mode`` says "keep" for that swap).
+- "abort": requests in flight are aborted (their clients get what was generated so far, with
+  ``finish_reason`` "abort"). The controller drives
 the engine through its public control methods (``EngineOps``); it never calls ``load_weights``
 itself, and nothing runs inside the engine outside a paused update session.
+
+Transient errors: an ``OSError`` (``ESTALE``, ``EIO``, ...) while opening or reading a version, or
+an apply that failed with nothing applied, does not mark the version seen. The watcher keeps
+trying the store's newest version with backoff (0.2 s doubling to 5 s) until it is served or
+superseded; meanwhile ``status()`` shows ``retrying: true`` and the error in ``last_error``.
 
 Outcomes, stated plainly:
 - refused: the version is damaged or does not fit the model. Nothing is paused or applied;
@@ -43,7 +62,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -57,12 +76,37 @@ from ..errors import (
 from ..receiver import Receiver
 from ..watch import Watcher
 from .broadcast import check_transport
-from .plugin import NOTHING_APPLIED
+from .plugin import NOTHING_APPLIED, SUPERSEDED
+
+if TYPE_CHECKING:
+    from .metrics import SwapMetrics
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+PAUSE_MODES = ("keep", "wait", "abort")
+DEFAULT_DRAIN_TIMEOUT = 30.0
+RETRY_MIN_S = 0.2
+RETRY_MAX_S = 5.0
+#: dtypes a published tensor may have whatever the served dtype: the weight loaders cast them
+CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def check_pause_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise DBSyncError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+    return mode
+
+
+def fit_expected(expected: Expected, published: Mapping[str, torch.dtype]) -> Expected:
+    """``expected`` with each floating dtype replaced by the published one where both are in
+    ``CASTABLE`` (only names and shapes must then match)."""
+    out = {}
+    for name, (shape, dtype) in expected.items():
+        got = published.get(name)
+        out[name] = (shape, got if dtype in CASTABLE and got in CASTABLE else dtype)
+    return out
 
 
 class SwapError(DBSyncError):
@@ -78,7 +122,11 @@ class SwapError(DBSyncError):
 class EngineOps(Protocol):
     """The engine control surface the controller needs. Each call blocks until done."""
 
-    def pause(self) -> None: ...
+    def pause(self, mode: str, drain_timeout: float) -> str:
+        """Pause generation in ``mode`` (see ``PAUSE_MODES``); return the mode that took
+        effect ("keep" when a "wait" drain timed out)."""
+        ...
+
     def resume(self) -> None: ...
     def start(self) -> None: ...
     def update(self, update_info: dict[str, Any]) -> None: ...
@@ -96,9 +144,12 @@ class SwapTimings:
     apply_s: float = 0.0
     push_to_served_s: float | None = None
     source: str | None = None
+    pause_mode: str | None = None
+    nbytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"version": self.version, "source": self.source,
+                "pause_mode": self.pause_mode, "bytes": self.nbytes,
                 "read_verify_s": round(self.read_verify_s, 6),
                 "pause_s": round(self.pause_s, 6), "apply_s": round(self.apply_s, 6),
                 "push_to_served_s": None if self.push_to_served_s is None
@@ -119,6 +170,8 @@ class SwapState:
     refused: set[int] = field(default_factory=set)
     swaps: int = 0
     last_swap: SwapTimings | None = None
+    retrying: bool = False
+    retries: int = 0
 
 
 class SwapController:
@@ -130,15 +183,29 @@ class SwapController:
     tied ``lm_head.weight``). ``verify``: check every checksum before pausing. ``workers``: the
     engine's worker count (tensor x pipeline parallel); with more than one, any failed apply
     is treated as partial. ``transport``: "filesystem" (default here), "auto" or "broadcast"
-    (see the module docstring; ``ops`` must then have ``init``)."""
+    (see the module docstring; ``ops`` must then have ``init``). ``pause_mode``: "keep", "wait"
+    or "abort", with ``drain_timeout`` seconds for "wait" (see the module docstring).
+    ``metrics``: where swaps are counted (default: ``metrics.default_metrics()``, the series
+    vLLM's ``/metrics`` serves)."""
 
     def __init__(self, root: str | os.PathLike[str], ops: EngineOps,
                  expected: Expected | None, allow_missing: Iterable[str] = (),
                  verify: bool = True, reader_id: str | None = None,
                  poll_interval: float | None = None, workers: int = 1,
-                 transport: str = "filesystem"):
+                 transport: str = "filesystem", pause_mode: str = "keep",
+                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+                 metrics: SwapMetrics | None = None):
         self.root = os.path.abspath(os.fspath(root))
         self.ops = ops
+        self.pause_mode = check_pause_mode(pause_mode)
+        if drain_timeout <= 0:
+            raise DBSyncError(f"drain_timeout must be > 0 seconds, not {drain_timeout}")
+        self.drain_timeout = drain_timeout
+        if metrics is None:
+            from .metrics import default_metrics
+
+            metrics = default_metrics()
+        self.metrics = metrics
         self.transport = check_transport(transport)
         self._transport_ready = transport == "filesystem"
         self._report_dir: str | None = None
@@ -152,6 +219,7 @@ class SwapController:
         self.state = SwapState()
         self._lock = threading.RLock()
         self._watcher: Watcher | None = None
+        self._stopping = threading.Event()
 
     # ---- public -------------------------------------------------------------------------
     @property
@@ -177,6 +245,9 @@ class SwapController:
             "last_error_at": s.last_error_at,
             "last_error_version": s.last_error_version,
             "refused_versions": sorted(s.refused),
+            "retrying": s.retrying,
+            "retries": s.retries,
+            "pause_mode": self.pause_mode,
             "swaps": s.swaps,
             "timings": None if s.last_swap is None else s.last_swap.as_dict(),
             "source": None if s.last_swap is None else s.last_swap.source,
@@ -188,8 +259,9 @@ class SwapController:
     def apply_latest(self) -> int | None:
         """Apply the store's current version unless it is already served. Returns the version
         served afterwards. Raises ``IncompatibleWeightsError`` / ``DamagedVersionError`` when the
-        version is refused (the previous one stays served) and ``SwapError`` when applying
-        failed. Blocks; thread-safe (one apply at a time)."""
+        version is refused (the previous one stays served), ``SwapError`` when applying
+        failed and ``OSError`` when the store could not be read (try again). Blocks;
+        thread-safe (one apply at a time)."""
         with self._lock:
             self.init_transport()
             error: DBSyncError | None = None
@@ -198,7 +270,7 @@ class SwapController:
                     done = self._attempt()
                 except SwapError as exc:
                     error = exc
-                    if exc.partial or self._newer_than(exc.version):
+                    if exc.partial or SUPERSEDED in str(exc) or self._newer_than(exc.version):
                         continue  # roll forward to the newest complete version
                     raise
                 except NothingPublishedError:
@@ -243,14 +315,17 @@ class SwapController:
 
     def start_watching(self) -> Watcher:
         """Apply every version published from now on (and the current one) in a background
-        thread. Errors are recorded in ``status()`` and logged once per version."""
+        thread. Errors are recorded in ``status()`` and logged once per version; transient
+        ones are retried with backoff (see the module docstring)."""
         if self._watcher is None:
+            self._stopping.clear()
             self._watcher = Watcher(self.root, self._on_version,
                                     poll_interval=self.poll_interval).start()
         return self._watcher
 
     def stop(self) -> None:
         """Stop watching and release the reader registration. Does not touch the engine."""
+        self._stopping.set()  # ends a retry wait at once
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -261,16 +336,46 @@ class SwapController:
 
     # ---- internals ----------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
-        self.state.published_version = version
-        try:
-            self.apply_latest()
-        except SwapError:
-            # Applying failed (a transient worker error, an expired lease): the watcher calls
-            # back once per version, so let its next look at the store try this one again.
-            if self._watcher is not None:
-                self._watcher.last_version = self.state.version
-        except DBSyncError:
-            pass  # a refusal: recorded in the status and logged by the controller already
+        s = self.state
+        s.published_version = max(version, s.published_version or 0)
+        self.metrics.versions(s.version, s.published_version)
+        self._follow()
+
+    def _follow(self) -> None:
+        """Apply the newest version; on a transient failure try again with backoff until it
+        (or a newer one) is served, it is refused, or the controller stops."""
+        s = self.state
+        delay = RETRY_MIN_S
+        while not self._stopping.is_set():
+            try:
+                self.apply_latest()
+            except (IncompatibleWeightsError, DamagedVersionError):
+                break  # a refusal: recorded in the status and logged once already
+            except (OSError, DBSyncError) as exc:
+                if isinstance(exc, OSError):
+                    self._read_failed(exc, delay)
+                s.retrying = True
+                s.retries += 1
+                if self._stopping.wait(delay):
+                    break
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            break
+        s.retrying = False
+
+    def _read_failed(self, exc: OSError, delay: float) -> None:
+        s = self.state
+        version = s.published_version
+        first = s.last_error_version != version or not (s.last_error or "").startswith(
+            "reading")
+        self._record(version or 0, f"reading version {version} from {self.root} failed "
+                                   f"({type(exc).__name__}: {exc}); still serving version "
+                                   f"{s.version}, retrying")
+        self.metrics.outcome("failed")
+        if first:
+            log.warning("dbsync: %s (first retry in %.1f s)", s.last_error, delay)
+        else:
+            log.debug("dbsync: %s", s.last_error)
 
     def _newer_than(self, version: int) -> bool:
         try:
@@ -285,27 +390,33 @@ class SwapController:
         with self.receiver.open() as snap:
             version = snap.version
             s.published_version = max(version, s.published_version or 0)
+            self.metrics.versions(s.version, s.published_version)
             if version == s.version and s.healthy:
                 return True
             t0 = time.perf_counter()
             try:
                 if self.expected is not None:  # manifest only: cheap, so first
-                    snap.check_compatible(self.expected, self.allow_missing)
+                    published = {e.name: e.torch_dtype for e in snap.manifest.tensors}
+                    snap.check_compatible(fit_expected(self.expected, published),
+                                          self.allow_missing)
                 if self.verify:
                     snap.verify()
             except (DamagedVersionError, IncompatibleWeightsError) as exc:
                 self._refuse(version, exc)
                 raise
             except LeaseExpiredError as exc:
+                log.info("dbsync: version %d was replaced while it was verified (%s); trying "
+                         "the newest", version, exc)
                 raise SwapError(f"version {version}: {exc}", version, partial=False) from exc
-            timings = SwapTimings(version, read_verify_s=time.perf_counter() - t0)
+            timings = SwapTimings(version, read_verify_s=time.perf_counter() - t0,
+                                  nbytes=snap.manifest.total_bytes)
             report = self._clear_reports()
             s.applying = version
             t_pause = time.perf_counter()
             started = False
             try:
                 if not s.paused:
-                    self.ops.pause()
+                    timings.pause_mode = self.ops.pause(self.pause_mode, self.drain_timeout)
                     s.paused = True
                 t_apply = time.perf_counter()
                 started = True
@@ -338,6 +449,9 @@ class SwapController:
             s.swaps += 1
             s.last_swap = timings
             s.last_error = None
+            self.metrics.applied(pause_s=timings.pause_s, read_verify_s=timings.read_verify_s,
+                                 nbytes=timings.nbytes, source=timings.source)
+            self.metrics.versions(s.version, s.published_version)
             log.info("dbsync: serving version %d from the %s (pause %.1f ms, apply %.1f ms, "
                      "verify %.1f ms)", version, timings.source or "unreported source",
                      timings.pause_s * 1e3, timings.apply_s * 1e3, timings.read_verify_s * 1e3)
@@ -383,12 +497,14 @@ class SwapController:
         self._record(version, f"version {version} refused: {exc}")
         if version not in s.refused:
             s.refused.add(version)
+            self.metrics.outcome("refused")
             log.error("dbsync: %s; still serving version %s", s.last_error, s.version)
         if s.paused and s.healthy:
             self._resume()
 
     def _fail(self, version: int, exc: BaseException, partial: bool) -> None:
         s = self.state
+        self.metrics.outcome("failed")
         if partial:
             s.healthy = False
             self._record(version, f"applying version {version} failed midway; the engine is "
@@ -398,7 +514,12 @@ class SwapController:
             return
         self._record(version, f"applying version {version} failed, nothing applied; still "
                               f"serving version {s.version}: {exc}")
-        log.error("dbsync: %s", s.last_error)
+        if SUPERSEDED in str(exc) or self._newer_than(version):
+            # a normal race: the store moved on while this version was being applied
+            log.info("dbsync: version %d was superseded while it was applied; applying the "
+                     "newest", version)
+        else:
+            log.error("dbsync: %s", s.last_error)
         if s.healthy:
             try:
                 self._resume()

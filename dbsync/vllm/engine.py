@@ -83,8 +83,8 @@ class LLMOps:
     def init(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def pause(self) -> None:
-        pass
+    def pause(self, mode: str = "keep", drain_timeout: float = 0.0) -> str:
+        return mode  # nothing runs between the caller's generate calls
 
     def resume(self) -> None:
         pass
@@ -131,14 +131,26 @@ class AsyncEngineOps:
     def init(self, init_info: dict[str, Any]) -> None:
         self._run(self.engine.init_weight_transfer_engine(init_request(init_info)))
 
-    def pause(self) -> None:
+    def pause(self, mode: str = "keep", drain_timeout: float = 30.0) -> str:
+        """Pause in ``mode``; "wait" drains for at most ``drain_timeout`` seconds, then holds
+        the rest ("keep"). Returns the mode that took effect."""
+        if mode == "wait":
+            try:
+                self._run(asyncio.wait_for(self._pause_coro("wait"), drain_timeout))
+                return "wait"
+            except TimeoutError:
+                log.info("dbsync: requests in flight did not finish within %.1f s; holding "
+                         "the rest for the swap (pause mode keep)", drain_timeout)
+        self._run(self._pause_coro("abort" if mode == "abort" else "keep"))
+        return "abort" if mode == "abort" else "keep"
+
+    def _pause_coro(self, mode: str) -> Any:
         # AsyncLLM.pause_generation is pause_scheduler_async plus a 20 ms settle sleep (vLLM
         # says it is not needed for correctness); skip the sleep where the core is reachable.
         core = getattr(self.engine, "engine_core", None)
         if core is not None and hasattr(core, "pause_scheduler_async"):
-            self._run(core.pause_scheduler_async(mode="keep", clear_cache=False))
-        else:
-            self._run(self.engine.pause_generation(mode="keep", clear_cache=False))
+            return core.pause_scheduler_async(mode=mode, clear_cache=False)
+        return self.engine.pause_generation(mode=mode, clear_cache=False)
 
     def resume(self) -> None:
         self._run(self.engine.resume_generation())

@@ -6,7 +6,8 @@
     att.apply_latest()                       # between generate calls: serve the newest version
 
 With an ``AsyncLLM`` (call ``attach`` from inside its event loop), every published version is
-applied in the background with the engine's pause(keep)/resume around it;
+applied in the background with the engine's pause/resume around it (``pause_mode`` "keep",
+"wait" or "abort");
 ``await att.apply_latest_async()`` applies on demand.
 
 Transport (``attach(..., transport=)``): "auto" (default) stages versions that a
@@ -32,7 +33,7 @@ from typing import Any
 from ..errors import DBSyncError
 from ..watch import Watcher
 from .checkpoint import expected_from_checkpoint, resolve_model_dir
-from .controller import SwapController
+from .controller import DEFAULT_DRAIN_TIMEOUT, SwapController
 from .engine import AsyncEngineOps, LLMOps, check_backend
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class Attachment:
 
     def __init__(self, engine: Any, root: str | os.PathLike[str], *, model_dir: str | None,
                  verify: bool, poll_interval: float | None,
-                 loop: asyncio.AbstractEventLoop | None, transport: str = "auto"):
+                 loop: asyncio.AbstractEventLoop | None, transport: str = "auto",
+                 pause_mode: str = "keep", drain_timeout: float = DEFAULT_DRAIN_TIMEOUT):
         vllm_config = _vllm_config(engine)
         check_backend(vllm_config)
         model_config = vllm_config.model_config
@@ -81,7 +83,8 @@ class Attachment:
         self.controller = SwapController(root, ops, expected, allow_missing, verify=verify,
                                          poll_interval=poll_interval,
                                          workers=vllm_config.parallel_config.world_size,
-                                         transport=transport)
+                                         transport=transport, pause_mode=pause_mode,
+                                         drain_timeout=drain_timeout)
         try:
             self._init_transport()
         except BaseException:
@@ -183,14 +186,20 @@ def attach(engine: Any, root: str | os.PathLike[str], *, watch: bool = True,
            model_dir: str | None = None, verify: bool = True,
            poll_interval: float | None = None, loop: asyncio.AbstractEventLoop | None = None,
            on_version: Callable[[int], Any] | None = None,
-           transport: str = "auto") -> Attachment:
+           transport: str = "auto", pause_mode: str = "keep",
+           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> Attachment:
     """Attach the dbsync store at ``root`` to ``engine`` (a ``vllm.LLM`` or ``AsyncLLM``
     created with ``**dbsync.vllm.engine_args()``). With ``watch`` a background watcher follows
     the store (see ``Attachment.watch``). ``model_dir``: the checkpoint the engine was started
     from, when ``model_config.model`` is not a local directory or cached hub id.
-    ``transport``: "auto", "broadcast" or "filesystem" (see the module docstring)."""
+    ``transport``: "auto", "broadcast" or "filesystem" (see the module docstring).
+    ``pause_mode`` (``AsyncLLM`` only): what happens to requests in flight during a swap:
+    "keep" (held, finished on the new version), "wait" (drained first, at most
+    ``drain_timeout`` seconds, then the rest kept) or "abort" (see
+    ``dbsync.vllm.controller``)."""
     attachment = Attachment(engine, root, model_dir=model_dir, verify=verify,
-                            poll_interval=poll_interval, loop=loop, transport=transport)
+                            poll_interval=poll_interval, loop=loop, transport=transport,
+                            pause_mode=pause_mode, drain_timeout=drain_timeout)
     if watch:
         attachment.watch(on_version)
     return attachment

@@ -66,6 +66,11 @@ BACKEND = "dbsync"
 #: text, so the controller reads the outcome from these.
 NOTHING_APPLIED = "[dbsync: nothing applied]"
 PARTIALLY_APPLIED = "[dbsync: partially applied]"
+#: In an apply error's message: the store moved on to a newer version (a normal race). vLLM's
+#: own ERROR lines for such an error are turned into one INFO line (``_RaceFilter``).
+SUPERSEDED = "[dbsync: superseded]"
+#: vLLM loggers that report a failed worker/utility call with a traceback
+_RPC_LOGGERS = ("vllm.v1.executor.multiproc_executor", "vllm.v1.engine.core")
 
 #: how long an apply waits for a broadcast of the requested version that is still arriving
 STAGE_WAIT_SECONDS = 10.0
@@ -82,6 +87,22 @@ def register() -> None:
         if BACKEND not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(
                 BACKEND, "dbsync.vllm.plugin", "DBSyncWeightTransferEngine")
+            for name in _RPC_LOGGERS:
+                logging.getLogger(name).addFilter(_RaceFilter())
+
+
+class _RaceFilter(logging.Filter):
+    """Turns vLLM's ERROR traceback for an apply that lost a normal race (``SUPERSEDED``) into
+    one INFO line: the controller applies the newest version right after."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or SUPERSEDED not in str(exc):
+            return True
+        record.msg, record.args = "dbsync: %s", (str(exc).splitlines()[0],)
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.exc_info, record.exc_text = None, None
+        return True
 
 
 class ApplyError(DBSyncError):
@@ -207,8 +228,9 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                 with receiver.open() as snap:
                     if snap.version != update_info.version:
                         raise DBSyncError(
-                            f"the store at {update_info.root} now holds version {snap.version}"
-                            f", not the verified version {update_info.version}; apply again")
+                            f"{SUPERSEDED} the store at {update_info.root} now holds version "
+                            f"{snap.version}, not the verified version {update_info.version}; "
+                            "apply again")
                     if update_info.verify:
                         snap.verify()
                     with _no_mtp_check():

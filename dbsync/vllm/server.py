@@ -1,7 +1,8 @@
 """``dbsync serve-vllm``: vLLM's OpenAI-compatible server that follows a dbsync store.
 
     python -m dbsync.vllm.server ROOT --model MODEL_DIR [--host H] [--port P]
-        [--poll-interval S] [--transport auto|broadcast|filesystem] [-- any vLLM server args]
+        [--poll-interval S] [--transport auto|broadcast|filesystem]
+        [--pause-mode keep|wait|abort] [--drain-timeout S] [-- any vLLM server args]
 
 One process: vLLM's own app (built with vLLM's ``build_app``/``init_app_state``/``serve_http``,
 so every vLLM option works) plus
@@ -18,7 +19,21 @@ so every vLLM option works) plus
   Without a ``ROOT/broadcast.json`` "auto" costs one ``stat`` per second per worker;
 - while the engine is unhealthy (a failed apply may have left a mix of versions), inference
   routes and ``/health`` answer 503; requests already held by the pause finish once a
-  complete version is applied.
+  complete version is applied;
+- which version answered: ``x-dbsync-version`` / ``x-dbsync-versions`` response headers, and
+  ``dbsync_version`` / ``dbsync_versions`` in the last streamed chunks (``dbsync.vllm.versions``);
+- ``--pause-mode`` keep (default) | wait | abort: what happens to requests in flight during a
+  swap (``dbsync.vllm.controller``);
+- dbsync series on vLLM's ``/metrics`` (``dbsync.vllm.metrics``).
+
+Defaults that differ from plain vLLM, each overridden by passing the vLLM option after ``--``:
+on a CPU host the KV cache is ``min(1 GiB, a quarter of the available memory)`` (vLLM would
+reserve 92% of the node's memory and refuse to start when less is free; ``VLLM_CPU_KVCACHE_SPACE``
+and ``--gpu-memory-utilization`` are honoured) and the model runs eagerly (``--enforce-eager``;
+compiling costs tens of seconds per start on a few cores: pass ``-O`` or
+``--compilation-config`` to compile); ``--shutdown-timeout`` is 10 s (SIGTERM lets requests in
+flight finish and stops the engine cleanly instead of killing it). A ``--model`` path that does
+not exist fails at once instead of being tried as a Hugging Face hub id.
 
 Hazard: one API server process only (``--api-server-count`` > 1 and data parallelism are
 refused): the controller must own the only path to the engine.
@@ -36,26 +51,33 @@ from typing import Any
 
 from ..errors import DBSyncError
 from .broadcast import TRANSPORTS, check_transport
-from .checkpoint import expected_from_checkpoint, resolve_model_dir
-from .controller import SwapController
+from .checkpoint import check_model, expected_from_checkpoint, resolve_model_dir
+from .controller import DEFAULT_DRAIN_TIMEOUT, PAUSE_MODES, SwapController, check_pause_mode
 from .engine import AsyncEngineOps, engine_args
 from .plugin import configure_logging
+from .versions import VersionStamp, wrap_generate
 
 log = logging.getLogger("dbsync.vllm.server")
 
 STATUS_PATH = "/dbsync/status"
+CPU_KV_CACHE_BYTES = 2**30
+SHUTDOWN_TIMEOUT_S = 10
 _GATED_PREFIXES = ("/v1/", "/health", "/generate", "/inference/", "/invocations", "/pooling",
                    "/classify", "/score", "/rerank")
 
 
 def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
           port: int = 8000, extra_args: Sequence[str] = (),
-          poll_interval: float | None = None, transport: str = "auto") -> None:
+          poll_interval: float | None = None, transport: str = "auto",
+          pause_mode: str = "keep", drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:
     """Run the server until it is stopped (SIGINT/SIGTERM). ``extra_args`` are vLLM server
     arguments (e.g. ``["--dtype", "bfloat16", "--max-model-len", "4096"]``). ``transport``:
-    "auto", "broadcast" or "filesystem" (see the module docstring). Raises ``DBSyncError`` for
-    arguments that cannot work with dbsync."""
+    "auto", "broadcast" or "filesystem"; ``pause_mode``: "keep", "wait" (drain for at most
+    ``drain_timeout`` seconds) or "abort" (see the module docstring). Raises ``DBSyncError``
+    for arguments that cannot work with dbsync."""
     check_transport(transport)
+    check_pause_mode(pause_mode)
+    check_model(model)
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -75,8 +97,38 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
     _add_dbsync_engine_args(args)
     configure_logging_from_args(args)
     _configure_logging()
+    _apply_defaults(args, extra)
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(args, os.fspath(root), poll_interval, transport))
+    uvloop.run(_serve(args, os.fspath(root), poll_interval, transport, pause_mode,
+                      drain_timeout))
+
+
+def _given(extra: Sequence[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") or (f == "-O" and a.startswith("-O"))
+               for a in extra for f in flags)
+
+
+def _apply_defaults(args: argparse.Namespace, extra: Sequence[str]) -> None:
+    """serve-vllm's defaults (see the module docstring), each only where the option was not
+    given."""
+    if not _given(extra, "--shutdown-timeout"):
+        args.shutdown_timeout = SHUTDOWN_TIMEOUT_S
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    if (args.kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+            and not _given(extra, "--gpu-memory-utilization")):
+        import psutil
+
+        args.kv_cache_memory_bytes = min(CPU_KV_CACHE_BYTES,
+                                         psutil.virtual_memory().available // 4)
+        log.info("dbsync: CPU host: KV cache of %.2f GiB (pass --kv-cache-memory-bytes after "
+                 "'--' to change it)", args.kv_cache_memory_bytes / 2**30)
+    if not args.enforce_eager and not _given(extra, "-O", "--compilation-config", "-cc"):
+        args.enforce_eager = True
+        log.info("dbsync: CPU host: running the model eagerly (pass -O3 after '--' to "
+                 "compile it)")
 
 
 def _configure_logging() -> None:
@@ -102,7 +154,7 @@ def _add_dbsync_engine_args(args: argparse.Namespace) -> None:
 
 
 async def _serve(args: argparse.Namespace, root: str, poll_interval: float | None,
-                 transport: str) -> None:
+                 transport: str, pause_mode: str, drain_timeout: float) -> None:
     from vllm import envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -114,6 +166,8 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
     controller: SwapController | None = None
     try:
         async with build_async_engine_client(args) as engine_client:
+            _quiet_shutdown(engine_client)
+            wrap_generate(engine_client)
             model_config = engine_client.model_config
             expected, allow_missing = expected_from_checkpoint(
                 resolve_model_dir(args.model), model_config.dtype)
@@ -121,7 +175,7 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
                 root, AsyncEngineOps(engine_client, asyncio.get_running_loop()), expected,
                 allow_missing, poll_interval=poll_interval,
                 workers=engine_client.vllm_config.parallel_config.world_size,
-                transport=transport)
+                transport=transport, pause_mode=pause_mode, drain_timeout=drain_timeout)
             supported_tasks = await engine_client.get_supported_tasks()
             app = build_app(args, supported_tasks, model_config)
             install_routes(app, controller)
@@ -134,8 +188,8 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
                 raise DBSyncError(f"could not start the {transport} transport: {exc}") from exc
             try:
                 await asyncio.to_thread(controller.apply_latest)
-            except DBSyncError:
-                pass  # recorded in /dbsync/status and logged once
+            except (DBSyncError, OSError):
+                pass  # recorded and logged; the watcher retries what is not a refusal
             controller.start_watching()
             uvicorn_kwargs: dict[str, Any] = {}
             if (log_config := get_uvicorn_log_config(args)) is not None:
@@ -161,14 +215,14 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
 
 
 def install_routes(app: Any, controller: SwapController) -> None:
-    """Add ``GET /dbsync/status`` (ahead of every other route) and the unhealthy gate."""
-    from fastapi.responses import JSONResponse
+    """Add ``GET /dbsync/status`` (ahead of every other route), the unhealthy gate and the
+    version stamp (``dbsync.vllm.versions``)."""
 
-    async def dbsync_status() -> JSONResponse:
-        return JSONResponse(controller.status())
+    async def dbsync_status() -> dict[str, Any]:
+        return controller.status()
 
     app.add_api_route(STATUS_PATH, dbsync_status, methods=["GET"], include_in_schema=True,
-                      name="dbsync_status")
+                      name="dbsync_status", summary="dbsync: the served version and health")
     routes = app.router.routes
     routes.insert(0, routes.pop())
 
@@ -176,7 +230,32 @@ def install_routes(app: Any, controller: SwapController) -> None:
     # the built stack as plain ASGI instead of going through add_middleware.
     if app.middleware_stack is None:
         app.middleware_stack = app.build_middleware_stack()
-    app.middleware_stack = _UnhealthyGate(app.middleware_stack, controller)
+    app.middleware_stack = VersionStamp(_UnhealthyGate(app.middleware_stack, controller))
+
+
+def _quiet_shutdown(engine_client: Any) -> None:
+    """A stop that the server asked for (SIGTERM, SIGINT) ends the engine's output loop with
+    ``EngineDeadError``, which vLLM logs as an ERROR traceback: log one INFO line instead,
+    only once the engine client is being shut down."""
+    original = engine_client.shutdown
+    stopping = False
+
+    def shutdown(*args: Any, **kwargs: Any) -> Any:
+        nonlocal stopping
+        stopping = True
+        return original(*args, **kwargs)
+
+    class _StoppedFilter(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            exc = record.exc_info[1] if record.exc_info else None
+            if stopping and type(exc).__name__ == "EngineDeadError":
+                record.msg, record.args = "dbsync: the engine stopped (server shutdown)", ()
+                record.levelno, record.levelname = logging.INFO, "INFO"
+                record.exc_info, record.exc_text = None, None
+            return True
+
+    engine_client.shutdown = shutdown
+    logging.getLogger("vllm.v1.engine.async_llm").addFilter(_StoppedFilter())
 
 
 class _UnhealthyGate:
@@ -218,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "when ROOT/broadcast.json offers one this engine can join, else "
                              "the filesystem), 'broadcast' (join it as soon as it appears) or "
                              "'filesystem'")
+    parser.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep",
+                        help="requests in flight during a swap: 'keep' (held, finished on the "
+                             "new version), 'wait' (drain them first, at most --drain-timeout "
+                             "seconds, then keep the rest) or 'abort'")
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
+                        help="seconds --pause-mode wait lets requests in flight finish "
+                             f"(default {DEFAULT_DRAIN_TIMEOUT:g})")
     return parser
 
 
@@ -230,15 +316,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
     opts = build_parser().parse_args(argv)
+    if opts.drain_timeout <= 0:
+        print("dbsync serve-vllm: --drain-timeout must be > 0 seconds", file=sys.stderr)
+        return 2
     try:
         serve(opts.root, opts.model, host=opts.host, port=opts.port, extra_args=extra,
-              poll_interval=opts.poll_interval, transport=opts.transport)
+              poll_interval=opts.poll_interval, transport=opts.transport,
+              pause_mode=opts.pause_mode, drain_timeout=opts.drain_timeout)
     except DBSyncError as exc:
         print(f"dbsync serve-vllm: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as exc:
+        if "Engine core initialization failed" not in str(exc):
+            raise
+        print(f"dbsync serve-vllm: vLLM could not start the engine; its log above says why "
+              f"(the first ERROR line), e.g. not enough memory for the KV cache: lower "
+              f"--kv-cache-memory-bytes or --max-model-len after '--' ({exc})", file=sys.stderr)
+        return 1
+    _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Exit after a clean shutdown without the interpreter's teardown, where native
+    extensions vLLM imports (triton's nanobind bindings) print pages of leak warnings about
+    objects that are freed with the process anyway. Logs and streams are flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ from dbsync.store import Store
 TIMEOUT = 1.5
 
 
-def specs(n: int = 5) -> list[tuple[str, torch.dtype, tuple[int, ...], str | None]]:
-    return [(f"t{i}", torch.float32, (i, 3), None) for i in range(n)] + [
-        ("scalar", torch.bfloat16, (), None), ("empty", torch.int8, (0,), None)]
+def specs(n: int = 5) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [(f"t{i}", torch.float32, (i, 3)) for i in range(n)] + [
+        ("scalar", torch.bfloat16, ()), ("empty", torch.int8, (0,))]
 
 
 def test_header_round_trip_and_layout_cache() -> None:
@@ -49,11 +49,12 @@ META = b'{"version": 1, "epoch": 1, "seq": 1}\n'
 
 @pytest.mark.parametrize("bad", [
     b"not json\n{}",
-    META + b'{"bucket_bytes": 100, "tensors": []}',
-    META + b'{"bucket_bytes": 64, "tensors": [["a", "f32", [1], null]]}',
-    META + b'{"bucket_bytes": 64, "tensors": [["a", "float32", [-1], null]]}',
-    META + b'{"bucket_bytes": 64, "tensors": [["a", "float32", [1], "zz"]]}',
-    META + b'{"bucket_bytes": 64, "tensors": [["", "float32", [1], null]]}',
+    META + b'{"bucket_bytes": 100, "checksum": null, "tensors": []}',
+    META + b'{"bucket_bytes": 64, "checksum": null, "tensors": [["a", "f32", [1]]]}',
+    META + b'{"bucket_bytes": 64, "checksum": null, "tensors": [["a", "float32", [-1]]]}',
+    META + b'{"bucket_bytes": 64, "checksum": "md5", "tensors": [["a", "float32", [1]]]}',
+    META + b'{"bucket_bytes": 64, "checksum": null, "tensors": [["", "float32", [1]]]}',
+    META + b'{"bucket_bytes": 64, "tensors": [["a", "float32", [1]]]}',
 ])
 def test_malformed_headers_are_refused(bad: bytes) -> None:
     with pytest.raises(BroadcastError):
@@ -61,7 +62,7 @@ def test_malformed_headers_are_refused(bad: bytes) -> None:
 
 
 def test_bucket_plan_covers_every_byte_once() -> None:
-    header = Header.build(1, 1, 1, 192, [(f"t{i}", torch.uint8, (n,), None)
+    header = Header.build(1, 1, 1, 192, [(f"t{i}", torch.uint8, (n,))
                                          for i, n in enumerate([1, 500, 0, 64, 191, 7])])
     seen: dict[int, list[tuple[int, int]]] = {}
     for b, pieces in enumerate(bucket_plan(header)):

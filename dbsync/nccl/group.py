@@ -33,6 +33,7 @@ from .errors import BroadcastError, BroadcastTimeoutError
 
 _ENV_LOCK = threading.Lock()
 SPIN_SECONDS = 0.002  # poll without sleeping this long, then sleep briefly between polls
+CANCEL_CHECK_SECONDS = 0.005
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -111,11 +112,12 @@ class Group:
     def wait(self, work: Any, what: str = "a broadcast", timeout: float | None = None,
              cancelled: Callable[[], str | None] | None = None) -> None:
         """Block the host until ``work`` completed, at most ``timeout`` (default the group's)
-        seconds. ``cancelled()``, polled about every millisecond, may return a reason to give
-        up. Any failure closes the group and raises ``BroadcastError``."""
+        seconds. ``cancelled()``, polled every ``CANCEL_CHECK_SECONDS`` once that long has
+        passed (a key-value store round trip each), may return a reason to give up. Any
+        failure closes the group and raises ``BroadcastError``."""
         limit = self.timeout if timeout is None else timeout
         start = time.monotonic()
-        next_check = start + 0.001
+        next_check = start + CANCEL_CHECK_SECONDS
         try:
             while not work.is_completed():
                 now = time.monotonic()
@@ -124,7 +126,7 @@ class Group:
                         f"{what} did not complete within {limit:.1f} s (a peer died or stopped "
                         "receiving; raise timeout= if the link is just slow)")
                 if cancelled is not None and now >= next_check:
-                    next_check = now + 0.001
+                    next_check = now + CANCEL_CHECK_SECONDS
                     reason = cancelled()
                     if reason is not None:
                         raise BroadcastError(f"{what}: {reason}")

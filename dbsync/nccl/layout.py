@@ -4,9 +4,11 @@ and a byte stream cut into fixed-size buckets.
 The stream holds every tensor's raw bytes in manifest order, each starting at a multiple of
 ``ALIGN`` bytes (so a tensor lying wholly inside a bucket is handed out as a zero-copy view of
 the bucket buffer, whatever its dtype). A tensor may span buckets; the receiver assembles it.
+When the header names a checksum algorithm, each bucket travels sealed: its payload padded to
+whole checksum rows, then the checksum (see ``checksum.py``).
 
 Hazard: the header arrives over the network and is untrusted: ``Header.loads`` validates every
-field (names, dtypes, shapes, sizes, checksums) before any buffer is sized from it.
+field (names, dtypes, shapes, sizes, checksum algorithm) before any buffer is sized from it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,10 +24,10 @@ import torch
 
 from ..fileio import ALIGN, aligned
 from ..format import dtype_from_name, dtype_name, nbytes_of
+from . import checksum as _checksum
 from .errors import BroadcastError
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-_CHECKSUM = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,6 @@ class Entry:
     shape: tuple[int, ...]
     nbytes: int
     offset: int  # in the stream
-    checksum: str | None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -52,6 +52,8 @@ class Header:
     seq: int
     bucket_bytes: int
     entries: tuple[Entry, ...]
+    #: the bucket checksum algorithm (``checksum.ALGORITHM``), or None: buckets unsealed
+    checksum: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -63,7 +65,7 @@ class Header:
 
     @property
     def has_checksums(self) -> bool:
-        return bool(self.entries) and all(e.checksum is not None for e in self.entries)
+        return self.checksum is not None
 
     def buckets(self) -> list[tuple[int, int]]:
         total = self.total_bytes
@@ -80,8 +82,8 @@ class Header:
     @functools.cached_property
     def layout_bytes(self) -> bytes:
         return json.dumps({
-            "bucket_bytes": self.bucket_bytes,
-            "tensors": [[e.name, e.dtype, list(e.shape), e.checksum] for e in self.entries],
+            "bucket_bytes": self.bucket_bytes, "checksum": self.checksum,
+            "tensors": [[e.name, e.dtype, list(e.shape)] for e in self.entries],
         }, separators=(",", ":")).encode()
 
     @classmethod
@@ -109,37 +111,39 @@ class Header:
             data = json.loads(raw.decode("utf-8"))
             bucket_bytes = int(data["bucket_bytes"])
             tensors = data["tensors"]
+            algorithm = data["checksum"]
             if not isinstance(tensors, list) or bucket_bytes <= 0 or bucket_bytes % ALIGN:
                 raise ValueError("bad tensors list or bucket size")
+            if algorithm not in (None, _checksum.ALGORITHM):
+                raise ValueError(f"unknown bucket checksum {algorithm!r}")
             specs = []
             for item in tensors:
-                name, dt, shape, checksum = item
+                name, dt, shape = item
                 if not isinstance(name, str) or not name:
                     raise ValueError(f"bad tensor name {name!r}")
                 if not isinstance(shape, list) or not all(
                         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
                     raise ValueError(f"bad shape for {name!r}")
-                if checksum is not None and not (isinstance(checksum, str)
-                                                 and _CHECKSUM.fullmatch(checksum)):
-                    raise ValueError(f"bad checksum for {name!r}")
-                specs.append((name, dtype_from_name(dt), tuple(shape), checksum))
+                specs.append((name, dtype_from_name(dt), tuple(shape)))
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
             raise BroadcastError(f"received a malformed broadcast header ({exc}); the sender "
                                  "runs an incompatible dbsync: upgrade both sides") from None
         except Exception as exc:  # dtype_from_name raises FormatError
             raise BroadcastError(f"received an unusable broadcast header ({exc})") from None
-        return cls.build(0, 0, 0, bucket_bytes, specs)
+        return cls.build(0, 0, 0, bucket_bytes, specs, algorithm)
 
     @classmethod
     def build(cls, version: int, epoch: int, seq: int, bucket_bytes: int,
-              specs: Sequence[tuple[str, torch.dtype, tuple[int, ...], str | None]]) -> Header:
+              specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+              checksum: str | None = None) -> Header:
+        """``checksum``: the bucket checksum algorithm, or None for unsealed buckets."""
         entries = []
         offset = 0
-        for name, dtype, shape, checksum in specs:
+        for name, dtype, shape in specs:
             nbytes = nbytes_of(dtype, shape)
-            entries.append(Entry(name, dtype_name(dtype), shape, nbytes, offset, checksum))
+            entries.append(Entry(name, dtype_name(dtype), shape, nbytes, offset))
             offset = aligned(offset + nbytes)
-        return cls(version, epoch, seq, bucket_bytes, tuple(entries))
+        return cls(version, epoch, seq, bucket_bytes, tuple(entries), checksum)
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,9 @@ Hazards, stated plainly:
   then calls it again with the complete version from the filesystem. The final state is always
   one complete, verified version, but ``load_weights`` must accept being called again.
 - Tensors handed to ``load_weights`` are views of reused buffers: copy what you keep.
-- Without header checksums (the sender's default for CUDA weights) verification happens after
-  ``load_weights`` returns, against the manifest once the version is on the filesystem; on a
-  mismatch the version is re-applied from the filesystem.
+- With ``verify=True`` (the default) every bucket is checked on this receiver's device before
+  its tensors are handed out; a push the sender did not seal (``checksums=False``) is then not
+  taken from the broadcast: it is drained and the version is read from the filesystem.
 - While a member, this receiver must be inside ``receive`` when the sender pushes, or that push
   drops it from the group (it reads the version from the filesystem and re-joins).
 """
@@ -39,11 +39,12 @@ import torch.distributed as dist
 
 from ..leases import DEFAULT_LEASE_TIMEOUT
 from ..receiver import Receiver
+from . import checksum
 from . import rendezvous as rv
 from .errors import BroadcastError, BroadcastTimeoutError, RendezvousError
 from .group import Group
 from .layout import Header, bucket_plan
-from .stream import IncomingVersion
+from .stream import BeforeVerify, IncomingVersion
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 RETRY_SECONDS = 5.0
@@ -67,7 +68,8 @@ class BroadcastReceiver:
     (before applying when the sender sent them, else against the manifest after). ``timeout``:
     bound of every collective and handshake step. ``fallback_timeout``: how long to wait for an
     announced version to appear on the filesystem. ``address``: this host's address for the
-    group (default: the one that routes to the sender)."""
+    group (default: the one that routes to the sender). ``depth``: bucket buffers (default 3 on
+    GPUs, 2 on CPU; each the sender's bucket size)."""
 
     def __init__(
         self,
@@ -83,6 +85,7 @@ class BroadcastReceiver:
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         report_loaded: bool = True,
         fs_verify: bool | None = None,
+        depth: int | None = None,
     ):
         # report_loaded=False: loads are not reported in the lease (helper readers).
         # fs_verify: checksum verification of filesystem loads (default: ``verify``).
@@ -96,6 +99,10 @@ class BroadcastReceiver:
         self.fallback_timeout = float(fallback_timeout)
         self.poll_interval = poll_interval
         self.address = address
+        self.depth = max(2, depth if depth is not None else
+                         (3 if self.device.type == "cuda" else 2))
+        #: test hook: run on each received bucket before its checksum is checked
+        self.before_verify: BeforeVerify | None = None
         #: "broadcast" or "filesystem": how the last returned version arrived
         self.last_source: str | None = None
         #: why the last broadcast was not used (None when it was)
@@ -328,22 +335,24 @@ class BroadcastReceiver:
             return fall_back()
 
         def cancelled() -> str | None:
-            """Polled while waiting for the first bucket: did the sender abort this push?"""
+            """Polled while a bucket is late: did the sender abort this push?"""
             key = rv.go_key(epoch, seq)
             if store.check([key]) and store.get(key) != b"go":
-                return (f"the sender aborted the broadcast of version {header.version} "
-                        "(another member did not acknowledge)")
+                return (f"the sender aborted the broadcast of version {header.version} ("
+                        "after a member did not acknowledge or a collective failed)")
             return None
 
         cache = self._header_cache
         if "plan" not in cache or cache.get("plan_for") is not cache.get("raw"):  # new layout
             cache.update(plan=bucket_plan(header), plan_for=cache.get("raw"))
+        # A verifying receiver takes only sealed pushes; an unsealed one is drained.
+        usable = wanted and (header.has_checksums or not self.verify)
         incoming = IncomingVersion(
-            self._group, header, self._bucket_buffers(header), verify_now=self.verify and wanted,
-            hash_after=self.verify and wanted and not header.has_checksums, views=self._views,
-            cancelled=cancelled, plan=cache["plan"])
+            self._group, header, self._bucket_buffers(header), verify=self.verify,
+            views=self._views, cancelled=cancelled, plan=cache["plan"],
+            before_verify=self.before_verify)
         try:
-            if wanted:
+            if usable:
                 load_weights(incoming)
             incoming.drain()  # whatever load_weights left unread (or all of it)
         except BroadcastError as exc:
@@ -354,26 +363,59 @@ class BroadcastReceiver:
             raise
         self.last_stats = {"version": header.version, "bytes": header.total_bytes,
                            "seconds": time.perf_counter() - t0,
-                           "buckets": len(header.buckets())}
+                           "buckets": len(header.buckets()),
+                           "verified_buckets": incoming.verified_buckets}
         if not wanted:
             return None
-        if incoming.hash_after:
-            problem = self._check_against_manifest(header, incoming.checksums)
-            if problem is not None:
-                self.last_error = problem
-                return self._load_fs(load_weights, header.version)
+        if not usable:
+            self.last_error = (f"version {header.version} was broadcast without checksums and "
+                               "this receiver verifies; read from the filesystem")
+            return self._load_fs(load_weights, header.version)
         self.fs.mark_loaded(header.version)
         self._applied_push = (epoch, seq, header.version)
         self.last_source, self.last_error = "broadcast", None
         return header.version
 
     def _bucket_buffers(self, header: Header) -> list[torch.Tensor]:
-        size = min(header.bucket_bytes, header.total_bytes)
-        if not self._buffers or self._buffers[0].numel() < size:
+        size = checksum.buffer_bytes(min(header.bucket_bytes, max(header.total_bytes, 1)))
+        if (len(self._buffers) != self.depth or self._buffers[0].numel() < size
+                or self._buffers[0].device != self.device):
             self._buffers, self._views = [], {}
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
-                             for _ in range(2)]
+                             for _ in range(self.depth)]
         return self._buffers
+
+    def published(self, timeout: float) -> str:
+        """The digest of the manifest under which the sender published the version this
+        receiver took last from the broadcast (see ``rendezvous.manifest_digest``); waits for
+        the sender's confirmation up to ``timeout`` seconds. Raises ``BroadcastError`` when
+        none was taken, the publish failed, or no confirmation came."""
+        with self._lock:
+            pushed, conn = self._applied_push, self._conn
+            if pushed is None or conn is None:
+                raise BroadcastError("no broadcast version to confirm")
+            epoch, seq, version = pushed
+            key = rv.published_key(epoch, seq)
+            deadline = time.monotonic() + timeout
+            pause = 0.001
+            try:
+                while not conn.store.check([key]):
+                    if time.monotonic() >= deadline:
+                        raise BroadcastTimeoutError(
+                            f"the sender did not confirm publishing version {version} within "
+                            f"{timeout:.0f} s")
+                    time.sleep(pause)
+                    pause = min(pause * 1.5, 0.01)
+                record = json.loads(conn.store.get(key))
+            except BroadcastError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the sender went away
+                raise BroadcastError(f"lost the broadcast sender before it confirmed version "
+                                     f"{version} ({exc})") from None
+            if record.get("version") != version or "manifest" not in record:
+                raise BroadcastError(f"the sender could not publish version {version}: "
+                                     f"{record.get('error', 'no manifest digest')}")
+            return str(record["manifest"])
 
     def _wait_published(self, version: int) -> int:
         deadline = time.monotonic() + self.fallback_timeout
@@ -389,20 +431,6 @@ class BroadcastReceiver:
                     "call receive again to load the newest published version")
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
-
-    def _check_against_manifest(self, header: Header, sums: list[str]) -> str | None:
-        self._wait_published(header.version)
-        manifest = self.fs.manifest()
-        if manifest.version != header.version:
-            return None if manifest.version > header.version else "manifest went backwards"
-        got = [(e.name, e.dtype, tuple(e.shape), s)
-               for e, s in zip(header.entries, sums, strict=True)]
-        want = [(t.name, t.dtype, tuple(t.shape), t.checksum) for t in manifest.tensors]
-        if got != want:
-            bad = [w[0] for g, w in zip(got, want, strict=False) if g != w][:5]
-            return (f"version {header.version} as broadcast differs from the manifest "
-                    f"({', '.join(bad) or 'tensor list'}); re-applied from the filesystem")
-        return None
 
     def _load_fs(self, load_weights: LoadWeights, version: int) -> int:
         self._wait_published(version)

@@ -14,7 +14,9 @@ Key-value store layout (all JSON text, never pickle):
     e<E>/pg/...            the process group's own rendezvous
     e<E>/push/<seq>        the header of one pushed version (see layout.py)
     e<E>/ack/<seq>/<id>    a member is ready to take push <seq>
-    e<E>/go/<seq>          "go" (broadcast follows) or "abort" (read it from the filesystem)
+    e<E>/go/<seq>          "abort": the sender gave up this push (read it from the filesystem)
+    e<E>/published/<seq>   {"version", "manifest": digest} once the version is on the
+                           filesystem (``manifest_digest``), or {"version", "error"}
 
 Hazards: the file is advisory. The manifest (``dbsync.json``) alone says which version is
 current; a stale ``broadcast.json`` (its sender died) only costs receivers a failed connect,
@@ -24,6 +26,7 @@ the port can join the group and receive the weights: run it on a trusted network
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -66,6 +69,20 @@ def ack_key(epoch: int, seq: int, reader_id: str) -> str:
 
 def go_key(epoch: int, seq: int) -> str:
     return f"e{epoch}/go/{seq}"
+
+
+def published_key(epoch: int, seq: int) -> str:
+    return f"e{epoch}/published/{seq}"
+
+
+def manifest_digest(manifest: Any) -> str:
+    """A digest of what a manifest promises: version, and each tensor's name, dtype, shape and
+    xxh3 checksum, in order. The sender confirms a broadcast version with the digest of the
+    manifest it was published under; a member applies its broadcast copy only while the
+    store's manifest has the same digest."""
+    data = [manifest.version, [[t.name, t.dtype, list(t.shape), t.checksum]
+                               for t in manifest.tensors]]
+    return hashlib.sha256(json.dumps(data, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

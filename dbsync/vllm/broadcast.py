@@ -1,286 +1,30 @@
-"""Broadcast transport inside a vLLM worker: take versions from the sender's broadcast group
-into a staged copy in the background, so the swap applies from memory.
+"""Broadcast transport for vLLM engines, in two halves that import nothing of each other:
 
-The swap semantics stay those of the filesystem path: the controller still waits for the
-manifest flip (the single source of truth), checks fit and verifies before pausing, and pauses
-only for the apply. Inside the pause the worker applies the staged copy only if it is exactly
-the requested version and its checksums (computed from the received bytes, see below) equal
-the manifest's, name for name, with the same dtypes and shapes; otherwise it reads the
-filesystem, exactly as with ``transport="filesystem"``. The background thread never touches
-the model: ``load_weights`` runs only inside ``update_weights``, between vLLM's layerwise-reload
-start and finish.
+- ``dbsync.vllm.transport`` (driver side: the controller, the server): which transport a
+  worker uses (``TRANSPORTS``, ``check_transport``, ``choose_transport``). No
+  ``torch.distributed``, no ``dbsync.nccl``.
+- ``dbsync.vllm.staging`` (worker side): ``Stager``, ``StagingReceiver``, ``Staged``: each
+  worker stages the versions the trainer broadcasts, verified on its device, and applies a
+  staged copy only under the manifest the sender confirmed.
 
-Checksums: with header checksums (the sender's default for CPU weights, so gloo) every tensor
-is hashed on arrival and checked against the header before it is staged; without them (CUDA
-weights by default) the receiver hashes what arrived and checks it against the manifest once
-the version is published. Either way the staged copy carries the checksums of its own bytes,
-and the apply compares those to the manifest.
-
-Transport choice (``choose_transport``): "auto" uses the broadcast when the sender offers one
-(``ROOT/broadcast.json``) with a backend this worker can join (NCCL with CUDA, gloo on CPU),
-else the filesystem; ``Stager`` re-checks every few seconds, so a sender that starts after the
-engine is picked up.
-
-Hazards, stated plainly:
-- Each version is staged into freshly allocated tensors on the receiving device: the FULL
-  model (not this rank's shard), so a worker briefly holds one extra copy of the model (two
-  while a newer version arrives during an apply). On GPUs that memory must be free besides
-  vLLM's own (lower ``gpu_memory_utilization``). The copy is released once it is applied (or
-  replaced by the next version; a refused or never-applied version stays staged until then).
-- While staging, this worker is a group member: its thread must keep receiving, and it does,
-  but a worker process that stalls (e.g. swapped out) longer than the step timeout is dropped
-  from the group; it then reads that version from the filesystem and re-joins.
-- An apply whose version is still arriving over the broadcast (bytes received, staging copy
-  or checksum check not finished) waits for it inside the pause, at most
-  ``plugin.STAGE_WAIT_SECONDS``, then reads the filesystem.
-- The staging receiver's reader lease never reports a version as loaded (only the controller
-  does, once per engine), so ``Sender.wait_for_receivers`` still counts engines, not workers;
-  ``dbsync status`` lists it as an idle reader ``<host>-<pid>-vllm-staging``.
+This module re-exports both for existing imports; the worker-side names are loaded only when
+asked for, so importing it (as the controller does) pulls in nothing worker-side.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
-import threading
-import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import Any
 
-import torch
+from .transport import TRANSPORTS, check_transport, choose_transport, local_device
 
-from ..errors import DBSyncError
-from ..store import Store
+_WORKER_SIDE = ("Staged", "StagingReceiver", "Stager")
 
-log = logging.getLogger(__name__)
-
-TRANSPORTS = ("auto", "filesystem", "broadcast")
-#: how often "auto" looks for ROOT/broadcast.json, and the staging thread's receive slice
-_CHECK_SECONDS = 1.0
-#: a member's poll of the sender's key-value store (the receiver's default, 0.25 ms, would
-#: keep a core busy next to the engine)
-_MEMBER_POLL_SECONDS = 0.002
-
-Pairs = list[tuple[str, torch.Tensor]]
-Signature = list[tuple[str, str, tuple[int, ...], str]]
+__all__ = ["TRANSPORTS", "check_transport", "choose_transport", "local_device", *_WORKER_SIDE]
 
 
-def local_device() -> str:
-    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+def __getattr__(name: str) -> Any:
+    if name in _WORKER_SIDE:
+        from . import staging
 
-
-def check_transport(transport: str) -> str:
-    if transport not in TRANSPORTS:
-        raise DBSyncError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
-    return transport
-
-
-def choose_transport(root: str, transport: str, device: str | None = None) -> str:
-    """Resolve "auto" to "broadcast" or "filesystem" for a worker on ``device`` (default:
-    this process's device): broadcast only when ``ROOT/broadcast.json`` names the backend
-    that device can join."""
-    if check_transport(transport) != "auto":
-        return transport
-    from ..nccl import read_record
-
-    try:
-        record = read_record(Store(root, create=False))
-    except (DBSyncError, OSError):
-        return "filesystem"
-    if record is None:
-        return "filesystem"
-    wanted = "nccl" if (device or local_device()).startswith("cuda") else "gloo"
-    return "broadcast" if record.backend == wanted else "filesystem"
-
-
-@dataclass
-class Staged:
-    """One version received over the broadcast: its tensors (manifest order) and the
-    (name, dtype, shape, checksum) of each, computed from the received bytes."""
-
-    version: int
-    pairs: Pairs
-    signature: Signature
-
-    def matches(self, root: str) -> str | None:
-        """None if the manifest at ``root`` names exactly this version with these checksums,
-        else why not."""
-        manifest = Store(root, create=False).read_manifest()
-        if manifest is None or manifest.version != self.version:
-            current = None if manifest is None else manifest.version
-            return f"the manifest names version {current}, not {self.version}"
-        want = [(t.name, t.dtype, tuple(t.shape), t.checksum) for t in manifest.tensors]
-        if want != self.signature:
-            bad = [w[0] for g, w in zip(self.signature, want, strict=False) if g != w][:5]
-            return ("the broadcast copy differs from the manifest "
-                    f"({', '.join(bad) or 'tensor list'})")
-        return None
-
-
-class _NotBroadcast(Exception):
-    """Raised into the receiver when it offers a version from the filesystem: the staging
-    thread stages broadcasts only (the apply reads the filesystem itself when needed)."""
-
-
-class StagingReceiver:
-    """Background broadcast receiver that keeps the newest received, verified version staged.
-
-    ``take(version)`` hands it out; nothing else reads it. Never raises from its thread: every
-    failure is logged, recorded in ``last_error``, and leaves the filesystem path in place."""
-
-    def __init__(self, root: str, reader_id: str | None = None, device: str | None = None,
-                 step_timeout: float = 30.0):
-        from ..nccl import BroadcastReceiver
-
-        self.root = root
-        self.device = device or local_device()
-        reader_id = reader_id or f"{socket.gethostname()}-{os.getpid()}-vllm-staging"
-        self._rx = BroadcastReceiver(root, reader_id=reader_id, device=self.device,
-                                     verify=True, timeout=step_timeout,
-                                     fallback_timeout=2 * step_timeout,
-                                     poll_interval=_MEMBER_POLL_SECONDS,
-                                     # never counted as an engine that loaded a version; no
-                                     # hashing of filesystem deliveries (refused at their first
-                                     # tensor anyway)
-                                     report_loaded=False, fs_verify=False)
-        self._cond = threading.Condition()
-        self._staged: Staged | None = None
-        self._receiving: int | None = None
-        self._floor = self._rx.fs.latest_version() or 0
-        self._stop = threading.Event()
-        self.last_error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="dbsync-staging", daemon=True)
-        self._thread.start()
-
-    def _stage(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from ..nccl.stream import IncomingVersion
-
-        if not isinstance(pairs, IncomingVersion):
-            raise _NotBroadcast
-        header = pairs.header
-        with self._cond:
-            self._receiving = header.version
-        copy: Pairs = [(name, tensor.detach().clone()) for name, tensor in pairs]
-        if pairs.hash_after:
-            sums = list(pairs.checksums)
-        elif pairs.verify_now:
-            sums = [str(e.checksum) for e in header.entries]
-        else:
-            raise DBSyncError("the broadcast carried no checksums and none were computed")
-        signature = [(e.name, e.dtype, tuple(e.shape), s)
-                     for e, s in zip(header.entries, sums, strict=True)]
-        with self._cond:
-            self._incoming = Staged(header.version, copy, signature)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._incoming: Staged | None = None
-            try:
-                version = self._rx.receive(self._stage, newer_than=self._floor,
-                                           timeout=_CHECK_SECONDS)
-            except _NotBroadcast:
-                # A version reached this receiver through the filesystem only: leave it to the
-                # apply, and wait for the next one.
-                self._floor = max(self._floor, self._rx.fs.latest_version() or 0)
-                version = None
-            except Exception as exc:  # never let the thread die: the filesystem path remains
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("dbsync: broadcast staging failed (%s); applies read the "
-                            "filesystem meanwhile", self.last_error)
-                self._stop.wait(_CHECK_SECONDS)
-                version = None
-            with self._cond:
-                incoming, self._incoming, self._receiving = self._incoming, None, None
-                if (version is not None and incoming is not None
-                        and incoming.version == version
-                        and self._rx.last_source == "broadcast"):
-                    self._staged = incoming
-                    self._floor = max(self._floor, version)
-                    log.info("dbsync: worker pid %d staged version %d from the broadcast",
-                             os.getpid(), version)
-                self._cond.notify_all()
-
-    def take(self, version: int, wait: float = 0.0) -> Staged | None:
-        """The staged copy if it is exactly ``version``, else None. When that version is
-        being received right now, waits for it up to ``wait`` seconds."""
-        deadline = time.monotonic() + wait
-        with self._cond:
-            while self._receiving == version and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            staged = self._staged
-        return staged if staged is not None and staged.version == version else None
-
-    def release(self, version: int) -> None:
-        """Drop the staged copy of ``version`` (applied: the memory is not needed any more)."""
-        with self._cond:
-            if self._staged is not None and self._staged.version == version:
-                self._staged = None
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=_CHECK_SECONDS * 5)
-        self._rx.close()
-
-
-class Stager:
-    """A worker's transport: ``transport`` is "broadcast" (stage from the start) or "auto"
-    (start staging once ``ROOT/broadcast.json`` offers a backend this worker can join; until
-    then one ``stat`` per second, nothing else)."""
-
-    def __init__(self, root: str, transport: str, device: str | None = None,
-                 step_timeout: float = 30.0):
-        if check_transport(transport) == "filesystem":
-            raise DBSyncError("a Stager is for the broadcast transports ('auto', 'broadcast')")
-        self.root = root
-        self.transport = transport
-        self.device = device or local_device()
-        self.step_timeout = step_timeout
-        self._lock = threading.Lock()
-        self._receiver: StagingReceiver | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if transport == "broadcast":
-            self._start_receiver()
-        else:
-            self._thread = threading.Thread(target=self._watch, name="dbsync-transport",
-                                            daemon=True)
-            self._thread.start()
-
-    @property
-    def receiver(self) -> StagingReceiver | None:
-        return self._receiver
-
-    def _start_receiver(self) -> None:
-        with self._lock:
-            if self._receiver is None and not self._stop.is_set():
-                self._receiver = StagingReceiver(self.root, device=self.device,
-                                                 step_timeout=self.step_timeout)
-                log.info("dbsync: worker pid %d joins the broadcast of %s (%s)", os.getpid(),
-                         self.root, self.device)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(_CHECK_SECONDS):
-            try:
-                if choose_transport(self.root, "auto", self.device) == "broadcast":
-                    self._start_receiver()
-                    return
-            except Exception:  # noqa: BLE001 - keep watching; the filesystem path remains
-                log.exception("dbsync: could not start the broadcast receiver")
-
-    def take(self, version: int, wait: float) -> Staged | None:
-        receiver = self._receiver
-        return None if receiver is None else receiver.take(version, wait)
-
-    def release(self, version: int) -> None:
-        if self._receiver is not None:
-            self._receiver.release(version)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=_CHECK_SECONDS * 3)
-        with self._lock:
-            if self._receiver is not None:
-                self._receiver.close()
-                self._receiver = None
+        return getattr(staging, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

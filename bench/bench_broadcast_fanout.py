@@ -1,0 +1,461 @@
+"""Fan-out benchmark: one BroadcastSender on GPU 0, N-1 BroadcastReceivers on GPUs 1..N-1,
+against a raw bucketed ``torch.distributed.broadcast`` of the same bytes in a world of the same
+N processes, measured in the same run.
+
+    python bench/bench_broadcast_fanout.py [--gpus N] [--gb 4 12] [--tensors 300]
+        [--bucket-mib 256] [--iters 5] [--code DIR] [--sender-kwargs JSON]
+        [--receiver-kwargs JSON] [--faults] [--label NAME] [--out results.json]
+
+Each receiver's load_weights copies every tensor into its own preallocated parameters and
+synchronizes. Every version differs from the one before (a few elements change), and after
+every take each receiver's parameters are compared with the sender's weights by exact int64
+fingerprints (bit-exact, no hash). Sender side: ``broadcast_seconds`` of the push (poll joins,
+header, handshake, bucket stream, last bucket done). Receiver side: header seen -> last tensor
+copied and synchronized. Raw: every rank enqueues the same number of same-size bucket
+broadcasts from two preallocated buffers (no packing, no handshake, no checksums), timed from a
+barrier to the last rank's synchronize.
+
+``--code DIR`` imports ``dbsync`` from DIR (a copy of an older revision, for before/after runs
+on the same machine). ``--faults`` (current code) then measures, with small versions: a receiver
+that stalls (is not receiving) during a push, and one killed in the middle of a push: what the
+push costs the sender and the others, and that the survivors take the next version over the
+broadcast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def model_shapes(gb: float, tensors: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Per layer: qkv [3h, h], o [h, h], up [4h, h], down [h, 4h], two norms [h]; bf16."""
+    layers = max(1, tensors // 6)
+    h = int(math.sqrt(gb * 1e9 / (layers * 2 * 12)))
+    h = max(128, h // 128 * 128)
+    shapes = []
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + "input_layernorm.weight", (h,)),
+                   (p + "self_attn.qkv_proj.weight", (3 * h, h)),
+                   (p + "self_attn.o_proj.weight", (h, h)),
+                   (p + "post_attention_layernorm.weight", (h,)),
+                   (p + "mlp.up_proj.weight", (4 * h, h)),
+                   (p + "mlp.down_proj.weight", (h, 4 * h))]
+    return shapes
+
+
+def fingerprint(t: torch.Tensor) -> list[int]:
+    """Exact int64 sums of the 16-bit words and of their squares (bit-level check, no hash)."""
+    words = t.view(torch.int16).reshape(-1).to(torch.int64)
+    return [int(words.sum()), int((words * words).sum())]
+
+
+def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    return {n: fingerprint(t) for n, t in tensors.items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raw_bucketed(total: int, bucket: int, iters: int) -> list[float]:
+    import torch.distributed as dist
+
+    bufs = [torch.empty(bucket, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    if dist.get_rank() == 0:
+        for b in bufs:
+            b.random_(0, 256)
+    sizes = [min(bucket, total - lo) for lo in range(0, total, bucket)]
+    times = []
+    for i in range(iters + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for k, n in enumerate(sizes):
+            dist.broadcast(bufs[k % 2][:n], 0)
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t)
+    del bufs
+    return times
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, root: str, port: int,
+           commands: Any, results: Any) -> None:
+    """One process per GPU, driven by JSON commands (rank 0: sender, others: receivers)."""
+    sys.path.insert(0, os.path.abspath(args.code))
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import torch.distributed as dist
+
+    import dbsync
+
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, device_id=torch.device("cuda", rank))
+        dist.barrier()
+        if rank == 0:
+            _sender(args, root, commands, results, dbsync)
+        else:
+            _receiver(rank, args, root, commands, results)
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver
+        results.put(json.dumps({"rank": rank, "exception": repr(exc),
+                                "traceback": traceback.format_exc()}))
+
+
+def _sender(args: argparse.Namespace, root: str, commands: Any, results: Any,
+            dbsync: Any) -> None:
+    from dbsync.nccl import BroadcastSender
+
+    sender = dbsync.Sender(root, durable=False)
+    kwargs = dict(address="127.0.0.1", device="cuda:0", timeout=args.timeout,
+                  join_timeout=120.0, bucket_bytes=args.bucket_mib * 2**20)
+    kwargs.update(json.loads(args.sender_kwargs))
+    t0 = time.perf_counter()
+    bs = BroadcastSender(sender, **kwargs)
+    construct = time.perf_counter() - t0
+    weights: dict[str, torch.Tensor] = {}
+    results.put(json.dumps({"rank": 0, "ready": True, "construct_seconds": construct}))
+    while True:
+        cmd = json.loads(commands.get())
+        op = cmd["op"]
+        if op == "exit":
+            bs.close()
+            sender.close()
+            return
+        if op == "weights":
+            weights.clear()
+            torch.cuda.empty_cache()
+            gen = torch.Generator(device="cuda:0").manual_seed(cmd["seed"])
+            for n, s in model_shapes(cmd["gb"], args.tensors):
+                weights[n] = torch.randn(s, generator=gen, device="cuda:0").to(torch.bfloat16)
+            torch.cuda.synchronize()
+            results.put(json.dumps({"rank": 0, "bytes": sum(t.nbytes for t in weights.values()),
+                                    "tensors": len(weights)}))
+        elif op == "join":
+            t = time.perf_counter()
+            ok = bs.wait_for_joins(cmd["count"], 300)
+            setup = bs.prepare()
+            results.put(json.dumps({"rank": 0, "joined": ok, "setup_seconds": setup,
+                                    "wait_seconds": time.perf_counter() - t}))
+        elif op == "push":
+            names = list(weights)
+            changed = weights[names[cmd["version_hint"] % len(names)]].view(-1)
+            changed[:4096] += 1  # every version differs from the last
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            version = bs.push(weights)
+            wall = time.perf_counter() - t
+            stats = dict(bs.last_push_stats)
+            results.put(json.dumps({"rank": 0, "version": version, "push_wall_seconds": wall,
+                                    "stats": stats, "fingerprints": fingerprints(weights)},
+                                   default=str))
+        elif op == "raw":
+            times = raw_bucketed(cmd["bytes"], args.bucket_mib * 2**20, args.iters)
+            results.put(json.dumps({"rank": 0, "raw": times}))
+
+
+def _receiver(rank: int, args: argparse.Namespace, root: str, commands: Any,
+              results: Any) -> None:
+    from dbsync.nccl import BroadcastReceiver
+
+    device = f"cuda:{rank}"
+    kwargs = dict(device=device, timeout=args.timeout, address="127.0.0.1",
+                  fallback_timeout=300.0, reader_id=f"gpu{rank}")
+    kwargs.update(json.loads(args.receiver_kwargs))
+    rx = BroadcastReceiver(root, **kwargs)
+    params: dict[str, torch.Tensor] = {}
+
+    def load_weights(pairs: Any) -> None:
+        for name, t in pairs:
+            params[name].copy_(t)
+        torch.cuda.synchronize()
+
+    def dying(pairs: Any) -> None:
+        for _name, _t in pairs:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    results.put(json.dumps({"rank": rank, "ready": True}))
+    while True:
+        cmd = json.loads(commands.get())
+        op = cmd["op"]
+        if op == "exit":
+            rx.close()
+            return
+        if op == "alloc":
+            params.clear()
+            torch.cuda.empty_cache()
+            params.update({n: torch.zeros(s, dtype=torch.bfloat16, device=device)
+                           for n, s in model_shapes(cmd["gb"], args.tensors)})
+            results.put(json.dumps({"rank": rank, "allocated": True}))
+        elif op == "receive":
+            if cmd.get("stall"):
+                time.sleep(cmd["stall"])  # not receiving while the sender pushes
+            t = time.perf_counter()
+            version = rx.receive(dying if cmd.get("die") else load_weights, timeout=600)
+            wall = time.perf_counter() - t
+            results.put(json.dumps({
+                "rank": rank, "version": version, "source": rx.last_source,
+                "error": rx.last_error, "stats": rx.last_stats, "wall_seconds": wall,
+                "fingerprints": fingerprints(params)}, default=str))
+        elif op == "raw":
+            times = raw_bucketed(cmd["bytes"], args.bucket_mib * 2**20, args.iters)
+            results.put(json.dumps({"rank": rank, "raw": times}))
+
+
+class Driver:
+    def __init__(self, args: argparse.Namespace, world: int):
+        ctx = mp.get_context("spawn")
+        self.root = tempfile.mkdtemp(prefix="dbsync-fanout-", dir="/dev/shm")
+        port = free_port()
+        self.world = world
+        self.cmds = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.pending: dict[int, list[dict[str, Any]]] = {}
+        self.procs = [ctx.Process(target=worker, args=(r, world, args, self.root, port,
+                                                       self.cmds[r], self.results))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.ready = self.collect(range(world), 300)
+
+    def send(self, ranks: Any, **cmd: Any) -> None:
+        for r in ranks:
+            self.cmds[r].put(json.dumps(cmd))
+
+    def collect(self, ranks: Any, timeout: float) -> dict[int, dict[str, Any]]:
+        """One answer from each of ``ranks``; answers of other ranks are kept for later."""
+        want = set(ranks)
+        got: dict[int, dict[str, Any]] = {}
+        for r in want:
+            if self.pending.get(r):
+                got[r] = self.pending[r].pop(0)
+        deadline = time.monotonic() + timeout
+        while want - set(got):
+            try:
+                out = json.loads(self.results.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                raise TimeoutError(f"no answer from ranks {sorted(want - set(got))}") from None
+            if "exception" in out:
+                raise RuntimeError(f"rank {out['rank']}: {out['traceback']}")
+            r = out["rank"]
+            if r in want and r not in got:
+                got[r] = out
+            else:
+                self.pending.setdefault(r, []).append(out)
+        return got
+
+    def close(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.is_alive():
+                self.cmds[r].put(json.dumps({"op": "exit"}))
+        for p in self.procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def measure_size(d: Driver, args: argparse.Namespace, gb: float, seed: int) -> dict[str, Any]:
+    world = d.world
+    receivers = range(1, world)
+    d.send([0], op="weights", gb=gb, seed=seed)
+    d.send(receivers, op="alloc", gb=gb)
+    got = d.collect(range(world), 600)
+    nbytes, ntensors = got[0]["bytes"], got[0]["tensors"]
+    takes: list[dict[int, dict[str, Any]]] = []
+    pushes: list[dict[str, Any]] = []
+    exact = True
+    setup = None
+    for i in range(args.iters + 1):
+        d.send(receivers, op="receive")
+        if i == 0:
+            d.send([0], op="join", count=world - 1)
+            setup = d.collect([0], 600)[0]
+        d.send([0], op="push", version_hint=i)
+        push = d.collect([0], 600)[0]
+        take = d.collect(receivers, 600)
+        for r in receivers:
+            exact &= take[r]["fingerprints"] == push["fingerprints"]
+            take[r].pop("fingerprints")
+        push.pop("fingerprints")
+        pushes.append(push)
+        takes.append(take)
+    d.send(range(world), op="raw", bytes=nbytes)
+    raw = d.collect(range(world), 600)
+    raw_times = [max(raw[r]["raw"][i] for r in range(world)) for i in range(args.iters)]
+    timed = range(1, args.iters + 1)
+    send_s = [pushes[i]["stats"]["broadcast_seconds"] for i in timed]
+    recv_s = {r: [takes[i][r]["stats"]["seconds"] for i in timed] for r in receivers}
+    sources = sorted({takes[i][r]["source"] for i in range(args.iters + 1) for r in receivers})
+
+    def gbps(seconds: list[float]) -> float:
+        return nbytes / statistics.median(seconds) / 1e9
+
+    raw_gbps = gbps(raw_times)
+    slowest = min(gbps(v) for v in recv_s.values())
+    return {
+        "gb_requested": gb, "bytes": nbytes, "tensors": ntensors, "receivers": world - 1,
+        "bit_exact_every_version": exact, "sources": sources,
+        "sender_GBps": gbps(send_s), "slowest_receiver_GBps": slowest,
+        "receivers_GBps": {str(r): gbps(v) for r, v in recv_s.items()},
+        "raw_bucketed_GBps": raw_gbps,
+        "ratio_sender": gbps(send_s) / raw_gbps, "ratio_slowest_receiver": slowest / raw_gbps,
+        "setup": setup,
+        "push_stats": [p["stats"] for p in pushes],
+        "push_wall_seconds": [p["push_wall_seconds"] for p in pushes],
+        "raw_seconds": raw_times,
+        "receiver_seconds": {str(r): v for r, v in recv_s.items()},
+        "errors": sorted({str(takes[i][r]["error"]) for i in range(args.iters + 1)
+                          for r in receivers}),
+    }
+
+
+def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
+    """A stalled and then a killed receiver (the last rank), with 2 GB versions."""
+    world = d.world
+    receivers = list(range(1, world))
+    victim, survivors = receivers[-1], receivers[:-1]
+    gb = 2.0  # 8 buckets of 256 MiB: a death at the first tensor leaves buckets unsent
+    d.send([0], op="weights", gb=gb, seed=99)
+    d.send(receivers, op="alloc", gb=gb)
+    d.collect(range(world), 600)
+    out: dict[str, Any] = {"timeout": args.timeout, "victim_rank": victim}
+
+    def one_push(hint: int, victim_cmd: dict[str, Any] | None, who: list[int]
+                 ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        d.send(survivors, op="receive")
+        if victim_cmd is not None:
+            d.send([victim], **victim_cmd)
+        d.send([0], op="join", count=len(who))
+        d.collect([0], 600)
+        d.send([0], op="push", version_hint=hint)
+        push = d.collect([0], 600)[0]
+        ranks = survivors + ([victim] if victim_cmd is not None else [])
+        takes = d.collect(ranks, 600)
+        for r in ranks:
+            takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
+        push.pop("fingerprints")
+        return push, takes
+
+    def summary(push: dict[str, Any], takes: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        return {"push_wall_seconds": push["push_wall_seconds"],
+                "broadcast": push["stats"].get("broadcast"),
+                "error": push["stats"].get("error"),
+                "takes": {str(r): {k: t[k] for k in ("version", "source", "exact", "error")}
+                          for r, t in takes.items()}}
+
+    push, takes = one_push(1, {"op": "receive"}, receivers)
+    out["warm"] = summary(push, takes)
+    # stall: the victim enters receive only after timeout + 2 s
+    push, takes = one_push(2, {"op": "receive", "stall": args.timeout + 2}, receivers)
+    out["stall"] = summary(push, takes)
+    push, takes = one_push(3, {"op": "receive"}, receivers)
+    out["after_stall"] = summary(push, takes)
+    # kill: the victim dies at its first tensor
+    d.send(survivors, op="receive")
+    d.send([victim], op="receive", die=True)
+    d.send([0], op="push", version_hint=4)
+    push = d.collect([0], 600)[0]
+    takes = d.collect(survivors, 600)
+    for r in survivors:
+        takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
+    push.pop("fingerprints")
+    d.procs[victim].join(30)
+    out["kill"] = summary(push, takes)
+    out["kill"]["victim_exitcode"] = d.procs[victim].exitcode
+    d.send(survivors, op="receive")
+    d.send([0], op="join", count=len(survivors))
+    d.collect([0], 600)
+    d.send([0], op="push", version_hint=5)
+    push = d.collect([0], 600)[0]
+    takes = d.collect(survivors, 600)
+    for r in survivors:
+        takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
+    push.pop("fingerprints")
+    out["after_kill"] = summary(push, takes)
+    bound = args.timeout + 2.0
+    out["ok"] = (out["stall"]["push_wall_seconds"] < bound
+                 and out["kill"]["push_wall_seconds"] < bound
+                 and out["kill"]["victim_exitcode"] == -9
+                 and all(t["source"] == "broadcast" and t["exact"]
+                         for key in ("after_stall", "after_kill")
+                         for t in out[key]["takes"].values())
+                 and all(t["exact"] for key in ("stall", "kill")
+                         for t in out[key]["takes"].values()))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpus", type=int, default=0, help="default: every visible GPU")
+    ap.add_argument("--gb", type=float, nargs="+", default=[4.0, 12.0])
+    ap.add_argument("--tensors", type=int, default=300)
+    ap.add_argument("--bucket-mib", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--code", default=REPO, help="directory to import dbsync from")
+    ap.add_argument("--sender-kwargs", default="{}")
+    ap.add_argument("--receiver-kwargs", default="{}")
+    ap.add_argument("--faults", action="store_true")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    world = args.gpus or torch.cuda.device_count()
+    if world < 2:
+        print("bench_broadcast_fanout needs at least 2 CUDA GPUs; found", world)
+        return 2
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    result: dict[str, Any] = {
+        "label": args.label, "device": torch.cuda.get_device_name(0), "gpus": world,
+        "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "code": os.path.relpath(os.path.abspath(args.code), REPO),
+        "sender_kwargs": json.loads(args.sender_kwargs),
+        "receiver_kwargs": json.loads(args.receiver_kwargs),
+        "bucket_mib": args.bucket_mib, "iters": args.iters, "sizes": []}
+    d = Driver(args, world)
+    try:
+        for i, gb in enumerate(args.gb):
+            result["sizes"].append(measure_size(d, args, gb, seed=i + 1))
+            s = result["sizes"][-1]
+            print(f"[{args.label}] {s['bytes'] / 1e9:.2f} GB x{world - 1}: sender "
+                  f"{s['sender_GBps']:.0f} GB/s, slowest receiver "
+                  f"{s['slowest_receiver_GBps']:.0f}, raw {s['raw_bucketed_GBps']:.0f} -> "
+                  f"{s['ratio_sender']:.3f} / {s['ratio_slowest_receiver']:.3f}, exact "
+                  f"{s['bit_exact_every_version']}, sources {s['sources']}", flush=True)
+        if args.faults:
+            result["faults"] = measure_faults(d, args)
+            print(f"[{args.label}] faults: {json.dumps(result['faults'], default=str)}",
+                  flush=True)
+    finally:
+        d.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    ok = all(s["bit_exact_every_version"] for s in result["sizes"])
+    return 0 if ok and result.get("faults", {"ok": True})["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

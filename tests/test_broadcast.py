@@ -1,7 +1,8 @@
 """The broadcast fast path across real processes (gloo on CPU, multiprocessing spawn, free
-ports on 127.0.0.1): bit-exact delivery of every dtype, fallback when a receiver is killed
-mid-broadcast, a late joiner served from the filesystem then joining the next epoch, and a
-member that stops receiving costing the sender no more than the timeout."""
+ports on 127.0.0.1): bit-exact delivery of every dtype, three receivers with one killed
+mid-push, a damaged bucket refused and read from the filesystem, a late joiner served from the
+filesystem then joining the next epoch, and a member that stops receiving costing the sender
+no more than the timeout."""
 
 from __future__ import annotations
 
@@ -139,23 +140,30 @@ def test_every_dtype_bit_exact_to_two_receivers(bsender: BroadcastSender) -> Non
         assert record.world_size == 3 and record.epoch == bsender.epoch
 
 
-def test_receiver_killed_mid_broadcast(bsender: BroadcastSender) -> None:
+def test_three_receivers_one_killed_mid_push(bsender: BroadcastSender) -> None:
+    """Every version reaches every live receiver exactly; a receiver killed in the middle of a
+    push costs that push at most the timeout; the others read that version from the
+    filesystem and take the next one over the broadcast."""
     root = bsender.sender.root
     gen = torch.Generator().manual_seed(7)
     weights = {f"layer{i}": random_bytes_tensor(torch.bfloat16, (256, 128), gen)
                for i in range(48)}  # 3 MiB in 768 buckets of 4 KiB
-    with workers(root, "victim", "survivor") as (victim, survivor):
-        for w in (victim, survivor):
+    with workers(root, "victim", "s1", "s2") as (victim, *survivors):
+        for w in (victim, *survivors):
             w.send(op="receive", timeout=60)
-        assert bsender.wait_for_joins(2, 30)
+        assert bsender.wait_for_joins(3, 30)
         assert bsender.push(weights) == 1
-        assert [w.result()["source"] for w in (victim, survivor)] == ["broadcast"] * 2
+        assert bsender.last_push_stats["members"] == 3
+        for w in (victim, *survivors):
+            got = w.result()
+            assert got["source"] == "broadcast" and got["tensors"] == expected(weights), got
         epoch = bsender.epoch
 
         weights2 = {k: v + 1 for k, v in weights.items()}
         victim.send(op="receive", timeout=60, die=True)
-        survivor.send(op="receive", timeout=60)
-        time.sleep(0.3)  # both inside receive()
+        for w in survivors:
+            w.send(op="receive", timeout=60)
+        time.sleep(0.3)  # all inside receive()
         t0 = time.monotonic()
         assert bsender.push(weights2) == 2
         elapsed = time.monotonic() - t0
@@ -165,18 +173,53 @@ def test_receiver_killed_mid_broadcast(bsender: BroadcastSender) -> None:
         assert stats["error"] is not None and not stats["broadcast"], stats
         assert elapsed < TIMEOUT + SLACK, elapsed
         assert Receiver(root).latest_version() == 2  # published on the filesystem anyway
-        got = survivor.result()
-        assert got["version"] == 2 and got["tensors"] == expected(weights2), got["source"]
+        for w in survivors:
+            got = w.result()
+            assert got["version"] == 2 and got["tensors"] == expected(weights2), got["source"]
 
-        # the survivor re-joins; the next push forms a new epoch without the dead receiver
-        survivor.send(op="receive", timeout=60)
-        assert bsender.wait_for_joins(1, 30)
+        # the survivors re-join; the next push forms a new epoch without the dead receiver
+        for w in survivors:
+            w.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(2, 30)
         weights3 = {k: v + 2 for k, v in weights.items()}
+        t0 = time.monotonic()
         assert bsender.push(weights3) == 3
-        got = survivor.result()
-        assert got["source"] == "broadcast" and got["tensors"] == expected(weights3)
-        assert bsender.members == ("survivor",) and bsender.epoch > epoch
+        assert time.monotonic() - t0 < TIMEOUT + SLACK
+        for w in survivors:
+            got = w.result()
+            assert got["source"] == "broadcast" and got["tensors"] == expected(weights3), got
+        assert bsender.members == ("s1", "s2") and bsender.epoch > epoch
         assert bsender.last_push_stats["broadcast"]
+
+
+def test_damaged_bucket_is_refused_and_the_version_read_from_the_filesystem(
+        bsender: BroadcastSender) -> None:
+    """One byte of a bucket flipped on arrival (before verification): that receiver hands out
+    nothing of that bucket, reads the version from the filesystem (exact), and takes the next
+    push over the broadcast again; the other receiver is not affected."""
+    root = bsender.sender.root
+    gen = torch.Generator().manual_seed(11)
+    weights = {f"w{i}": random_bytes_tensor(torch.float16, (64, 32), gen) for i in range(8)}
+    with workers(root, "hit", "other") as (hit, other):
+        hit.send(op="receive", timeout=60, corrupt=True)
+        other.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(2, 30)
+        assert bsender.push(weights) == 1
+        got = hit.result()
+        assert got["version"] == 1 and got["source"] == "filesystem", got
+        assert "damaged" in (got["error"] or ""), got
+        assert got["tensors"] == expected(weights)
+        got = other.result()
+        assert got["source"] == "broadcast" and got["tensors"] == expected(weights)
+
+        weights2 = {k: v * 2 for k, v in weights.items()}
+        for w in (hit, other):
+            w.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(2, 30)
+        assert bsender.push(weights2) == 2
+        for w in (hit, other):
+            got = w.result()
+            assert got["source"] == "broadcast" and got["tensors"] == expected(weights2), got
 
 
 def test_late_joiner_then_next_epoch_and_unresponsive_member(bsender: BroadcastSender) -> None:

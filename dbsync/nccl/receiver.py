@@ -44,7 +44,7 @@ from . import rendezvous as rv
 from .errors import BroadcastError, BroadcastTimeoutError, RendezvousError
 from .group import Group
 from .layout import Header, bucket_plan
-from .stream import BeforeVerify, IncomingVersion
+from .stream import BeforeVerify, DamagedBucketError, IncomingVersion
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 RETRY_SECONDS = 5.0
@@ -355,6 +355,10 @@ class BroadcastReceiver:
             if usable:
                 load_weights(incoming)
             incoming.drain()  # whatever load_weights left unread (or all of it)
+        except DamagedBucketError as exc:
+            # the stream was drained: the group is intact, only this version is unusable
+            self.last_error = str(exc)
+            return fall_back()
         except BroadcastError as exc:
             self._leave_group(str(exc))
             return fall_back()
@@ -367,6 +371,9 @@ class BroadcastReceiver:
                            "verified_buckets": incoming.verified_buckets}
         if not wanted:
             return None
+        if incoming.damaged is not None:  # load_weights swallowed the error
+            self.last_error = incoming.damaged
+            return self._load_fs(load_weights, header.version)
         if not usable:
             self.last_error = (f"version {header.version} was broadcast without checksums and "
                                "this receiver verifies; read from the filesystem")

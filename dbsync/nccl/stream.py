@@ -10,9 +10,10 @@ Hazards, stated plainly:
 - A tensor lying wholly inside one bucket is handed out as a *view of the bucket buffer*. It is
   valid only until the caller asks for the next tensor of a later bucket: copy what you keep
   (vLLM's ``load_weights`` copies into its parameters, as it must for the filesystem path).
-- A damaged bucket stops the iteration before any tensor ending in it is handed out, but
-  tensors of earlier buckets already were; the receiver then re-applies the complete version
-  from the filesystem.
+- A damaged bucket stops the iteration (``DamagedBucketError``) before any tensor ending in it
+  is handed out, but tensors of earlier buckets already were; the receiver then re-applies the
+  complete version from the filesystem. The rest of the stream is drained first, so the other
+  members and the group are unaffected.
 - Every bucket wait is bounded by the group's timeout; on failure the group is closed and the
   iteration raises ``BroadcastError``.
 """
@@ -31,6 +32,11 @@ from .layout import Entry, Header, bucket_plan
 
 #: ``before_verify(bucket_index, payload)``: a test hook run on each bucket before it is checked
 BeforeVerify = Callable[[int, torch.Tensor], None]
+
+
+class DamagedBucketError(BroadcastError):
+    """A bucket arrived with bytes that do not match the sender's checksum. Nothing ending in
+    it was handed out; the rest of the stream was drained, so the group is still usable."""
 
 
 def typed(entry: Entry, raw: torch.Tensor) -> torch.Tensor:
@@ -61,6 +67,8 @@ class IncomingVersion:
         self.before_verify = before_verify
         #: buckets checked against their checksums
         self.verified_buckets = 0
+        #: why the version cannot be used (a damaged bucket), else None
+        self.damaged: str | None = None
         self.complete = False
         self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
 
@@ -82,11 +90,24 @@ class IncomingVersion:
         if self.before_verify is not None:
             self.before_verify(b, buf[:payload])
         if not checksum.check(buf, payload):
-            self.group.close()
-            raise BroadcastError(
-                f"bucket {b} of version {self.header.version} arrived damaged (its checksum "
-                "does not match the sender's); reading the version from the filesystem")
+            self.damaged = (f"bucket {b} of version {self.header.version} arrived damaged (its "
+                            "checksum does not match the sender's); reading the version from "
+                            "the filesystem")
+            return
         self.verified_buckets += 1
+
+    def _drain_after(self, b: int, buckets: list[tuple[int, int]], works: list[Any]) -> None:
+        """Take part in the broadcasts of the buckets after ``b`` without looking at them, so
+        the group stays usable for the other members (and for this one's next push)."""
+        depth = len(self.buffers)
+        for j in range(b + 1, len(buckets)):
+            k = j % depth
+            if works[k] is None:
+                works[k] = self._post(j, buckets)
+            self.group.wait(works[k], f"bucket {j} of version {self.header.version}")
+            works[k] = None
+            if j + depth < len(buckets):
+                works[k] = self._post(j + depth, buckets)
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         header, group = self.header, self.group
@@ -113,6 +134,10 @@ class IncomingVersion:
                 buf = self.buffers[k]
                 if self.verify:
                     self._check(b, buf, hi - lo)
+                    if self.damaged is not None:
+                        self._drain_after(b, buckets, works)
+                        self.complete = True  # every collective taken part in
+                        raise DamagedBucketError(self.damaged)
                 for i, start, end in plan[b]:
                     entry = entries[i]
                     at = entry.offset + start - lo

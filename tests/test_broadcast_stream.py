@@ -1,0 +1,186 @@
+"""The broadcast's parts, each alone, in one process over a real two-rank gloo group (two
+threads): the bucket checksum, the outgoing bucket stream (packing, dtype conversion per
+bucket, sealing) against the incoming one (verification on the receiver's device before any
+tensor is handed out), and the sender's membership bookkeeping."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dbsync import Sender
+from dbsync.nccl import BroadcastError, checksum
+from dbsync.nccl import rendezvous as rv
+from dbsync.nccl.group import Group
+from dbsync.nccl.layout import Header
+from dbsync.nccl.membership import Membership
+from dbsync.nccl.outgoing import OutgoingStream
+from dbsync.nccl.stream import IncomingVersion
+
+TIMEOUT = 5.0
+
+
+def test_checksum_catches_every_single_byte_flip_and_moved_rows() -> None:
+    gen = torch.Generator().manual_seed(1)
+    region = torch.randint(0, 256, (16 * checksum.ROW_BYTES,), dtype=torch.uint8, generator=gen)
+    base = checksum.region_sums(region)
+    for pos in torch.randint(0, region.numel(), (64,), generator=gen).tolist():
+        damaged = region.clone()
+        damaged[pos] ^= 1 << (pos % 8)
+        assert not torch.equal(checksum.region_sums(damaged), base), pos
+    swapped = region.view(16, -1).flip(0).reshape(-1)  # every row moved, same words
+    assert not torch.equal(checksum.region_sums(swapped), base)
+    assert torch.equal(checksum.region_sums(region.clone()), base)
+    with pytest.raises(ValueError, match="whole"):
+        checksum.region_sums(region[:100])
+
+
+def test_seal_then_check_and_a_flipped_byte_is_refused() -> None:
+    buf = torch.randint(0, 256, (checksum.buffer_bytes(10_000),), dtype=torch.uint8)
+    sent = checksum.seal(buf, 10_000)
+    assert sent == checksum.wire_bytes(10_000, True) == checksum.padded(10_000) + 64
+    assert checksum.check(buf, 10_000)
+    buf[9_999] ^= 0x80
+    assert not checksum.check(buf, 10_000)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Group, Group]]:
+    """A sender group (rank 0) and a receiver group (rank 1) over gloo on 127.0.0.1."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=TIMEOUT))
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                           timeout=datetime.timedelta(seconds=TIMEOUT))
+    groups: list[Any] = [None, None]
+
+    def make(rank: int) -> None:  # one store connection per rank, as across processes
+        groups[rank] = Group.create((store, client)[rank], "t/", rank, 2, "gloo",
+                                    torch.device("cpu"), TIMEOUT, "127.0.0.1")
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        yield groups[0], groups[1]
+    finally:
+        for g in groups:
+            if g is not None:
+                g.close()
+
+
+def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [("a", torch.randn(300, 7, generator=gen)),          # spans buckets
+            ("b", torch.randn(5, generator=gen)),
+            ("ints", torch.randint(0, 9, (40,), generator=gen)),  # never converted
+            ("c", torch.randn(9, 100, generator=gen).t())]       # non-contiguous
+
+
+def send_and_receive(pair: tuple[Group, Group], pairs: list[tuple[str, torch.Tensor]],
+                     header: Header, out: OutgoingStream, depth: int = 2,
+                     before_verify: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
+    sender, receiver = pair
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            out.send(sender, header, pairs)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    size = checksum.buffer_bytes(header.bucket_bytes)
+    incoming = IncomingVersion(receiver, header, [torch.empty(size, dtype=torch.uint8)
+                                                  for _ in range(depth)], verify=True,
+                               before_verify=before_verify)
+    got: dict[str, torch.Tensor] = {}
+    failure: BaseException | None = None
+    try:
+        for name, t in incoming:
+            got[name] = t.clone()
+    except BroadcastError as exc:
+        failure = exc
+    thread.join(30)
+    return got, failure or (errors[0] if errors else None)
+
+
+def test_outgoing_stream_converts_per_bucket_and_every_bucket_is_verified(
+        pair: tuple[Group, Group]) -> None:
+    pairs = weights(2)
+    specs = [(n, torch.bfloat16 if t.is_floating_point() else t.dtype, tuple(t.shape))
+             for n, t in pairs]
+    header = Header.build(1, 1, 1, 1024, specs, checksum.ALGORITHM)
+    out = OutgoingStream(torch.device("cpu"), 1024)
+    got, failure = send_and_receive(pair, pairs, header, out, depth=3)
+    assert failure is None
+    assert list(got) == [n for n, _ in pairs]
+    for name, t in pairs:
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    assert len(header.buckets()) > 3
+
+
+def test_a_damaged_bucket_stops_before_its_tensors_are_handed_out(
+        pair: tuple[Group, Group]) -> None:
+    pairs = [(f"t{i}", torch.full((200,), float(i))) for i in range(8)]  # 800 B each
+    header = Header.build(1, 1, 1, 1024, [(n, t.dtype, tuple(t.shape)) for n, t in pairs],
+                          checksum.ALGORITHM)
+    out = OutgoingStream(torch.device("cpu"), 1024)
+
+    def flip(bucket: int, payload: torch.Tensor) -> None:
+        if bucket == 2:
+            payload[17] ^= 0x01
+
+    got, failure = send_and_receive(pair, pairs, header, out, before_verify=flip)
+    assert isinstance(failure, BroadcastError) and "damaged" in str(failure)
+    # Tensors ending in buckets 0 and 1 were handed out, nothing ending in bucket 2 or later.
+    ends = [(e.offset + e.nbytes - 1) // 1024 for e in header.entries]
+    assert list(got) == [e.name for e, end in zip(header.entries, ends, strict=True) if end < 2]
+
+
+def test_membership_tracks_joins_and_leaves(tmp_path: Any) -> None:
+    with Sender(tmp_path, durable=False) as sender:
+        m = Membership(sender.store, address="127.0.0.1", port=0, backend="gloo",
+                       device=torch.device("cpu"), bucket_bytes=4096, timeout=TIMEOUT,
+                       join_timeout=0.3)
+        client = dist.TCPStore("127.0.0.1", m.port, is_master=False,
+                               timeout=datetime.timedelta(seconds=TIMEOUT))
+
+        def post(reader: str, action: str) -> None:
+            n = int(client.add(rv.K_JOINS, 1))
+            client.set(rv.join_key(n), json.dumps({"reader_id": reader, "action": action}))
+
+        post("a", "join")
+        post("b", "join")
+        post("a", "leave")
+        assert m.poll_joins() and m.wanted() == ["b"]
+        assert not m.poll_joins()
+        # "b" never gets ready: the epoch is formed without it, within the join timeout each
+        assert m.refresh() is None
+        assert m.members == () and m.group is None and m.wanted() == []
+        record = rv.read_record(sender.store)
+        assert record is not None and record.epoch == m.epoch and record.members == ()
+        m.close()
+        assert rv.read_record(sender.store) is None
+
+
+def test_the_controller_side_imports_no_broadcast_machinery() -> None:
+    """The driver (controller, server) never loads the receiving machinery: no group, no
+    key-value store client, no bucket stream (those live in worker processes)."""
+    code = ("import sys, dbsync.vllm.transport, dbsync.vllm.broadcast; "
+            "print(sorted(m for m in sys.modules if m.startswith('dbsync.nccl')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -193,3 +193,37 @@ def test_store_directory_replaced_is_watched_again(root):
         push(root, 1.0)
         push(root, 2.0)  # version 2 of the new store: newer than 1
         assert seen.until(2, timeout=5)  # long before the 60 s safety look
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_manifest_that_is_not_a_regular_file_never_blocks_the_watcher(store, tmp_path, caplog,
+                                                                       kind):
+    """A FIFO would block a plain open; a symlink would read outside the store."""
+    caplog.set_level(logging.WARNING, logger="dbsync")
+    path = os.path.join(store, MANIFEST_FILE)
+    with open(path, "rb") as f:
+        good = f.read()
+    os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        outside = tmp_path / "outside.json"
+        outside.write_bytes(good)
+        os.symlink(outside, path)
+    seen = Seen()
+    watcher = Watcher(store, seen, use_polling=True, poll_interval=0.02).start()
+    try:
+        idle(0.5)
+        assert isinstance(watcher.last_error, dbsync.FormatError)
+        assert seen.versions == []
+        assert watcher.parses == 0  # never handed to the parser
+        assert len([r for r in caplog.records if "cannot read" in r.getMessage()]) == 1
+        os.unlink(path)
+        with open(path + ".tmp", "wb") as f:
+            f.write(good)
+        os.replace(path + ".tmp", path)
+        assert seen.until(1)
+    finally:
+        t0 = time.monotonic()
+        watcher.stop()
+        assert time.monotonic() - t0 < 1.0

@@ -68,6 +68,13 @@ async def scenario(store: Path) -> dict[str, Any]:
 
 def test_async_engine_follows_store(tmp_path: Path) -> None:
     expected = reference("B")
+    # Import vLLM here, not inside the coroutine: an import error that vLLM's dependencies keep
+    # would otherwise keep the coroutine's frame, and with it the engine, alive until exit.
+    import vllm.engine.arg_utils  # noqa: F401
+    import vllm.v1.engine.async_llm  # noqa: F401
+
+    import dbsync.vllm  # noqa: F401
+
     out = asyncio.run(scenario(tmp_path / "store"))
     gc.collect()  # finalize the shut-down engine now, not during interpreter exit
     assert out["version"] == out["pushed"]

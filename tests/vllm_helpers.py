@@ -56,12 +56,18 @@ def build_tokenizer(path: Path) -> None:
 
 
 def make_tiny_qwen2(path: str | os.PathLike[str], seed: int, hidden: int = 128,
-                    layers: int = 2, intermediate: int = 256, vocab: int = 512) -> Path:
+                    layers: int = 2, intermediate: int = 256, vocab: int = 512,
+                    sharded: bool = False) -> Path:
     """Save a random tiny Qwen2 (float32, safetensors) with a tokenizer into ``path``.
 
     Different seeds give different weights of the same shapes; a different ``hidden`` or
     ``intermediate`` gives a checkpoint that does not fit a served model of the default shape.
-    The model has no tied embeddings, so every parameter is in the checkpoint."""
+    The model has no tied embeddings, so every parameter is in the checkpoint. ``sharded``
+    saves it in several files with a ``model.safetensors.index.json`` and adds a stray
+    safetensors file the index does not name, with other names (like the
+    ``consolidated.safetensors`` of Mistral-style repos); vLLM loads only what the index names.
+    (A file named ``consolidated*.safetensors`` itself would switch vLLM to the Mistral loader,
+    which a Qwen2 model does not support.)"""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
@@ -77,7 +83,15 @@ def make_tiny_qwen2(path: str | os.PathLike[str], seed: int, hidden: int = 128,
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.5)  # large weights: greedy outputs differ clearly between seeds
-    model.save_pretrained(path, safe_serialization=True)
+    if sharded:
+        from safetensors.torch import save_file
+
+        model.save_pretrained(path, safe_serialization=True, max_shard_size="300KB")
+        assert (path / "model.safetensors.index.json").exists()
+        save_file({"tok_embeddings.weight": torch.zeros(vocab, hidden)},
+                  str(path / "original.safetensors"))
+    else:
+        model.save_pretrained(path, safe_serialization=True)
     build_tokenizer(path)
     return path
 
@@ -94,9 +108,12 @@ _model_lock = threading.Lock()
 
 
 def tiny_model(name: str) -> Path:
-    """The session's shared checkpoints: "A" and "B" (same shapes, different weights) and "C"
-    (a wider MLP: does not fit a model served from A or B)."""
-    specs = {"A": dict(seed=1), "B": dict(seed=2), "C": dict(seed=3, intermediate=384)}
+    """The session's shared checkpoints: "A" and "B" (same shapes, different weights), "C"
+    (a wider MLP: does not fit a model served from A or B) and "A-sharded" (A's weights in
+    shards with an index and a stray safetensors file)."""
+    specs: dict[str, dict[str, Any]] = {
+        "A": dict(seed=1), "B": dict(seed=2), "C": dict(seed=3, intermediate=384),
+        "A-sharded": dict(seed=1, sharded=True)}
     with _model_lock:
         path = models_dir() / name
         if not (path / "config.json").exists():
@@ -111,11 +128,11 @@ class ReferenceJob:
     """Greedy completions of a fresh engine started from a checkpoint, computed in a child
     process started at once (so it overlaps other engines' start-up); ``result()`` waits."""
 
-    def __init__(self, model_dir: Path, prompts: list[str] = PROMPTS):
+    def __init__(self, model_dir: Path, prompts: list[str] = PROMPTS, dtype: str = DTYPE):
         code = ("from tests.vllm_helpers import reference_main\n"
                 "if __name__ == '__main__':\n    reference_main()\n")
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", code, os.fspath(model_dir), json.dumps(prompts)],
+            [sys.executable, "-c", code, os.fspath(model_dir), json.dumps(prompts), dtype],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=child_env())
         self._result: list[str] | None = None
@@ -133,9 +150,10 @@ class ReferenceJob:
 
 
 @functools.cache
-def reference(name: str) -> ReferenceJob:
-    """The session's reference job for checkpoint ``name`` (started on first use)."""
-    return ReferenceJob(tiny_model(name))
+def reference(name: str, dtype: str = DTYPE) -> ReferenceJob:
+    """The session's reference job for checkpoint ``name`` served in ``dtype`` (started on
+    first use)."""
+    return ReferenceJob(tiny_model(name), dtype=dtype)
 
 
 def engine_kwargs(**extra: Any) -> dict[str, Any]:
@@ -160,15 +178,21 @@ def reference_main() -> None:
     from vllm import LLM
 
     model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
-    llm = LLM(model=model_dir, **engine_kwargs())
+    dtype = sys.argv[3] if len(sys.argv) > 3 else DTYPE
+    llm = LLM(model=model_dir, **engine_kwargs(dtype=dtype))
     print(_REF_MARK + json.dumps(greedy(llm, prompts)), flush=True)
 
 
-def child_env(**extra: str) -> dict[str, str]:
+def child_env(plain: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of child processes; ``plain``: without the KV-cache cap the tests set
+    (what a user's shell has)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if plain:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    else:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.update(extra)
     return env
 
@@ -207,21 +231,29 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.2, what: str 
 
 
 class Server:
-    """``python -m dbsync.vllm.server ROOT --model DIR`` in a child process."""
+    """``python -m dbsync.vllm.server ROOT --model DIR`` in a child process, sized for this
+    machine. ``plain``: ``dbsync serve-vllm ROOT --model DIR [dbsync options]`` as a user types
+    it (no vLLM options, no KV-cache cap in the environment); ``extra`` are then dbsync
+    options, else vLLM options."""
 
     def __init__(self, root: Path, model_dir: Path, log_path: Path, *extra: str,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, plain: bool = False):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "dbsync.vllm.server", str(root), "--model", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(self.port), "--poll-interval", "0.2",
-               "--", "--dtype", DTYPE, "--enforce-eager", "--max-model-len", "256",
-               "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *extra]
+        if plain:
+            cmd = [sys.executable, "-m", "cli.main", "serve-vllm", str(root),
+                   "--model", str(model_dir), "--port", str(self.port), *extra]
+        else:
+            cmd = [sys.executable, "-m", "dbsync.vllm.server", str(root),
+                   "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+                   "--poll-interval", "0.2", "--", "--dtype", DTYPE, "--enforce-eager",
+                   "--max-model-len", "256", "--max-num-seqs", "8",
+                   "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *extra]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=child_env(**(env or {})))
+                                     env=child_env(plain=plain, **(env or {})))
 
     def status(self) -> dict[str, Any]:
         return http_json(f"{self.base}/dbsync/status", timeout=10)
@@ -262,6 +294,18 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def scrape_metrics(base: str, prefix: str = "dbsync_") -> dict[str, float]:
+    """``/metrics`` samples whose name starts with ``prefix``: ``'name{labels}' -> value``."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
 
 
 @contextlib.contextmanager

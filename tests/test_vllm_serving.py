@@ -1,0 +1,223 @@
+"""`dbsync serve-vllm ROOT --model DIR` typed plainly on a CPU host, driven by the `openai`
+client: the version of each response (headers, last streamed chunks, both versions for a
+request held across a swap), float32 pushes into the bfloat16-served model, `/metrics`,
+`/openapi.json`, and a clean SIGTERM. One server for the module (tests run in file order); the
+model directory is sharded with an index and a stray safetensors file the index does not name.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dbsync
+from dbsync.store import Store
+from tests.vllm_helpers import (
+    PROMPTS,
+    REPO,
+    Server,
+    child_env,
+    http_json,
+    reference,
+    scrape_metrics,
+    tiny_model,
+    wait_until,
+)
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LONG = 400  # tokens: a request that lasts seconds on this machine
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serving") / "store"
+
+
+@pytest.fixture(scope="module")
+def sender(store: Path) -> Any:
+    with dbsync.Sender(store) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def server(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    reference("B", "bfloat16")  # started now: overlaps the server's start-up
+    store.mkdir(parents=True, exist_ok=True)
+    log = tmp_path_factory.mktemp("serving-log") / "server.log"
+    srv = Server(store, tiny_model("A-sharded"), log, plain=True)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Any:
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def complete(client: Any, server: Server, prompt: str, max_tokens: int = 12
+             ) -> tuple[str, Any]:
+    """(text, response headers) of a greedy non-streaming completion."""
+    raw = client.completions.with_raw_response.create(
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+        extra_body={"ignore_eos": True})
+    return raw.parse().choices[0].text, raw.headers
+
+
+def stream(client: Any, server: Server, prompt: str, max_tokens: int,
+           first: threading.Event | None = None) -> list[Any]:
+    chunks = []
+    for chunk in client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True}):
+        chunks.append(chunk)
+        if first is not None:
+            first.set()
+    return chunks
+
+
+def test_plain_command_starts_on_cpu(server: Server) -> None:
+    status = server.status()
+    assert status["version"] is None and status["healthy"]
+    assert status["pause_mode"] == "keep"
+    log = server.tail(400_000)
+    assert "CPU host: KV cache of" in log and "running the model eagerly" in log
+
+
+def test_openapi_json_answers(server: Server) -> None:
+    schema = http_json(f"{server.base}/openapi.json")
+    assert "/dbsync/status" in schema["paths"] and "/v1/completions" in schema["paths"]
+
+
+def test_float32_push_into_bfloat16_model_matches_fresh_engine(
+        server: Server, sender: Any, client: Any) -> None:
+    """The model is served in bfloat16 (vLLM's CPU default for a float32 checkpoint); the
+    float32 version is cast on apply, token-exact with a fresh bfloat16 engine of it. Each
+    response names the version that produced it."""
+    version = sender.push(str(tiny_model("B")))
+    server.wait_version(version, timeout=60)
+    got = [complete(client, server, p) for p in PROMPTS]
+    assert [text for text, _ in got] == reference("B", "bfloat16").result()
+    for _, headers in got:
+        assert headers["x-dbsync-version"] == str(version)
+        assert headers["x-dbsync-versions"] == str(version)
+
+
+def test_streamed_response_names_its_version(server: Server, client: Any) -> None:
+    version = server.status()["version"]
+    chunks = stream(client, server, PROMPTS[0], 8)
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish and chunks[-1].usage is not None
+    for chunk in (finish[-1], chunks[-1]):  # the finish chunk and the usage chunk
+        assert chunk.dbsync_version == version and chunk.dbsync_versions == [version]
+    assert getattr(chunks[0], "dbsync_version", None) is None  # only once all is generated
+
+
+def test_chat_completion_names_its_version(server: Server, client: Any) -> None:
+    version = server.status()["version"]
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    raw = client.chat.completions.with_raw_response.create(
+        model=server.model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=6,
+        temperature=0.0, extra_body={"chat_template": template, "ignore_eos": True})
+    assert raw.parse().choices[0].message.content
+    assert raw.headers["x-dbsync-version"] == str(version)
+    chunks = list(client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=6,
+        temperature=0.0, stream=True, extra_body={"chat_template": template, "ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason and chunks[-1].dbsync_versions == [version]
+
+
+def test_request_held_across_a_swap_reports_both_versions(
+        server: Server, sender: Any, client: Any) -> None:
+    """Pause mode keep: requests in flight finish on the new version and say so."""
+    old = server.status()["version"]
+    results: dict[str, Any] = {}
+    first = threading.Event()
+
+    def plain() -> None:
+        results["plain"] = complete(client, server, PROMPTS[1], LONG)
+
+    def streamed() -> None:
+        results["stream"] = stream(client, server, PROMPTS[2], LONG, first)
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    assert first.wait(60)
+    wait_until(lambda: sum(scrape_metrics(server.base, "vllm:num_requests_running").values())
+               >= 2, 30, 0.05, "both requests to run")
+    new = sender.push(str(tiny_model("A")))
+    server.wait_version(new, timeout=60)
+    for t in threads:
+        t.join(120)
+    text, headers = results["plain"]
+    assert headers["x-dbsync-version"] == str(old)
+    assert headers["x-dbsync-versions"] == f"{old},{new}"
+    chunks = results["stream"]
+    assert chunks[-1].dbsync_version == old and chunks[-1].dbsync_versions == [old, new]
+    assert chunks[-1].usage.completion_tokens == LONG  # held, not cut short
+
+
+def test_metrics_follow_each_swap(server: Server, sender: Any) -> None:
+    before = scrape_metrics(server.base)
+    version = sender.push(str(tiny_model("B")))
+    server.wait_version(version, timeout=60)
+    after = scrape_metrics(server.base)
+    nbytes = Store(sender.root).require_manifest().total_bytes
+    assert after["dbsync_served_version"] == version
+    assert after["dbsync_published_version"] == version
+    assert after["dbsync_version_lag"] == 0
+    applied = 'dbsync_swaps_total{outcome="applied"}'
+    assert after[applied] == before[applied] + 1
+    assert after["dbsync_pause_seconds_count"] == before["dbsync_pause_seconds_count"] + 1
+    assert after["dbsync_pause_seconds_sum"] > before["dbsync_pause_seconds_sum"]
+    assert (after["dbsync_read_verify_seconds_count"]
+            == before["dbsync_read_verify_seconds_count"] + 1)
+    assert after["dbsync_applied_bytes_total"] == before["dbsync_applied_bytes_total"] + nbytes
+    assert after['dbsync_source{source="filesystem"}'] == 1
+    assert after['dbsync_source{source="broadcast"}'] == 0
+
+    bad = sender.push(str(tiny_model("C")))  # does not fit: refused
+    wait_until(lambda: server.status()["last_error_version"] == bad, 60, 0.1, "the refusal")
+    refused = scrape_metrics(server.base)
+    key = 'dbsync_swaps_total{outcome="refused"}'
+    assert refused[key] == after[key] + 1
+    assert refused["dbsync_served_version"] == version
+    assert refused["dbsync_published_version"] == bad
+    assert refused["dbsync_version_lag"] == bad - version
+    assert refused[applied] == after[applied]
+
+
+def test_sigterm_stops_cleanly(server: Server) -> None:
+    start = len(server.tail(10_000_000))
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    after = server.tail(10_000_000)[start:]
+    for noise in ("Traceback", "EngineDeadError", "leaked", " ERROR "):
+        assert noise not in after, after[-3000:]
+
+
+def test_mistyped_model_path_fails_at_once(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve-vllm", str(tmp_path / "store"),
+         "--model", str(tmp_path / "modle")], cwd=REPO, env=child_env(),
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "no such directory on this host" in proc.stderr
+    assert "huggingface" not in (proc.stdout + proc.stderr).lower()
+    assert time.monotonic() - started < 60

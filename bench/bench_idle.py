@@ -61,7 +61,8 @@ def child_receiver(root: str, mode: str) -> None:
         watcher = receiver.watch(lambda v: print(f"noticed {v} {time.time()!r}", flush=True))
         sys.stdin.readline()
         watcher.stop()
-        print(f"reads {watcher.reads} parses {watcher.parses}", flush=True)
+        reads, parses = getattr(watcher, "reads", -1), getattr(watcher, "parses", -1)
+        print(f"reads {reads} parses {parses}", flush=True)  # -1: not counted
     else:
         threading.Thread(target=lambda: (sys.stdin.readline(), os._exit(0)),
                          daemon=True).start()

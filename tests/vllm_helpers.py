@@ -36,6 +36,8 @@ VOCAB_WORDS = [f"w{i}" for i in range(400)]
 EOS = "<|endoftext|>"
 PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40", "w7", "w100 w200 w300 w5 w6 w8"]
 MAX_TOKENS = 12
+#: a minimal chat template (the messages' contents, concatenated) so chat routes work
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def build_tokenizer(path: Path) -> None:
@@ -52,6 +54,7 @@ def build_tokenizer(path: Path) -> None:
     tok.train_from_iterator([" ".join(VOCAB_WORDS)] * 3, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token=EOS,
                                    pad_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
 

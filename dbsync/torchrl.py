@@ -50,6 +50,7 @@ Hazards:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -139,8 +140,6 @@ def _as_pairs(weights: Any) -> dict[str, torch.Tensor]:
 def _vllm_engine(target: Any) -> Any | None:
     """``target`` as a vLLM engine (``vllm.LLM``, ``AsyncLLM``, or a torchrl ``vLLMWrapper``
     around one), or None when it is not one."""
-    import asyncio
-
     if type(target).__name__ == "AsyncVLLM":
         raise DBSyncError(
             "torchrl's AsyncVLLM runs its engines in Ray actors, which this scheme cannot reach: "
@@ -213,10 +212,12 @@ class DBSyncTransport:
         return self._reader
 
     def receive_weights(self, timeout: float | None = None, *, weights: Any = None,
-                        model: Any = None, strategy: WeightStrategy | None = None) -> Any | None:
+                        model: Any = None, strategy: WeightStrategy | None = None,
+                        inplace: bool = True) -> Any | None:
         """Read (and apply to ``model``) the newest version if it is newer than the last one
         received; wait up to ``timeout`` seconds for one (None: do not wait). ``weights`` is
-        ignored (the store holds them)."""
+        ignored (the store holds them). ``inplace=False`` replaces the model's tensors (for a
+        model on the meta device)."""
         del weights
         engine = _vllm_engine(model) if model is not None else None
         if engine is not None:
@@ -240,11 +241,12 @@ class DBSyncTransport:
         def load(pairs: Any) -> None:
             for name, tensor in pairs:
                 copies[name] = tensor.clone()  # the store's views are valid only during load
+            if model is not None and strategy is not None:
+                # Inside load: the version is reported applied (wait_for_receivers) only after.
+                strategy.apply_weights(model, dict(copies), inplace=inplace)
 
         version = receiver.load(load)
         self.last_version = version
-        if model is not None and strategy is not None:
-            strategy.apply_weights(model, dict(copies))
         log.info("dbsync: received version %d from %s", version, self.local_addr)
         return TensorDict(copies, batch_size=[])
 
@@ -316,9 +318,12 @@ class DBSyncWeightReceiver:
     ``poll_and_apply()`` applies the newest published version to the engine (read and verified
     before the engine pauses) and says whether it applied one. ``target`` is a ``vllm.LLM`` or
     ``AsyncLLM`` created with ``**dbsync.vllm.engine_args()`` (or a torchrl ``vLLMWrapper``
-    around one); an ``nn.Module`` is updated in place through torchrl's strategy."""
+    around one); an ``nn.Module`` is updated in place through torchrl's strategy. For an
+    ``AsyncLLM`` created outside the calling thread's event loop pass its ``loop``, and call
+    ``poll_and_apply`` from another thread than that loop's."""
 
-    def __init__(self, scheme: DBSyncScheme, target: Any):
+    def __init__(self, scheme: DBSyncScheme, target: Any, *,
+                 loop: asyncio.AbstractEventLoop | None = None):
         self._scheme = scheme
         self._strategy = scheme.strategy
         self.engine = _vllm_engine(target)
@@ -332,7 +337,7 @@ class DBSyncWeightReceiver:
             self._attachment = attach(self.engine, scheme.local_addr, watch=False,
                                       model_dir=scheme.model_dir, verify=scheme.verify,
                                       poll_interval=scheme.poll_interval,
-                                      transport="filesystem")
+                                      loop=loop, transport="filesystem")
         elif isinstance(target, nn.Module | TensorDictBase | dict):
             self._transport._receiver()  # registers the reader now, as torchrl's does
         else:
@@ -441,7 +446,9 @@ class DBSyncScheme(WeightSyncScheme):
     checksum before applying), ``poll_interval`` (force polling the store, e.g. on NFS),
     ``model_dir`` (the checkpoint an engine was started from, when not its model name),
     ``wait_for``/``wait_timeout`` (``send`` waits until that many receivers applied the
-    version, like torchrl's acknowledged send)."""
+    version, like torchrl's acknowledged send; in a multi-process collector it defaults to its
+    number of workers), ``connect_timeout`` (how long a collector worker whose policy has no
+    weights yet waits at ``connect`` for the first version)."""
 
     def __init__(
         self,
@@ -457,6 +464,7 @@ class DBSyncScheme(WeightSyncScheme):
         model_dir: str | None = None,
         wait_for: int = 0,
         wait_timeout: float | None = 120.0,
+        connect_timeout: float = 120.0,
     ):
         super().__init__(strategy=strategy)
         if num_threads < 1:
@@ -473,6 +481,9 @@ class DBSyncScheme(WeightSyncScheme):
         self.wait_for = wait_for
         self.wait_timeout = wait_timeout
         self.version: int | None = None
+        self.connect_timeout = connect_timeout
+        self._collector_workers = 0
+        self._watch_error: BaseException | None = None
         self._writer_obj: Sender | None = None
         self._writer_lock = threading.Lock()
         self._sender: DBSyncWeightSender | None = None
@@ -489,9 +500,10 @@ class DBSyncScheme(WeightSyncScheme):
         """A sender for the trainer process."""
         return DBSyncWeightSender(self)
 
-    def create_receiver(self, vllm_engine: Any) -> DBSyncWeightReceiver:
+    def create_receiver(self, vllm_engine: Any, *,
+                        loop: asyncio.AbstractEventLoop | None = None) -> DBSyncWeightReceiver:
         """A receiver applying versions to ``vllm_engine`` (see ``DBSyncWeightReceiver``)."""
-        return DBSyncWeightReceiver(self, vllm_engine)
+        return DBSyncWeightReceiver(self, vllm_engine, loop=loop)
 
     def writer(self) -> Sender:
         """This scheme's ``dbsync.Sender`` (created on first use; holds the writer lock)."""
@@ -511,6 +523,10 @@ class DBSyncScheme(WeightSyncScheme):
             self.model = model
         if weights is not None:
             self.weights = weights
+        if self.wait_for == 0 and isinstance(getattr(context, "num_workers", None), int):
+            # A multi-process collector: like torchrl's acknowledged send, send() returns once
+            # every worker applied the version.
+            self._collector_workers = context.num_workers
         self.shared_transport = self.create_transport()
         self._sender = self.create_sender()
         self._sender._transport = self.shared_transport
@@ -519,14 +535,23 @@ class DBSyncScheme(WeightSyncScheme):
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None,
                                                      weights: Any | None = None) -> None:
-        """``connect(weights=...)`` publishes them as the first version; ``connect()``
-        publishes nothing (receivers start from the store's current version, or their own
-        checkpoint)."""
+        """Publish the initial weights, as torchrl's schemes ship them at ``connect``:
+        ``weights``, else the model's (given to ``init_on_sender`` or resolved from the
+        context). Without either, or when the model holds no weights (a vLLM wrapper), nothing
+        is published and receivers start from the store's current version or their own
+        checkpoint (logged)."""
         del worker_idx
-        if weights is not None:
-            self.version = self.shared_transport.send_weights(
-                self.prepare_weights(weights, self._model_id or "policy", self._strategy,
-                                     self.context))
+        try:
+            prepared = self.prepare_weights(weights, self._model_id or "policy",
+                                            self._strategy, self.context)
+            pairs = _as_pairs(prepared)
+        except InvalidWeightsError as exc:
+            if weights is not None:
+                raise
+            log.info("dbsync: connect() publishes no initial version of %r (%s)",
+                     self._model_id or "policy", exc)
+            return
+        self.version = self.shared_transport.send_weights(pairs)
 
     def prepare_weights(self, weights: Any, model_id: str | None, strategy: WeightStrategy,
                         context: Any = None) -> Any:
@@ -572,10 +597,11 @@ class DBSyncScheme(WeightSyncScheme):
         prepared = self.prepare_weights(weights, self._model_id, self._strategy, self.context)
         version = self.shared_transport.send_weights(prepared)
         self.version = version
-        if self.wait_for > 0 and not self.writer().wait_for_receivers(
-                version, self.wait_for, self.wait_timeout):
+        count = self.wait_for or self._collector_workers
+        if count > 0 and not self.writer().wait_for_receivers(version, count,
+                                                               self.wait_timeout):
             raise TimeoutError(
-                f"fewer than {self.wait_for} receivers applied version {version} within "
+                f"fewer than {count} receivers applied version {version} within "
                 f"{self.wait_timeout} s (see `dbsync status {self.remote_addr}`)")
         return version
 
@@ -614,6 +640,81 @@ class DBSyncScheme(WeightSyncScheme):
     @weights.setter
     def weights(self, value: Any) -> None:
         self._weights = value
+
+    def _setup_connection_and_weights_on_receiver_impl(
+            self, *, worker_idx: int | None = None) -> None:
+        """Apply the store's current version (a late joiner starts from it). A model whose
+        weights are not materialized yet (a collector worker's policy on the meta device)
+        waits up to ``connect_timeout`` for the first version and gets it out of place, as
+        torchrl's multi-process scheme does. Inside a collector worker a background thread then
+        applies every new version, as torchrl's receivers do."""
+        del worker_idx
+        receiver = self._receiver
+        if receiver is None:
+            raise RuntimeError("init_on_receiver() must come before connect()")
+        if receiver.engine is not None:
+            receiver.poll(None)
+            return
+        model = self.model
+        empty = isinstance(model, nn.Module) and any(
+            t.is_meta for t in (*model.parameters(), *model.buffers()))
+        got = receiver._transport.receive_weights(
+            self.connect_timeout if empty else None, model=model, strategy=self._strategy,
+            inplace=not empty)
+        if got is None and empty:
+            raise TimeoutError(
+                f"no version of {self._model_id!r} was published to {self.local_addr} within "
+                f"{self.connect_timeout} s, and the worker's policy has no weights")
+        if self._worker_idx is not None:
+            self._start_background_receiver()
+
+    def receive(self, timeout: float | None = None) -> Any | None:
+        """torchrl's ``receive``: apply the newest version if it is newer than the last one
+        received (waiting up to ``timeout`` seconds; None: no wait), then pass it on to the
+        context (a collector's ``update_policy_weights_``). Returns the weights as a
+        TensorDict with '.'-joined names (for a vLLM engine: the version), or None."""
+        if not self.initialized_on_receiver:
+            raise RuntimeError("Must be initialized on receiver before receiving weights")
+        if not self.synchronized_on_receiver:
+            raise RuntimeError("Must be synchronized on receiver before receiving weights")
+        transport = self.receiver_transport
+        if transport is None:
+            return None
+        result = transport.receive_weights(timeout=timeout, weights=self.weights,
+                                           model=self.model, strategy=self._strategy)
+        if result is None or not isinstance(result, TensorDictBase):
+            return result
+        context = self.context
+        if context is not None and hasattr(context, "update_policy_weights_"):
+            context.update_policy_weights_(model_id=self._model_id or "policy",
+                                           policy_or_weights=result.unflatten_keys("."))
+        return result
+
+    def _background_receive_loop(self) -> None:
+        """Apply each new version as it is published (a watcher on the store, checked at least
+        once a second for the stop request). Errors are logged and kept in ``watch_error``."""
+        assert self._stop_event is not None
+        noticed = threading.Event()
+        watcher = Watcher(self.local_addr, lambda _v: noticed.set(),
+                          poll_interval=self.poll_interval).start()
+        try:
+            while not self._stop_event.is_set():
+                if not noticed.wait(1.0):
+                    continue
+                noticed.clear()
+                try:
+                    self.receive()
+                except Exception as exc:  # noqa: BLE001 - reported, and the next version retries
+                    self._watch_error = exc
+                    log.error("dbsync: applying a new version of %r failed: %s",
+                              self._model_id, exc)
+        finally:
+            watcher.stop()
+
+    @property
+    def watch_error(self) -> BaseException | None:
+        """The last error of the background receiver (None: none)."""
+        return self._watch_error
 
     # -- torchrl 0.10's API
     def init_on_worker(self, model_id: str, context: Any = None, **kwargs: Any) -> None:

@@ -24,7 +24,7 @@ if os.environ.get("DBSYNC_REQUIRE_TORCHRL") != "1":
 import tensordict  # noqa: E402
 import torchrl  # noqa: E402
 from tensordict.nn import TensorDictModule  # noqa: E402
-from torchrl.collectors import Collector  # noqa: E402
+from torchrl.collectors import Collector, MultiSyncCollector  # noqa: E402
 from torchrl.envs import PendulumEnv  # noqa: E402
 from torchrl.trainers import UpdateWeights  # noqa: E402
 from torchrl.weight_update.llm import (  # noqa: E402
@@ -200,10 +200,9 @@ def test_double_buffer_paths_on_modules(strategy: str, tmp_path: Path) -> None:
     assert isinstance(scheme, WeightSyncScheme) and scheme.strategy_str == strategy
     trained = pendulum_policy(fill=0.5)
     scheme.init_on_sender(model_id="policy", model=trained)
-    scheme.connect()
-    assert dbsync.Receiver(store).latest_version() is None  # connect() publishes nothing
-    assert scheme.send() == 1  # the model given to init_on_sender
-    assert scheme.get_sender().update_weights() == 2
+    scheme.connect()  # the initial weights, as torchrl's schemes ship them
+    assert scheme.version == 1 and dbsync.Receiver(store).latest_version() == 1
+    assert scheme.send() == 2  # the model given to init_on_sender
     transport = scheme.create_transport()
     assert transport.send_weights("vllm_model", trained) == 3  # torchrl's call shape
     with pytest.raises(ValueError, match="worker_ids"):
@@ -221,7 +220,7 @@ def test_double_buffer_paths_on_modules(strategy: str, tmp_path: Path) -> None:
     assert receiver.poll_and_apply() is False
     with torch.no_grad():
         trained.module.lin.weight.fill_(-2.0)
-    assert scheme.send() == 4
+    assert scheme.get_sender().update_weights() == 4
     got = worker.receive()
     assert sorted(got.keys()) == ["module.lin.bias", "module.lin.weight", "module.scale"]
     assert torch.equal(target.module.lin.weight, trained.module.lin.weight)
@@ -242,3 +241,32 @@ def test_engine_receiver_refuses_what_torchrl_would_apply_unversioned(engine: An
     with pytest.raises(dbsync.DBSyncError, match="poll_and_apply"):
         receiver.apply_weights({"lm_head.weight": torch.zeros(1)})
     receiver.close()
+
+
+def test_multiprocess_collector_workers_follow_the_store(tmp_path: Path) -> None:
+    """torchrl's MultiSyncCollector ships the scheme to two worker processes. Their policies
+    start without weights (torchrl sends them on the meta device): connect gives them the
+    initial version; a background receiver applies each update, and send() returns only once
+    both workers applied it, so every batch is collected with the weights last pushed."""
+    policy = pendulum_policy(fill=1.0)
+    scheme = VLLMDoubleBufferSyncScheme(str(tmp_path / "store"))
+    collector = MultiSyncCollector([PendulumEnv, PendulumEnv], policy, frames_per_batch=8,
+                                   total_frames=64, weight_sync_schemes={"policy": scheme},
+                                   auto_register_policy_transforms=False)
+    try:
+        for i, batch in enumerate(collector):
+            w = 1.0 + i  # weight w, bias -w
+            expected = w * (batch["th"] + batch["thdot"]) - w
+            assert torch.allclose(batch["action"].squeeze(-1), expected, atol=1e-5), i
+            with torch.no_grad():
+                policy.module.lin.weight.fill_(w + 1)
+                policy.module.lin.bias.fill_(-(w + 1))
+            collector.update_policy_weights_()
+            assert scheme.version == i + 2
+            if i == 2:
+                break
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+    status = dbsync.Receiver(str(tmp_path / "store")).latest_version()
+    assert status == 4

@@ -9,11 +9,17 @@ from .errors import (
     InvalidWeightsError,
     LeaseExpiredError,
     NothingPublishedError,
+    ReceiverRefusedError,
+    StalenessError,
     StoreBusyError,
+    StoreFullError,
+    StoreNotFoundError,
+    StoreRewoundError,
+    UnsupportedFormatError,
 )
 from .format import FORMAT_VERSION
 from .receiver import Receiver, Snapshot
-from .sender import Sender
+from .sender import PushInterrupted, Sender
 from .watch import Watcher
 
 __version__ = "0.1.0"
@@ -27,6 +33,13 @@ __all__ = [
     "InvalidWeightsError",
     "LeaseExpiredError",
     "NothingPublishedError",
+    "PushInterrupted",
+    "ReceiverRefusedError",
+    "StalenessError",
+    "StoreFullError",
+    "StoreNotFoundError",
+    "StoreRewoundError",
+    "UnsupportedFormatError",
     "Receiver",
     "Sender",
     "Snapshot",

@@ -91,7 +91,10 @@ def name_problem(name: Any) -> str | None:
 
 
 def describe_name(name: Any) -> str:
-    """A printable form of any name, whatever its encoding (for error listings)."""
+    """A printable form of any name, whatever its encoding (for error listings): the name
+    itself when it is printable, else its escaped ``ascii()`` form."""
+    if isinstance(name, str) and name.isprintable() and name_problem(name) is None:
+        return name
     return ascii(name) if isinstance(name, str) else repr(name)
 
 

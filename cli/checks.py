@@ -10,26 +10,34 @@ from __future__ import annotations
 
 import os
 
-from dbsync.format import Manifest
+from dbsync.errors import FormatError
+from dbsync.format import Manifest, shard_file
 from dbsync.store import Store
 
 
 def slot_problems(store: Store, manifest: Manifest) -> dict[str, str]:
-    """tensor name (or ``slot <x>``) -> what is wrong, for ``manifest``'s slot."""
+    """shard file (or ``slot <x>``) -> what is wrong, for ``manifest``'s slot."""
     problems: dict[str, str] = {}
     stamp = store.read_stamp(manifest.slot)
-    if stamp != manifest.version:
+    if stamp != (manifest.version, manifest.run_id):
         problems[f"slot {manifest.slot}"] = (
-            f"stamp says {stamp!r}, the manifest says version {manifest.version}")
-    for entry in manifest.tensors:
-        path = store.tensor_path(manifest.slot, entry.file)
+            f"stamp says {stamp[0]!r}, the head says version {manifest.version}")
+    for i, nbytes in enumerate(manifest.shards):
+        where = f"{store.slot_dir(manifest.slot)}/{shard_file(i)}"
         try:
-            size = os.stat(path).st_size
+            fd = store.open_shard(manifest.slot, i)
         except FileNotFoundError:
-            problems[entry.name] = f"file {path} is missing"
+            problems[shard_file(i)] = f"{where} is missing"
             continue
-        if size != entry.nbytes:
-            problems[entry.name] = f"file {path} has {size} bytes, expected {entry.nbytes}"
+        except FormatError as exc:
+            problems[shard_file(i)] = str(exc)
+            continue
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size != nbytes:
+            problems[shard_file(i)] = f"{where} has {size} bytes, expected {nbytes}"
     return problems
 
 

@@ -22,6 +22,13 @@ _LAZY = {
     "LeaseExpiredError": "errors",
     "NothingPublishedError": "errors",
     "StoreBusyError": "errors",
+    "ReceiverRefusedError": "errors",
+    "StalenessError": "errors",
+    "StoreFullError": "errors",
+    "StoreNotFoundError": "errors",
+    "StoreRewoundError": "errors",
+    "UnsupportedFormatError": "errors",
+    "PushInterrupted": "sender",
     "FORMAT_VERSION": "format",
     "Receiver": "receiver",
     "Snapshot": "receiver",
@@ -38,10 +45,17 @@ __all__ = [
     "InvalidWeightsError",
     "LeaseExpiredError",
     "NothingPublishedError",
+    "PushInterrupted",
     "Receiver",
+    "ReceiverRefusedError",
     "Sender",
     "Snapshot",
+    "StalenessError",
     "StoreBusyError",
+    "StoreFullError",
+    "StoreNotFoundError",
+    "StoreRewoundError",
+    "UnsupportedFormatError",
     "Watcher",
     "__version__",
 ]
@@ -55,11 +69,17 @@ if TYPE_CHECKING:
         InvalidWeightsError,
         LeaseExpiredError,
         NothingPublishedError,
+        ReceiverRefusedError,
+        StalenessError,
         StoreBusyError,
+        StoreFullError,
+        StoreNotFoundError,
+        StoreRewoundError,
+        UnsupportedFormatError,
     )
     from .format import FORMAT_VERSION
     from .receiver import Receiver, Snapshot
-    from .sender import Sender
+    from .sender import PushInterrupted, Sender
     from .watch import Watcher
 
 

@@ -49,3 +49,47 @@ class LeaseExpiredError(DBSyncError):
 
 class StoreBusyError(DBSyncError):
     """Another writer holds the store's writer lock."""
+
+
+class UnsupportedFormatError(FormatError):
+    """A store file was written in a format version this dbsync does not read."""
+
+    def __init__(self, source: str, found: object):
+        from .format import FORMAT_VERSION
+
+        self.found = found
+        if isinstance(found, int) and not isinstance(found, bool) and found < FORMAT_VERSION:
+            what = (f"it was written by an older dbsync in format {found}; this dbsync reads "
+                    f"format {FORMAT_VERSION}. Publish once with this dbsync (a Sender "
+                    "continues the version numbers and rewrites the store), or read it with "
+                    "the dbsync release that wrote it")
+        else:
+            what = (f"its format_version {str(found)[:20]} is not supported by this dbsync "
+                    f"(it reads version {FORMAT_VERSION}); upgrade dbsync on this host")
+        super().__init__(f"{source}: {what}")
+
+
+class StoreNotFoundError(NothingPublishedError):
+    """The store root does not exist (a typo, or a volume that is not mounted)."""
+
+
+class StoreFullError(DBSyncError):
+    """A push did not fit on the store's filesystem. Nothing was published, and the partial
+    files were removed again."""
+
+
+class StoreRewoundError(DBSyncError):
+    """The manifest went backwards within one training run (a restored older copy)."""
+
+
+class ReceiverRefusedError(DBSyncError):
+    """A receiver refused or failed to apply a version (``wait_for_receivers`` fails fast)."""
+
+    def __init__(self, message: str, refusals: dict[str, str] | None = None):
+        super().__init__(message)
+        #: reader id -> reason
+        self.refusals: dict[str, str] = dict(refusals or {})
+
+
+class StalenessError(DBSyncError):
+    """``max_lag``: receivers stayed too many versions behind for longer than the timeout."""

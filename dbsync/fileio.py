@@ -1,11 +1,15 @@
-"""Raw file work: parallel buffered writes into preallocated files, fsync, checksums, and
-read-only mappings for loading.
+"""Raw file work: parallel buffered writes into preallocated shard files, fsync, checksums,
+atomic replaces, and the two ways of reading a shard (a shared read-only mapping, or a
+private copy).
 
 Hazards, stated plainly:
-- Writes go through ``os.pwrite`` (large buffered writes), never through mmap page faults:
-  on NFS a faulting mmap write turns into one 4 KiB RPC per page.
-- Files are reused in place when their size is unchanged. That is only safe because the store
-  never writes into a slot that the manifest points to or that a live reader leases.
+- Writes go through ``pwrite``/``pwritev`` (large buffered writes), never through mmap page
+  faults: on NFS a faulting mmap write turns into one 4 KiB RPC per page.
+- Shards are reused in place when their size is unchanged. That is only safe because the store
+  never writes into a slot that the head points to or that a live reader leases.
+- A mapping of a shard that a writer later shrinks faults (SIGBUS) past the new end of file.
+  Leased readers map (the writer cannot touch a leased slot); readers without a lease read a
+  private copy with ``preadv`` instead.
 - Every error raised in a worker thread is re-raised in the caller; none is swallowed.
 """
 
@@ -13,25 +17,27 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-import torch
 import xxhash
 
+from .format import ALIGN, aligned  # noqa: F401  (re-exported: one alignment rule)
+
 CHUNK_BYTES = 64 * 2**20
-#: Tensors packed into one host or bucket buffer start at multiples of this (any dtype's view).
-ALIGN = 64
+#: Small tensors are written together, up to this many bytes or iovecs per ``pwritev``.
+GROUP_BYTES = 16 * 2**20
+GROUP_IOVECS = 500
+_ZEROS = memoryview(bytes(ALIGN))
 
 
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of ``ALIGN``."""
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+def tensor_bytes(tensor: Any) -> memoryview:
     """A flat byte view of a contiguous CPU tensor (no copy). Works for 0-d, empty, bf16, fp8."""
+    import torch
+
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
     if tensor.numel() == 0:
@@ -42,8 +48,63 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def checksum(data: memoryview | bytes | mmap.mmap) -> str:
+def checksum(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def read_exact(fd: int, size: int, offset: int) -> bytes:
+    """Read exactly ``size`` bytes at ``offset`` (a file that shrank meanwhile is an OSError)."""
+    parts = []
+    while size:
+        chunk = os.pread(fd, min(size, CHUNK_BYTES), offset)
+        if not chunk:
+            raise OSError(f"file ended {size} bytes early (it shrank while being read)")
+        parts.append(chunk)
+        size -= len(chunk)
+        offset += len(chunk)
+    return b"".join(parts)
+
+
+def write_atomic_at(dir_fd: int, name: str, data: bytes, durable: bool = True,
+                    sync_dir: bool = True) -> None:
+    """Replace ``name`` inside ``dir_fd`` with ``data`` atomically: a per-process temp file in
+    the same directory, fsync (when durable), ``os.replace``, fsync the directory (unless
+    ``sync_dir=False``: the caller then fsyncs it once after several replaces). The temp file
+    is removed on any failure."""
+    tmp = f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}"
+    created = False
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=dir_fd)
+        created = True
+        try:
+            os.fchmod(fd, 0o644)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        created = False
+        if durable and sync_dir:
+            os.fsync(dir_fd)
+    finally:
+        if created:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+
+
+def write_atomic(path: str, data: bytes, durable: bool = True, sync_dir: bool = True) -> None:
+    """``write_atomic_at`` for a path (its directory is opened as given)."""
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        write_atomic_at(dfd, os.path.basename(path), data, durable, sync_dir)
+    finally:
+        os.close(dfd)
 
 
 def fsync_dir(path: str) -> None:
@@ -54,107 +115,134 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes, durable: bool = True, sync_dir: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically: temp file in the same directory, flush,
-    fsync, ``os.replace``, fsync the directory (unless ``sync_dir=False``: the caller then
-    fsyncs it once after several replaces). The temp file is removed on any failure."""
-    directory = os.path.dirname(path) or "."
-    unique = f"{os.getpid()}-{os.urandom(4).hex()}"
-    tmp = os.path.join(directory, f".tmp-{os.path.basename(path)}-{unique}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def preallocate(fd: int, size: int, current: int) -> None:
+    """Resize a file to ``size`` and reserve its blocks, unless it already has that size (a
+    file reused in place keeps its blocks, much faster than truncate + rewrite)."""
+    if current == size:
+        return
+    os.ftruncate(fd, size)
+    if size:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        tmp = ""
-        if durable and sync_dir:
-            fsync_dir(directory)
-    finally:
-        if tmp:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (28, 122):  # ENOSPC, EDQUOT: a real answer
+                raise
+            # not supported here (some FUSE/NFS): a sparse file is still correct
 
 
+# ---- writing a version -------------------------------------------------------------------------
 @dataclass
-class FileWrite:
-    path: str
+class Placed:
+    """One tensor's bytes and where they go."""
+
     data: memoryview
+    shard: int
+    offset: int
 
 
-def _open_preallocated(path: str, size: int) -> int:
-    """Open ``path`` for writing without truncating; resize and preallocate only if the size
-    changed (reusing the file keeps its blocks, which is much faster than truncate+rewrite)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        if os.fstat(fd).st_size != size:
-            os.ftruncate(fd, size)
-            if size:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError:  # not supported here (some FUSE/NFS): sparse file is still correct
-                    pass
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data = data[written:]
-        offset += written
-
-
-def write_files(
-    writes: Sequence[FileWrite],
+def write_shards(
+    fds: Sequence[int],
+    placed: Sequence[Placed],
     pool: ThreadPoolExecutor,
     durable: bool,
     progress: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Write every file in parallel, checksum each, fsync each when ``durable`` (right after
-    its own last write, so fsyncs overlap other files' writes). Returns the checksums in
-    order. Raises the first worker error after all workers have stopped; files may then be
-    partly written (the caller must not publish)."""
-    fds: list[int] = []
+    """Write every tensor into its shard in parallel, checksum each from its source bytes,
+    and fsync each shard right after its last write (so fsyncs overlap other shards' writes).
+    Returns the checksums in order. Raises the first worker error after all workers have
+    stopped; shards may then be partly written (the caller must not publish)."""
+    tasks = _group(placed)
+    remaining = [0] * len(fds)
+    for task in tasks:
+        remaining[placed[task[0]].shard] += 1
+    lock = threading.Lock()
+    syncs: list[Future[None]] = []
+    sums: list[str] = [""] * len(placed)
+
+    def run(task: list[int]) -> None:
+        _write_task(fds, placed, task, sums, progress)
+        if durable:
+            shard = placed[task[0]].shard
+            with lock:
+                remaining[shard] -= 1
+                last = remaining[shard] == 0
+            if last:
+                syncs.append(pool.submit(os.fsync, fds[shard]))
+
+    futures = [pool.submit(run, task) for task in tasks]
     try:
-        for w in writes:
-            fds.append(_open_preallocated(w.path, len(w.data)))
-        # Largest files first, so the tail of the schedule is made of small ones.
-        order = sorted(range(len(writes)), key=lambda i: -len(writes[i].data))
-        futures: dict[int, Future[str]] = {
-            i: pool.submit(_write_file, fds[i], writes[i].data, durable, progress) for i in order
-        }
-        _wait_all(list(futures.values()))
-        return [futures[i].result() for i in range(len(writes))]
+        wait_all(futures)
     finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _write_file(fd: int, data: memoryview, durable: bool,
-                progress: Callable[[int], None] | None) -> str:
-    """pwrite, then checksum the source while the kernel writes back, then fsync."""
-    for offset in range(0, len(data), CHUNK_BYTES):
-        piece = data[offset : offset + CHUNK_BYTES]
-        _pwrite_all(fd, piece, offset)
-        if progress is not None:
-            progress(len(piece))
-    digest = checksum(data)
+        for f in list(syncs):  # never leave an fsync running on an fd the caller will close
+            f.exception()
     if durable:
-        os.fsync(fd)
-    return digest
+        synced = {placed[t[0]].shard for t in tasks}
+        for shard in set(range(len(fds))) - synced:  # shards with no bytes (empty tensors)
+            syncs.append(pool.submit(os.fsync, fds[shard]))
+        wait_all(syncs)
+    return sums
 
 
-def _wait_all(futures: Sequence[Future]) -> None:
+def _group(placed: Sequence[Placed]) -> list[list[int]]:
+    """Tasks of tensor indices: a big tensor alone; small neighbours in one shard together."""
+    tasks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, p in enumerate(placed):
+        if len(p.data) >= GROUP_BYTES:
+            tasks.append([i])
+            continue
+        if current and (placed[current[0]].shard != p.shard or size + len(p.data) > GROUP_BYTES
+                        or len(current) >= GROUP_IOVECS):
+            tasks.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += len(p.data)
+    if current:
+        tasks.append(current)
+    return tasks
+
+
+def _write_task(fds: Sequence[int], placed: Sequence[Placed], task: list[int], sums: list[str],
+                progress: Callable[[int], None] | None) -> None:
+    first = placed[task[0]]
+    fd = fds[first.shard]
+    if len(task) == 1 and len(first.data) >= GROUP_BYTES:
+        for start in range(0, len(first.data), CHUNK_BYTES):
+            piece = first.data[start:start + CHUNK_BYTES]
+            _pwrite_all(fd, [piece], first.offset + start)
+            if progress is not None:
+                progress(len(piece))
+        sums[task[0]] = checksum(first.data)
+        return
+    iov: list[memoryview] = []
+    end = first.offset
+    for i in task:
+        p = placed[i]
+        if p.offset > end:
+            iov.append(_ZEROS[: p.offset - end])
+        if len(p.data):
+            iov.append(p.data)
+        end = p.offset + len(p.data)
+        sums[i] = checksum(p.data)
+    if iov:
+        _pwrite_all(fd, iov, first.offset)
+    if progress is not None:
+        progress(end - first.offset)
+
+
+def _pwrite_all(fd: int, iov: list[memoryview], offset: int) -> None:
+    while iov:
+        written = os.pwritev(fd, iov, offset)
+        offset += written
+        while iov and written >= len(iov[0]):
+            written -= len(iov[0])
+            iov = iov[1:]
+        if iov and written:
+            iov[0] = iov[0][written:]
+
+
+def wait_all(futures: Sequence[Future]) -> None:
     """Wait for every future, then raise the first error (never leave a thread running
     against a file we are about to close, never drop an error)."""
     first: BaseException | None = None
@@ -166,29 +254,49 @@ def _wait_all(futures: Sequence[Future]) -> None:
         raise first
 
 
-class MappedFile:
-    """A read-only view of one tensor file, opened afresh (NFS close-to-open: a new open per
-    version revalidates the file; never reuse an old mapping of a rewritten file).
+# ---- reading a version ---------------------------------------------------------------------------
+class ShardView:
+    """The bytes of one shard, read-only to its users: either a private copy-on-write mapping
+    of the file (``private_copy=False``: no copy; valid only while the slot is leased) or a
+    private copy read with ``preadv`` (never faults, whatever a writer does to the file).
 
-    The mapping is private copy-on-write, so a consumer writing into a yielded tensor never
-    touches the file. Tensors built on it stay valid only while the slot is leased."""
+    The fd is closed on construction: a mapping keeps the file's pages, not a descriptor, so
+    the open-file count does not grow with the number of shards held."""
 
-    def __init__(self, path: str, nbytes: int):
-        self.path = path
+    def __init__(self, fd: int, nbytes: int, private_copy: bool):
         self.nbytes = nbytes
-        self._mm: mmap.mmap | None = None
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        try:
+            size = os.fstat(fd).st_size
             if size != nbytes:
-                raise OSError(f"{path} has {size} bytes, expected {nbytes}")
-            if nbytes:
-                self._mm = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)
+                raise OSError(f"has {size} bytes, expected {nbytes}")
+            self._buf: Any = b""
+            if nbytes and private_copy:
+                self._buf = bytearray(nbytes)
+                view = memoryview(self._buf)
+                for start in range(0, nbytes, CHUNK_BYTES):
+                    piece = view[start:start + CHUNK_BYTES]
+                    if os.preadv(fd, [piece], start) != len(piece):
+                        raise OSError("shrank while being read")
+            elif nbytes:
+                self._buf = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
 
-    def checksum(self) -> str:
-        return checksum(self._mm if self._mm is not None else b"")
+    def checksum(self, offset: int, nbytes: int) -> str:
+        return checksum(memoryview(self._buf)[offset:offset + nbytes])
 
-    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        if self._mm is None:
+    def tensor(self, dtype: Any, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
+        import torch
+
+        if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        raw = torch.frombuffer(self._mm, dtype=torch.uint8)
+        raw = torch.frombuffer(self._buf, dtype=torch.uint8, count=nbytes, offset=offset)
         return raw.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        if isinstance(self._buf, mmap.mmap):
+            try:
+                self._buf.close()
+            except BufferError:
+                pass  # tensors still view it: the mapping goes when they do
+        self._buf = b""

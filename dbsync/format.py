@@ -1,11 +1,12 @@
 """The on-disk format (docs/FORMAT.md is the spec; keep the two in step).
 
-This module is pure data: the manifest and tensor-entry dataclasses, their JSON form with
-validation, and the mapping from tensor names to file names. It does no I/O.
+Pure data, no I/O and no torch import: the head record (``dbsync.json``), the per-version
+index (``slots/X/index.json``), their JSON form with validation, and the shard layout.
 
-Hazard: every field read from disk is untrusted. ``Manifest.from_json`` validates all of it,
-including that file names are plain names that cannot leave the slot directory, before any
-caller builds a path from them.
+Hazard: every byte read from a store is untrusted. ``Head.loads`` and ``Index.loads`` validate
+all of it (types, sizes, shapes that torch can hold, offsets inside their shard, file names that
+cannot leave the slot) and raise ONE ``FormatError`` listing every problem, before any caller
+builds a path or a tensor from it.
 """
 
 from __future__ import annotations
@@ -16,99 +17,59 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import xxhash
-
-from .errors import FormatError
+from .errors import FormatError, UnsupportedFormatError
 
 FORMAT_NAME = "dbsync"
-FORMAT_VERSION = 1
+INDEX_FORMAT_NAME = "dbsync-index"
+FORMAT_VERSION = 2
 CHECKSUM_ALGORITHM = "xxh3_64"
 SLOTS = ("a", "b")
+KINDS = ("weights", "adapter")
 
 MANIFEST_FILE = "dbsync.json"
+INDEX_FILE = "index.json"
 SLOTS_DIR = "slots"
 READERS_DIR = "readers"
 WRITER_LOCK_FILE = "writer.lock"
 SLOT_STAMP_FILE = "dbsync-slot.json"
-TENSORDICT_META_FILE = "meta.json"
-FILE_SUFFIX = ".memmap"
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16",
-        "int64", "int32", "int16", "int8", "uint8", "bool",
-        "complex64", "complex128",
-        "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
-    )
-    if hasattr(torch, name)
+#: Upper bounds on what a reader will read of a store's JSON files (a manifest pointing at
+#: /dev/zero, or a huge file, must not exhaust memory).
+MAX_HEAD_BYTES = 1 << 20
+MAX_INDEX_BYTES = 512 << 20
+MAX_STAMP_BYTES = 4096
+MAX_LEASE_BYTES = 64 << 10
+#: Tensors are packed into shards of about this size (a larger tensor gets a shard of its own).
+SHARD_BYTES = 512 << 20
+#: Every tensor starts at a multiple of this inside its shard (any dtype's view is aligned).
+ALIGN = 64
+_MAX_INT = 2**62  # any size or offset beyond this is garbage (and beyond what torch can hold)
+_MAX_DIMS = 64
+
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8,
 }
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
-# A tensor name is stored under its own file name only if it is plainly safe everywhere
-# (no separators, no leading dot, no control or non-ASCII characters, not too long).
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,150}")
-_ENCODED_PREFIX = "_x_"
-# Top-level keys of tensordict's meta.json: a tensor file stem must never shadow them.
-_RESERVED_STEMS = {"shape", "device", "_type", "_format_version", "_class", "names",
-                   "batch_size", "_non_tensor", "leaves", "is_nested", "meta"}
-_SAFE_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.memmap")
+_SHARD_FILE = re.compile(r"shard-[0-9]{5}\.bin")
 _SAFE_READER_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}")
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{16}")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise FormatError(
-            f"dtype {dtype} cannot be published; supported: {', '.join(sorted(_DTYPES))}"
-        ) from None
+def shard_file(index: int) -> str:
+    return f"shard-{index:05d}.bin"
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise FormatError(
-            f"unknown dtype {name!r} in manifest; this dbsync knows {', '.join(sorted(_DTYPES))}"
-        ) from None
-
-
-def is_supported_dtype(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPE_NAMES
-
-
-def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-def file_stems_for(names: list[str]) -> list[str]:
-    """Map tensor names to file stems, one each, safe on every filesystem.
-
-    Plain names keep their own stem (so a slot opened with ``TensorDict.load_memmap`` shows
-    familiar keys); anything else (``/``, unicode, a leading dot, very long, colliding with
-    another name on a case-insensitive filesystem) becomes ``_x_<xxh3_128 of the name>``.
-    The manifest records the mapping; readers never derive it.
-    """
-    stems: list[str] = []
-    taken: set[str] = set()
-    for name in names:
-        stem = name
-        if not _PLAIN_NAME.fullmatch(name) or name.startswith(_ENCODED_PREFIX) or (
-            name in _RESERVED_STEMS) or (
-            name.lower() in taken
-        ):
-            stem = _ENCODED_PREFIX + xxhash.xxh3_128_hexdigest(name.encode("utf-8"))
-        if stem.lower() in taken:  # the same name twice (callers validate this first)
-            raise FormatError(f"tensor name {name!r} appears twice; names must be unique")
-        taken.add(stem.lower())
-        stems.append(stem)
-    return stems
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def check_reader_id(reader_id: str) -> str:
-    if not _SAFE_READER_ID.fullmatch(reader_id):
+    if not isinstance(reader_id, str) or not _SAFE_READER_ID.fullmatch(reader_id):
         raise FormatError(
             f"reader id {reader_id!r} is not allowed: use letters, digits, '_', '.', '-' "
             "(at most 101 characters, not starting with '.' or '-')"
@@ -116,39 +77,183 @@ def check_reader_id(reader_id: str) -> str:
     return reader_id
 
 
+def name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot be a tensor name (None if it can)."""
+    if not isinstance(name, str) or not name:
+        return "names must be non-empty strings"
+    if "\x00" in name:
+        return "names may not contain NUL"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "name is not valid Unicode (it holds a lone surrogate); fix the name"
+    return None
+
+
+def describe_name(name: Any) -> str:
+    """A printable form of any name, whatever its encoding (for error listings): the name
+    itself when it is printable, else its escaped ``ascii()`` form."""
+    if isinstance(name, str) and name.isprintable() and name_problem(name) is None:
+        return name
+    return ascii(name) if isinstance(name, str) else repr(name)
+
+
+def loads_json(raw: bytes, source: str) -> Any:
+    """Parse untrusted JSON: every failure (bad UTF-8, syntax, nesting too deep, integers too
+    long) becomes one ``FormatError``."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:
+        raise FormatError(
+            f"{source} is not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); dbsync "
+            "replaces it atomically, so something other than dbsync wrote it or the disk is "
+            "damaged: publish again from the trainer"
+        ) from None
+
+
+def _is_int(value: Any, low: int = 0, high: int = _MAX_INT) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _check_header(data: Any, name: str, source: str) -> None:
+    if not isinstance(data, dict):
+        raise FormatError(f"{source}: expected a JSON object; publish again from the trainer")
+    if data.get("format") != name:
+        raise FormatError(f"{source}: not a dbsync file (format={str(data.get('format'))[:40]!r})")
+    found = data.get("format_version")
+    if found != FORMAT_VERSION:
+        raise UnsupportedFormatError(source, found)
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
-    file: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    shard: int
+    offset: int
     checksum: str
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.dtype)
+    def torch_dtype(self) -> Any:
+        return torch_dtype(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "nbytes": self.nbytes, "shard": self.shard, "offset": self.offset,
+                "checksum": self.checksum}
+
+
+@dataclass(frozen=True)
+class Head:
+    """``dbsync.json``: which version is current, in which slot, of which run. Small, so that
+    ``latest_version()`` and watchers never parse the tensor list."""
+
+    run_id: str
+    version: int
+    slot: str
+    index_checksum: str
+    index_nbytes: int
+    created_at: float
+    kind: str = "weights"
+    durable: bool = True
+    tensor_count: int = 0
+    total_bytes: int = 0
+    writer: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "file": self.file,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "nbytes": self.nbytes,
-            "checksum": self.checksum,
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": self.run_id,
+            "version": self.version, "slot": self.slot, "kind": self.kind,
+            "created_at": self.created_at, "durable": self.durable, "writer": self.writer,
+            "index": {"file": INDEX_FILE, "nbytes": self.index_nbytes,
+                      "checksum": self.index_checksum},
+            "tensor_count": self.tensor_count, "total_bytes": self.total_bytes,
         }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), indent=1).encode("utf-8")
+
+    @classmethod
+    def loads(cls, raw: bytes, source: str = MANIFEST_FILE) -> Head:
+        data = loads_json(raw, source)
+        _check_header(data, FORMAT_NAME, source)
+        problems: list[str] = []
+        run_id, version, slot = data.get("run_id"), data.get("version"), data.get("slot")
+        kind, created = data.get("kind", "weights"), data.get("created_at")
+        index = data.get("index")
+        if not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
+            problems.append("run_id must be 32 hex digits")
+        if not _is_int(version, 1):
+            problems.append("version must be an integer >= 1")
+        if slot not in SLOTS:
+            problems.append(f"slot must be one of {SLOTS}")
+        if kind not in KINDS:
+            problems.append(f"kind must be one of {KINDS}")
+        if not (isinstance(created, int | float) and not isinstance(created, bool)
+                and math.isfinite(created)):
+            problems.append("created_at must be a finite number")
+        if not (isinstance(index, dict) and index.get("file") == INDEX_FILE
+                and _is_int(index.get("nbytes"), 1, MAX_INDEX_BYTES)
+                and isinstance(index.get("checksum"), str)
+                and _HEX64.fullmatch(index["checksum"])):
+            problems.append(f"index must be {{file: {INDEX_FILE!r}, nbytes, checksum}}")
+        for key in ("tensor_count", "total_bytes"):
+            if not _is_int(data.get(key, 0)):
+                problems.append(f"{key} must be a non-negative integer")
+        if problems:
+            raise FormatError(f"{source} is invalid: " + "; ".join(problems))
+        writer = data.get("writer")
+        return cls(
+            run_id=run_id, version=version, slot=slot, kind=kind,
+            index_checksum=index["checksum"], index_nbytes=index["nbytes"],
+            created_at=float(created), durable=data.get("durable", True) is True,
+            tensor_count=data.get("tensor_count", 0), total_bytes=data.get("total_bytes", 0),
+            writer=writer if isinstance(writer, dict) else {},
+        )
 
 
 @dataclass(frozen=True)
 class Manifest:
-    version: int
-    slot: str
+    """One complete version: its head plus its index (the ordered tensors and shards)."""
+
+    head: Head
     tensors: tuple[TensorEntry, ...]
-    created_at: float
-    durable: bool = True
-    writer: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    shards: tuple[int, ...]
+    adapter: dict[str, Any] | None = None
+
+    @property
+    def version(self) -> int:
+        return self.head.version
+
+    @property
+    def slot(self) -> str:
+        return self.head.slot
+
+    @property
+    def run_id(self) -> str:
+        return self.head.run_id
+
+    @property
+    def kind(self) -> str:
+        return self.head.kind
+
+    @property
+    def created_at(self) -> float:
+        return self.head.created_at
+
+    @property
+    def durable(self) -> bool:
+        return self.head.durable
+
+    @property
+    def writer(self) -> dict[str, Any]:
+        return self.head.writer
 
     @property
     def total_bytes(self) -> int:
@@ -160,101 +265,171 @@ class Manifest:
                 return t
         raise KeyError(name)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT_NAME,
-            "format_version": self.format_version,
-            "version": self.version,
-            "slot": self.slot,
-            "created_at": self.created_at,
-            "durable": self.durable,
-            "writer": self.writer,
-            "checksum_algorithm": CHECKSUM_ALGORITHM,
-            "total_bytes": self.total_bytes,
-            "tensors": [t.to_json() for t in self.tensors],
-        }
+
+@dataclass(frozen=True)
+class Index:
+    """``slots/X/index.json``: the tensors of one version, in apply order, and its shards."""
+
+    run_id: str
+    version: int
+    tensors: tuple[TensorEntry, ...]
+    shards: tuple[int, ...]  # size in bytes of shard i
+    adapter: dict[str, Any] | None = None
 
     def dumps(self) -> bytes:
-        return json.dumps(self.to_json(), ensure_ascii=False, indent=1).encode("utf-8")
+        return json.dumps({
+            "format": INDEX_FORMAT_NAME, "format_version": FORMAT_VERSION,
+            "run_id": self.run_id, "version": self.version,
+            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "shards": [{"file": shard_file(i), "nbytes": n} for i, n in enumerate(self.shards)],
+            "tensors": [t.to_json() for t in self.tensors],
+            "adapter": self.adapter,
+        }, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     @classmethod
-    def loads(cls, raw: bytes, source: str = "manifest") -> Manifest:
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(
-                f"{source} is not valid JSON ({exc}); it is replaced atomically, so this means "
-                "it was written by something other than dbsync or the disk is damaged"
-            ) from None
-        return cls.from_json(data, source)
-
-    @classmethod
-    def from_json(cls, data: Any, source: str = "manifest") -> Manifest:
+    def loads(cls, raw: bytes, source: str = INDEX_FILE) -> Index:
+        data = loads_json(raw, source)
+        _check_header(data, INDEX_FORMAT_NAME, source)
         problems: list[str] = []
-
-        def need(cond: bool, what: str) -> bool:
-            if not cond:
-                problems.append(what)
-            return cond
-
-        if not isinstance(data, dict):
-            raise FormatError(f"{source}: expected a JSON object")
-        if data.get("format") != FORMAT_NAME:
-            raise FormatError(f"{source}: not a dbsync manifest (format={data.get('format')!r})")
-        fv = data.get("format_version")
-        if fv != FORMAT_VERSION:
-            raise FormatError(
-                f"{source}: format_version {fv!r} is not supported by this dbsync (it reads "
-                f"version {FORMAT_VERSION}); upgrade dbsync on this host"
-            )
         if data.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
             problems.append(f"checksum_algorithm must be {CHECKSUM_ALGORITHM!r}")
-        version = data.get("version")
-        need(isinstance(version, int) and not isinstance(version, bool) and version >= 1,
-             "version must be an integer >= 1")
-        need(data.get("slot") in SLOTS, f"slot must be one of {SLOTS}")
-        need(isinstance(data.get("created_at"), int | float), "created_at must be a number")
-        raw_tensors = data.get("tensors")
-        entries: list[TensorEntry] = []
-        if need(isinstance(raw_tensors, list), "tensors must be a list"):
-            names: set[str] = set()
-            files: set[str] = set()
-            for i, t in enumerate(raw_tensors):
-                where = f"tensors[{i}]"
-                if not isinstance(t, dict):
-                    problems.append(f"{where} must be an object")
-                    continue
-                name, file, dt = t.get("name"), t.get("file"), t.get("dtype")
-                shape, nbytes, checksum = t.get("shape"), t.get("nbytes"), t.get("checksum")
-                ok = need(isinstance(name, str) and name != "", f"{where}.name must be a string")
-                ok &= need(isinstance(file, str) and bool(_SAFE_FILE.fullmatch(file)),
-                           f"{where}.file {file!r} is not a plain '<stem>.memmap' file name")
-                ok &= need(dt in _DTYPES, f"{where}.dtype {dt!r} is unknown")
-                ok &= need(isinstance(shape, list) and all(
-                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape),
-                    f"{where}.shape must be a list of non-negative integers")
-                ok &= need(isinstance(nbytes, int) and nbytes >= 0, f"{where}.nbytes invalid")
-                ok &= need(isinstance(checksum, str) and re.fullmatch(r"[0-9a-f]{16}", checksum)
-                           is not None, f"{where}.checksum must be 16 hex digits")
-                if not ok:
-                    continue
-                if nbytes != nbytes_of(_DTYPES[dt], tuple(shape)):
-                    problems.append(f"{where}.nbytes {nbytes} does not match dtype and shape")
-                    continue
-                if name in names or file.lower() in files:
-                    problems.append(f"{where}: duplicate name or file ({name!r}, {file!r})")
-                    continue
-                names.add(name)
-                files.add(file.lower())
-                entries.append(TensorEntry(name, file, dt, tuple(shape), nbytes, checksum))
+        run_id, version = data.get("run_id"), data.get("version")
+        if not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
+            problems.append("run_id must be 32 hex digits")
+        if not _is_int(version, 1):
+            problems.append("version must be an integer >= 1")
+        shards: list[int] = []
+        raw_shards = data.get("shards")
+        if not isinstance(raw_shards, list):
+            problems.append("shards must be a list")
+            raw_shards = []
+        for i, s in enumerate(raw_shards):
+            if not (isinstance(s, dict) and s.get("file") == shard_file(i)
+                    and _is_int(s.get("nbytes"))):
+                problems.append(f"shards[{i}] must be {{file: {shard_file(i)!r}, nbytes}}")
+                continue
+            shards.append(s["nbytes"])
+        entries = _parse_tensors(data.get("tensors"), shards, problems)
+        adapter = data.get("adapter")
+        if adapter is not None and not isinstance(adapter, dict):
+            problems.append("adapter must be an object or null")
         if problems:
-            raise FormatError(f"{source} is invalid: " + "; ".join(problems))
-        writer = data.get("writer")
-        return cls(
-            version=version,
-            slot=data["slot"],
-            tensors=tuple(entries),
-            created_at=float(data["created_at"]),
-            durable=bool(data.get("durable", True)),
-            writer=writer if isinstance(writer, dict) else {},
+            more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+            raise FormatError(f"{source} is invalid: " + "; ".join(problems[:20]) + more
+                              + "; publish again from the trainer")
+        return cls(run_id, version, tuple(entries), tuple(shards), adapter)
+
+
+def _parse_tensors(raw: Any, shards: list[int], problems: list[str]) -> list[TensorEntry]:
+    if not isinstance(raw, list):
+        problems.append("tensors must be a list")
+        return []
+    entries: list[TensorEntry] = []
+    names: set[str] = set()
+    for i, t in enumerate(raw):
+        where = f"tensors[{i}]"
+        if not isinstance(t, dict):
+            problems.append(f"{where} must be an object")
+            continue
+        name, dt, shape = t.get("name"), t.get("dtype"), t.get("shape")
+        nbytes, shard, offset, checksum = (t.get("nbytes"), t.get("shard"), t.get("offset"),
+                                           t.get("checksum"))
+        bad = name_problem(name)
+        if bad:
+            problems.append(f"{where}.name: {bad}")
+            continue
+        if not (isinstance(dt, str) and dt in DTYPE_SIZES):
+            problems.append(f"{where}.dtype {str(dt)[:40]!r} is unknown")
+            continue
+        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS
+                and all(_is_int(d) for d in shape)):
+            problems.append(f"{where}.shape must be a list of at most {_MAX_DIMS} integers "
+                            f"in [0, 2**62]")
+            continue
+        numel = 1
+        for d in shape:
+            numel = min(numel * d, _MAX_INT + 1)
+        expected = numel * DTYPE_SIZES[dt]
+        if numel > _MAX_INT or expected > _MAX_INT:
+            problems.append(f"{where}: shape {shape} is too large for any tensor")
+            continue
+        if nbytes != expected:
+            problems.append(f"{where}.nbytes {str(nbytes)[:30]} != {expected} (dtype x shape)")
+            continue
+        if not (_is_int(shard, 0, len(shards) - 1) if shards else False) and expected:
+            problems.append(f"{where}.shard {str(shard)[:30]} is not a listed shard")
+            continue
+        if not _is_int(offset) or offset % ALIGN:
+            problems.append(f"{where}.offset must be a non-negative multiple of {ALIGN}")
+            continue
+        if expected and offset + expected > shards[shard]:
+            problems.append(f"{where}: bytes [{offset}, {offset + expected}) lie outside "
+                            f"shard {shard} ({shards[shard]} bytes)")
+            continue
+        if not (isinstance(checksum, str) and _HEX64.fullmatch(checksum)):
+            problems.append(f"{where}.checksum must be 16 hex digits")
+            continue
+        if name in names:
+            problems.append(f"{where}: name {describe_name(name)} appears twice")
+            continue
+        names.add(name)
+        entries.append(TensorEntry(name, dt, tuple(shape), expected,
+                                   shard if _is_int(shard) else 0, offset, checksum))
+    return entries
+
+
+def plan_shards(sizes: list[int], shard_bytes: int = SHARD_BYTES) -> tuple[list[tuple[int, int]],
+                                                                          list[int]]:
+    """Place tensors of ``sizes`` bytes, in order, into shards: returns (shard, offset) per
+    tensor and the size of every shard. Each tensor starts ``ALIGN``-aligned; a shard closes
+    once it would grow past ``shard_bytes`` (a larger tensor gets a shard of its own). The same
+    sizes always give the same layout, so a slot's files are reused in place push after push."""
+    places: list[tuple[int, int]] = []
+    shards: list[int] = []
+    for size in sizes:
+        if not shards or (shards[-1] and aligned(shards[-1]) + size > shard_bytes):
+            shards.append(0)
+        offset = aligned(shards[-1])
+        places.append((len(shards) - 1, offset))
+        shards[-1] = offset + size
+    return places, shards
+
+
+# ---- torch dtypes (imported lazily: reading a head needs no torch) ---------------------------
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    if name not in DTYPE_SIZES:
+        _unknown(name)
+    try:
+        return getattr(torch, name)
+    except AttributeError:
+        raise FormatError(f"dtype {name!r} is not available in this torch build") from None
+
+
+def _unknown(name: str) -> Any:
+    raise FormatError(f"unknown dtype {name!r}; this dbsync knows {', '.join(DTYPE_SIZES)}")
+
+
+def dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise FormatError(
+            f"dtype {dtype} cannot be published; supported: {', '.join(sorted(DTYPE_SIZES))}"
         )
+    return name
+
+
+def is_supported_dtype(dtype: Any) -> bool:
+    return str(dtype).removeprefix("torch.") in DTYPE_SIZES
+
+
+def dtype_from_name(name: str) -> Any:
+    """The torch dtype of a manifest dtype name (FormatError if unknown)."""
+    if not isinstance(name, str) or name not in DTYPE_SIZES:
+        _unknown(str(name)[:40])
+    return torch_dtype(name)
+
+
+def nbytes_of(dtype: Any, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * dtype.itemsize

@@ -1,20 +1,31 @@
 """Reader leases, seen from both sides.
 
-A receiver that reads a slot first writes a lease (``state="reading"``, the slot, the
-version) and refreshes it every ``lease_timeout / 4`` seconds by bumping ``beat``. The writer
-never writes into a slot that a live lease names.
+A receiver keeps one lease file, refreshed (``beat + 1``) every ``lease_timeout / 4`` seconds
+for as long as it lives, listing the slots it holds (``held``). The writer never writes into a
+slot that a live lease holds.
 
-A lease is dead when its reader is gone: on the writer's host that is a missing pid; anywhere,
-it is a ``beat`` that has not changed for ``lease_timeout`` seconds *as measured on the
-writer's own monotonic clock* (so clock skew between hosts cannot shorten or stretch it).
+A lease is dead when its reader is gone:
+- on the writer's host, in the writer's PID namespace, after the same boot: its ``pid`` no
+  longer exists (checked at once). A reader with the writer's hostname in another PID namespace
+  (docker ``--network host``, Kubernetes ``hostNetwork``) has a pid that means nothing here, so
+  this shortcut is taken only when ``boot_id`` and ``pidns`` match the writer's;
+- anywhere: its ``beat`` has not changed for the lease's own ``lease_timeout`` (each reader
+  states its timeout; the writer honours it, bounded to ``MAX_LEASE_TIMEOUT``), measured on the
+  writer's monotonic clock, so clock skew between hosts cannot shorten or stretch it.
 
-Hazard: a reader stalled for longer than the timeout (a debugger, a swapped-out process) loses
+A dead reader costs the writer one timeout, not one per push: a beat once found dead stays
+dead until it changes. A lease dead for another timeout is removed (``DEAD_LEASE_GRACE``).
+
+Hazard: a reader stalled for longer than its timeout (a debugger, a swapped-out process) loses
 its lease and the writer may reuse its slot. The reader detects this afterwards through the
-slot stamp and raises ``LeaseExpiredError``; it cannot undo what it already applied.
+slot stamp (and a reader that cannot renew its lease stops trusting its slot) and raises
+``LeaseExpiredError``; it cannot undo what it already applied.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import socket
 import time
@@ -23,9 +34,30 @@ from typing import Any
 
 from .store import Store
 
+log = logging.getLogger(__name__)
+
 DEFAULT_LEASE_TIMEOUT = 30.0
+MIN_LEASE_TIMEOUT = 0.5
+MAX_LEASE_TIMEOUT = 3600.0
+#: A lease found dead is removed once it has stayed dead for this many more timeouts.
+DEAD_LEASE_GRACE = 1.0
 READING = "reading"
 IDLE = "idle"
+
+
+@functools.cache
+def host_identity() -> dict[str, Any]:
+    """Who this process is, as far as pid checks go: hostname, boot id, PID namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = None
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = None
+    return {"host": socket.gethostname(), "boot_id": boot_id, "pidns": pidns}
 
 
 def pid_alive(pid: int) -> bool:
@@ -33,9 +65,34 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError, ValueError):
         return True
     return True
+
+
+def held_slots(lease: dict[str, Any]) -> set[str]:
+    """Slots a lease holds (``held`` list; older records: ``state``/``slot``)."""
+    held = lease.get("held")
+    if isinstance(held, list):
+        return {h[0] for h in held if isinstance(h, list) and h and isinstance(h[0], str)}
+    if lease.get("state") == READING and isinstance(lease.get("slot"), str):
+        return {lease["slot"]}
+    return set()
+
+
+def lease_timeout_of(lease: dict[str, Any], default: float) -> float:
+    value = lease.get("lease_timeout")
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+        return default
+    return min(max(float(value), MIN_LEASE_TIMEOUT), MAX_LEASE_TIMEOUT)
+
+
+def same_pid_namespace(lease: dict[str, Any]) -> bool:
+    """Whether the lease's pid can be checked here (same host, boot and PID namespace)."""
+    me = host_identity()
+    return (lease.get("host") == me["host"] and me["boot_id"] is not None
+            and lease.get("boot_id") == me["boot_id"] and me["pidns"] is not None
+            and lease.get("pidns") == me["pidns"])
 
 
 class LeaseMonitor:
@@ -46,40 +103,59 @@ class LeaseMonitor:
         self.store = store
         self.timeout = timeout
         self.clock = clock
-        self.host = socket.gethostname()
-        # reader_id -> (beat last seen, when we first saw that beat)
+        # reader_id -> (beat last seen, when this writer first saw that beat)
         self._seen: dict[str, tuple[Any, float]] = {}
 
-    def holders(self, slot: str) -> list[str]:
-        """Reader ids whose live lease names ``slot`` right now."""
+    def _dead_for(self, reader_id: str, lease: dict[str, Any], now: float) -> float | None:
+        """Seconds past death (>= 0) if the lease is dead, else None."""
+        if same_pid_namespace(lease) and isinstance(lease.get("pid"), int) and not pid_alive(
+                lease["pid"]):
+            return float("inf")
+        beat = (lease.get("beat"), lease.get("held"), lease.get("version"))
+        first = self._seen.get(reader_id)
+        if first is None or first[0] != beat:
+            self._seen[reader_id] = (beat, now)
+            return None
+        overdue = now - first[1] - lease_timeout_of(lease, self.timeout)
+        return overdue if overdue >= 0 else None
+
+    def scan(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """(live reader id -> its lease record, dead reader ids). Removes leases that have
+        been dead for longer than the grace period."""
         now = self.clock()
-        holding = []
         leases = self.store.read_leases()
+        live: dict[str, dict[str, Any]] = {}
+        dead: list[str] = []
         for reader_id, lease in leases.items():
-            if lease.get("state") != READING or lease.get("slot") != slot:
+            overdue = self._dead_for(reader_id, lease, now)
+            if overdue is None:
+                live[reader_id] = lease
+                continue
+            dead.append(reader_id)
+            if overdue >= DEAD_LEASE_GRACE * lease_timeout_of(lease, self.timeout):
+                log.info("removing the lease of dead reader %s (host %s, pid %s)", reader_id,
+                         lease.get("host"), lease.get("pid"))
+                self.store.remove_lease(reader_id)
                 self._seen.pop(reader_id, None)
-                continue
-            if lease.get("host") == self.host and isinstance(lease.get("pid"), int) and not (
-                pid_alive(lease["pid"])
-            ):
-                continue
-            beat = (lease.get("beat"), lease.get("version"))
-            first = self._seen.get(reader_id)
-            if first is None or first[0] != beat:
-                self._seen[reader_id] = (beat, now)
-                holding.append(reader_id)
-            elif now - first[1] < self.timeout:
-                holding.append(reader_id)
         for gone in set(self._seen) - set(leases):
             del self._seen[gone]
-        return holding
+        return live, dead
+
+    def holders(self, slot: str) -> list[str]:
+        """Reader ids whose live lease holds ``slot`` right now."""
+        live, _ = self.scan()
+        return sorted(r for r, lease in live.items() if slot in held_slots(lease))
 
     def wait_until_free(self, slot: str, sleep: Callable[[float], None] = time.sleep,
                         interval: float = 0.02) -> float:
-        """Block until no live reader holds ``slot``. Returns the seconds waited. Never waits
-        longer than about ``timeout`` for a reader that stopped beating."""
+        """Block until no live reader holds ``slot``. Returns the seconds waited. Waits at most
+        about the longest lease timeout for a reader that stopped beating."""
         start = self.clock()
-        while self.holders(slot):
+        logged = False
+        while holding := self.holders(slot):
+            if not logged and self.clock() - start > 1.0:
+                log.info("waiting for reader(s) %s to release slot %s", ", ".join(holding), slot)
+                logged = True
             sleep(interval)
             interval = min(interval * 1.5, 0.25)
         return self.clock() - start

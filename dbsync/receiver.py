@@ -1,91 +1,231 @@
 """Receiver: load exactly one complete, verified version from a store.
 
-``load(load_weights)``: lease the current version's slot -> check every file (present, right
-size) and every checksum -> only then call ``load_weights`` once with the tensors in manifest
-order -> check the slot was not reused meanwhile -> record the loaded version.
+``load(target)``: lease the current version's slot -> map its shards -> check every checksum
+-> only then hand the tensors over (``load_weights(pairs)``, or a parallel copy into a plain
+``nn.Module`` / dict of tensors) -> check the slot was not reused meanwhile -> record the
+loaded version (its acknowledgement).
+
+Read-only views (``mount -o ro``, Kubernetes ``ReadOnlyMany``, a directory this user cannot
+write) need no lease: the receiver reads a private copy of every shard with ``preadv`` and
+verifies the copy (checksums and the slot stamp) before anything is handed over, so a writer
+reusing the slot meanwhile costs a retry, never a torn apply. The same happens whenever a lease
+cannot be written (a full disk): loads go on, leaseless, and say so in the log.
 
 Hazards, stated plainly:
-- Tensors handed to ``load_weights`` are views of memory-mapped slot files (no second copy of
-  the model). They are valid only until ``load`` returns: copy what you keep.
-- Verification reads every byte once before the apply (so a damaged version never reaches
+- Tensors handed to ``load_weights`` are views of the slot's shards (a mapping when leased, a
+  private copy otherwise). They are valid only until ``load`` returns: copy what you keep.
+- Verification reads every byte once before the apply (a damaged version never reaches
   ``load_weights``); the apply then reads from the page cache. ``verify=False`` skips it and
   relies on the slot stamp and sizes alone.
+- Leaseless loads hold one private host copy of the version while they run.
+- A receiver keeps one heartbeat thread (a small file write every ``lease_timeout / 4``) so the
+  writer and ``dbsync status`` can tell it is alive; ``close()`` (or garbage collection) stops
+  it and removes the lease.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
+import logging
 import os
-import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from .errors import (
     DamagedVersionError,
     DBSyncError,
+    FormatError,
     IncompatibleWeightsError,
     LeaseExpiredError,
+    NothingPublishedError,
+    StoreRewoundError,
 )
-from .fileio import MappedFile
-from .format import Manifest, check_reader_id
-from .leases import DEFAULT_LEASE_TIMEOUT, IDLE, READING
+from .fileio import ShardView, checksum, wait_all
+from .format import Head, Manifest, check_reader_id, describe_name
+from .leases import DEFAULT_LEASE_TIMEOUT, IDLE, READING, host_identity
 from .store import Store
 
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+log = logging.getLogger(__name__)
+
+LoadWeights = Callable[[Iterable[tuple[str, Any]]], Any]
+#: bytes per verification / copy task
+_TASK_BYTES = 16 << 20
+_LEASELESS_RETRIES = 5
+_EMPTY_CHECKSUM = checksum(b"")
+
+
+class _SlotReused(LeaseExpiredError):
+    """A leaseless read saw the slot change before anything was applied: read again."""
+
+
+class _LeaseKeeper:
+    """Writes and refreshes one reader's lease from a heartbeat thread. Holds no reference to
+    its Receiver, so a Receiver dropped without ``close()`` is collected and stops it."""
+
+    def __init__(self, store: Store, reader_id: str, timeout: float, report_loaded: bool):
+        self.store = store
+        self.reader_id = reader_id
+        self.timeout = timeout
+        self.report_loaded = report_loaded
+        self.held: dict[int, tuple[str, int]] = {}
+        self.loaded: dict[str, Any] = {}
+        self.refused: dict[str, Any] | None = None
+        self.lock = threading.Lock()
+        self.beat = 0
+        self.last_ok: float | None = None
+        self.error: OSError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def record(self) -> dict[str, Any]:
+        held = sorted(self.held.values())
+        slot, version = held[-1] if held else (None, None)
+        return {
+            "reader_id": self.reader_id, **host_identity(), "pid": os.getpid(),
+            "lease_timeout": self.timeout,
+            "state": READING if held else IDLE, "slot": slot, "version": version,
+            "held": [list(h) for h in held],
+            "loaded_version": self.loaded.get("version") if self.report_loaded else None,
+            "loaded_run_id": self.loaded.get("run_id") if self.report_loaded else None,
+            "loaded_at": self.loaded.get("at") if self.report_loaded else None,
+            "refused": self.refused,
+            "beat": self.beat, "updated_at": time.time(),
+        }
+
+    def write(self) -> bool:
+        """Write the lease now; False (logged once per kind of error) if it cannot be."""
+        with self.lock:
+            self.beat += 1
+            started = time.monotonic()
+            try:
+                self.store.write_lease(self.reader_id, self.record())
+            except (OSError, FormatError) as exc:
+                err = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
+                if self.error is None or self.error.errno != err.errno:
+                    level = logging.INFO if err.errno in (errno.EROFS, errno.EACCES,
+                                                          errno.EPERM) else logging.WARNING
+                    log.log(level, "reader %s cannot write its lease in %s (%s): loads go on "
+                            "without a lease (private verified copies); the writer and `dbsync "
+                            "status` do not see this reader meanwhile", self.reader_id,
+                            self.store.root, err.strerror or err)
+                self.error = err
+                return False
+            if self.error is not None:
+                log.info("reader %s writes its lease in %s again", self.reader_id,
+                         self.store.root)
+                self.error = None
+            self.last_ok = started
+            return True
+
+    def trusted(self) -> bool:
+        """Whether the writer must still consider this lease live (renewed recently enough)."""
+        return self.last_ok is not None and time.monotonic() - self.last_ok < 0.9 * self.timeout
+
+    def hold(self, token: int, slot: str, version: int) -> bool:
+        with self.lock:
+            self.held[token] = (slot, version)
+        return self.write()
+
+    def release(self, token: int) -> None:
+        with self.lock:
+            if self.held.pop(token, None) is None:
+                return
+        self.write()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dbsync-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.timeout / 4):
+            self.write()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        try:
+            self.store.remove_lease(self.reader_id)
+        except (OSError, FormatError):
+            pass
 
 
 class Snapshot:
-    """One leased, opened version. Use as a context manager; the lease ends on exit."""
+    """One opened version: leased (shards mapped) or leaseless (private verified copies).
+    Use as a context manager; the hold on the slot ends on exit."""
 
-    def __init__(self, receiver: Receiver, manifest: Manifest):
+    def __init__(self, receiver: Receiver, manifest: Manifest, token: int, leased: bool):
         self.receiver = receiver
         self.manifest = manifest
-        self._files: dict[str, MappedFile] = {}
+        self.leased = leased
+        self._token = token
+        self._shards: dict[int, ShardView] = {}
         self._missing: dict[str, str] = {}
         self._closed = False
+        self._verified = False
         store = receiver.store
-        for entry in manifest.tensors:
-            path = store.tensor_path(manifest.slot, entry.file)
+        bad_shards: dict[int, str] = {}
+        for i, size in enumerate(manifest.shards):
             try:
-                self._files[entry.name] = MappedFile(path, entry.nbytes)
+                self._shards[i] = ShardView(store.open_shard(manifest.slot, i), size,
+                                            private_copy=not leased)
             except FileNotFoundError:
-                self._missing[entry.name] = f"file {path} is missing"
-            except OSError as exc:
-                self._missing[entry.name] = str(exc)
+                bad_shards[i] = "its shard file is missing"
+            except (OSError, FormatError) as exc:
+                bad_shards[i] = f"shard {i}: {exc}"
+        for entry in manifest.tensors:
+            if entry.nbytes and entry.shard in bad_shards:
+                self._missing[entry.name] = bad_shards[entry.shard]
+        if bad_shards and not self._missing:  # shards no tensor uses: still damage
+            self._missing.update({f"<shard {i}>": why for i, why in bad_shards.items()})
 
     @property
     def version(self) -> int:
         return self.manifest.version
 
+    @property
+    def run_id(self) -> str:
+        return self.manifest.run_id
+
     def verify(self, threads: int = 4) -> None:
-        """Check every file and checksum; raise one ``DamagedVersionError`` naming every bad
-        tensor. Reads each byte once (which also warms the page cache for the apply)."""
+        """Check every checksum; raise one ``DamagedVersionError`` naming every bad tensor.
+        Reads each byte once (which also warms the page cache for the apply)."""
+        entries = [e for e in self.manifest.tensors if e.name not in self._missing]
+        tasks = _batches(entries, lambda e: e.nbytes)
+
+        def run(task: list[Any]) -> list[tuple[Any, str]]:
+            return [(e, self._shards[e.shard].checksum(e.offset, e.nbytes) if e.nbytes else
+                     _EMPTY_CHECKSUM) for e in task]
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            results = list(itertools.chain.from_iterable(pool.map(run, tasks)))
         damaged = dict(self._missing)
-        entries = [e for e in self.manifest.tensors if e.name in self._files]
-        with ThreadPoolExecutor(threads) as pool:
-            sums = list(pool.map(lambda e: self._files[e.name].checksum(), entries))
-        for entry, got in zip(entries, sums, strict=True):
+        for entry, got in results:
             if got != entry.checksum:
-                damaged[entry.name] = f"checksum {got} != {entry.checksum} ({entry.file})"
+                damaged[entry.name] = f"checksum {got} != {entry.checksum}"
         self.check_unchanged()
         if damaged:
-            names = ", ".join(list(damaged)[:10]) + (" ..." if len(damaged) > 10 else "")
+            names = ", ".join(describe_name(n) for n in list(damaged)[:10])
+            more = " ..." if len(damaged) > 10 else ""
             raise DamagedVersionError(
                 f"version {self.version} in {self.receiver.store.slot_dir(self.manifest.slot)} "
-                f"is damaged ({len(damaged)} tensor(s): {names}); nothing was applied. Run "
-                "`dbsync verify ROOT` and publish again from the trainer",
+                f"is damaged ({len(damaged)} tensor(s): {names}{more}); nothing was applied. "
+                "Run `dbsync verify ROOT` and publish again from the trainer",
                 damaged,
             )
+        self._verified = True
 
-    def check_compatible(self, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                         allow_missing: Iterable[str] = ()) -> None:
+    def check_compatible(self, expected: Mapping[str, tuple[tuple[int, ...], Any]],
+                         allow_missing: Iterable[str] = (), cast_floats: bool = False) -> None:
         """Raise ``IncompatibleWeightsError`` unless names, shapes and dtypes match
-        ``expected`` (name -> (shape, dtype)). Names in ``allow_missing`` may be absent."""
+        ``expected`` (name -> (shape, dtype)). Names in ``allow_missing`` may be absent. With
+        ``cast_floats``, a floating dtype fits any floating dtype (cast on apply)."""
         problems: dict[str, str] = {}
         optional = set(allow_missing)
         for entry in self.manifest.tensors:
@@ -96,14 +236,17 @@ class Snapshot:
             shape, dtype = tuple(want[0]), want[1]
             if tuple(entry.shape) != shape:
                 problems[entry.name] = f"shape {list(entry.shape)} != expected {list(shape)}"
-            elif entry.torch_dtype != dtype:
+            elif entry.torch_dtype != dtype and not (
+                    cast_floats and entry.torch_dtype.is_floating_point
+                    and dtype.is_floating_point):
                 problems[entry.name] = f"dtype {entry.dtype} != expected {dtype}"
         published = {e.name for e in self.manifest.tensors}
         for name in expected:
             if name not in published and name not in optional:
                 problems[name] = "missing from the published version"
         if problems:
-            listing = "; ".join(f"{k}: {v}" for k, v in list(problems.items())[:12])
+            listing = "; ".join(f"{describe_name(k)}: {v}"
+                                for k, v in list(problems.items())[:12])
             more = f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""
             raise IncompatibleWeightsError(
                 f"version {self.version} does not fit the model ({len(problems)} problem(s)): "
@@ -111,34 +254,86 @@ class Snapshot:
                 problems,
             )
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) in manifest order; views of the slot files, valid only while leased."""
+    def tensors(self) -> Iterator[tuple[str, Any]]:
+        """(name, tensor) in manifest order; views valid only while the snapshot is open."""
         if self._missing:
             raise DamagedVersionError(
-                f"version {self.version} is missing files: {', '.join(self._missing)}",
-                self._missing,
-            )
+                f"version {self.version} is missing shards: "
+                + ", ".join(sorted(set(self._missing.values()))), self._missing)
+        if not self.leased and not self._verified:
+            self.verify()  # a private copy is trusted only once its checksums match
         for entry in self.manifest.tensors:
-            yield entry.name, self._files[entry.name].tensor(entry.torch_dtype, entry.shape)
+            yield entry.name, self._tensor(entry)
+
+    def _tensor(self, entry: Any) -> Any:
+        return self._shards[entry.shard].tensor(entry.torch_dtype, entry.shape, entry.offset,
+                                                entry.nbytes)
+
+    def tensordict(self) -> Any:
+        """The version as a ``TensorDict`` of views (keys are the tensor names, nested at '.'
+        only when that is unambiguous is NOT attempted: keys are flat strings)."""
+        from tensordict import TensorDict
+
+        return TensorDict(dict(self.tensors()), batch_size=[])
+
+    def copy_into(self, target: Any, threads: int = 8, strict: bool = True) -> int:
+        """Copy this version into the existing tensors of ``target`` (an ``nn.Module``'s
+        parameters and buffers by ``state_dict`` name, or a dict of tensors), in parallel
+        threads; names and shapes are checked before the first byte is copied. Floating dtypes
+        are cast. Returns the bytes copied."""
+        import torch
+
+        dest = (target.state_dict(keep_vars=True) if isinstance(target, torch.nn.Module)
+                else dict(target))
+        expected = {n: (tuple(t.shape), t.dtype) for n, t in dest.items()}
+        self.check_compatible(expected, allow_missing=() if strict else expected,
+                              cast_floats=True)
+        pairs = [(dest[e.name], e) for e in self.manifest.tensors]
+        if not self.leased and not self._verified:
+            self.verify()
+        if self._missing:
+            raise DamagedVersionError(f"version {self.version} is missing shards",
+                                      self._missing)
+
+        def run(task: list[tuple[Any, Any]]) -> None:
+            with torch.no_grad():
+                for dst, entry in task:
+                    dst.detach().copy_(self._tensor(entry))
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            wait_all([pool.submit(run, t) for t in _batches(pairs, lambda p: p[1].nbytes)])
+        return self.manifest.total_bytes
 
     def check_unchanged(self) -> None:
-        """Raise ``LeaseExpiredError`` if the writer has started reusing this slot."""
+        """Raise ``LeaseExpiredError`` if the writer may have started reusing this slot."""
         stamp = self.receiver.store.read_stamp(self.manifest.slot)
-        if stamp != self.version:
-            raise LeaseExpiredError(
+        if stamp != (self.version, self.run_id):
+            cls = _SlotReused if not self.leased else LeaseExpiredError
+            raise cls(
                 f"slot {self.manifest.slot} no longer holds version {self.version} (its stamp "
-                f"says {stamp!r}): either a writer reused the slot after this reader's lease "
-                "expired (stalled longer than the lease timeout), or the stamp file was "
-                "damaged. What was read cannot be trusted: load again"
+                f"says {stamp[0]!r}): "
+                + ("a writer reused it while this reader held no lease" if not self.leased else
+                   "a writer reused it after this reader's lease expired (stalled longer than "
+                   "the lease timeout), or the stamp file was damaged")
+                + ". What was read cannot be trusted: load again"
+            )
+        if self.leased and not self.receiver._keeper.trusted():
+            raise LeaseExpiredError(
+                f"reader {self.receiver.reader_id} could not renew its lease in "
+                f"{self.receiver.store.root} for longer than its lease timeout "
+                f"({self.receiver._keeper.error}); the writer may reuse slot "
+                f"{self.manifest.slot}, so what was read cannot be trusted: load again"
             )
 
     def close(self) -> None:
-        """End the lease. Safe to call more than once."""
+        """End the hold on the slot. Safe to call more than once."""
         if self._closed:
             return
         self._closed = True
-        self._files.clear()
-        self.receiver._release()
+        for shard in self._shards.values():
+            shard.close()
+        self._shards.clear()
+        self.receiver._keeper.release(self._token)
 
     def __enter__(self) -> Snapshot:
         return self
@@ -147,9 +342,28 @@ class Snapshot:
         self.close()
 
 
+def _batches(items: list[Any], size: Callable[[Any], int]) -> list[list[Any]]:
+    """Consecutive groups of about ``_TASK_BYTES`` (a big item alone)."""
+    out: list[list[Any]] = []
+    current: list[Any] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if current and total + n > _TASK_BYTES:
+            out.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += n
+    if current:
+        out.append(current)
+    return out
+
+
 class Receiver:
-    """Reads versions from ``root``. Registers itself (a lease file) on construction, so the
-    writer and ``dbsync status`` see it; ``close()`` removes it."""
+    """Reads versions from ``root``, which must exist (a typo is an error, not a new empty
+    store to wait on forever). Registers itself (a lease file) on construction, so the writer
+    and ``dbsync status`` see it; ``close()`` removes it. On a read-only view it works without
+    a lease (see the module docstring); ``read_only=True`` forces that mode."""
 
     def __init__(
         self,
@@ -159,146 +373,218 @@ class Receiver:
         verify: bool = True,
         poll_interval: float | None = None,
         report_loaded: bool = True,
+        read_only: bool | None = None,
     ):
-        # Creates ROOT and readers/ if missing: a receiver may start before the first push.
-        self.store = Store(root, create=True)
+        self.store = Store(root, create=False)
         self.reader_id = check_reader_id(
-            reader_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            reader_id or f"{host_identity()['host']}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
-        self.lease_timeout = lease_timeout
+        if not (isinstance(lease_timeout, int | float) and 0.5 <= lease_timeout <= 3600):
+            raise DBSyncError("lease_timeout must be between 0.5 and 3600 seconds")
+        self.lease_timeout = float(lease_timeout)
         self.verify = verify
         self.poll_interval = poll_interval
         #: False for helper readers (e.g. a worker staging broadcasts) whose loads must not be
         #: counted as an engine serving the version (``dbsync status``, wait_for_receivers).
         self.report_loaded = report_loaded
         self.loaded_version: int | None = None
+        self.loaded_run_id: str | None = None
         self.loaded_at: float | None = None
-        self._lock = threading.Lock()
-        self._holding: tuple[str, int] | None = None
-        self._beat = 0
-        self._stop_beat = threading.Event()
-        self._beater: threading.Thread | None = None
-        self._open_lock = threading.Lock()
-        self._write_lease()
+        self._heads: dict[int, Head] = {}
+        self._tokens = itertools.count(1)
+        self._keeper = _LeaseKeeper(self.store, self.reader_id, self.lease_timeout,
+                                    report_loaded)
+        self.read_only = self._decide_read_only(read_only)
+        if not self.read_only:
+            self._keeper.write()
+            self._keeper.start()
+        self._finalizer = weakref.finalize(self, self._keeper.close)
 
-    # ---- lease --------------------------------------------------------------------------
-    def _write_lease(self) -> None:
-        with self._lock:
-            self._beat += 1
-            slot, version = self._holding or (None, None)
-            self.store.write_lease(self.reader_id, {
-                "reader_id": self.reader_id,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "state": READING if self._holding else IDLE,
-                "slot": slot,
-                "version": version,
-                "loaded_version": self.loaded_version if self.report_loaded else None,
-                "loaded_at": self.loaded_at if self.report_loaded else None,
-                "beat": self._beat,
-                "updated_at": time.time(),
-            })
-
-    def _heartbeat(self) -> None:
-        while not self._stop_beat.wait(self.lease_timeout / 4):
-            self._write_lease()
-
-    def _acquire(self, slot: str, version: int) -> None:
-        self._holding = (slot, version)
-        self._write_lease()
-        self._stop_beat.clear()
-        self._beater = threading.Thread(target=self._heartbeat, name="dbsync-lease", daemon=True)
-        self._beater.start()
-
-    def _stop_holding(self) -> None:
-        """Stop the heartbeat and mark the lease idle (the slot is free for the writer)."""
-        self._stop_beat.set()
-        if self._beater is not None:
-            self._beater.join()
-            self._beater = None
-        if self._holding is not None:
-            self._holding = None
-            self._write_lease()
-
-    def _release(self) -> None:
-        self._stop_holding()
-        self._open_lock.release()
+    def _decide_read_only(self, forced: bool | None) -> bool:
+        if forced is not None:
+            return forced
+        if not os.path.isdir(self.store.readers_dir):
+            try:  # a store created before its first push by an older writer, or by hand
+                Store(self.store.root, create=True)
+            except (OSError, FormatError):
+                pass
+        if self.store.writable():
+            return False
+        log.info("%s is read-only for this process: reader %s loads without a lease "
+                 "(private verified copies) and cannot acknowledge loads", self.store.root,
+                 self.reader_id)
+        return True
 
     # ---- public -------------------------------------------------------------------------
     def latest_version(self) -> int | None:
-        """The current version per the manifest, without loading anything."""
-        manifest = self.store.read_manifest()
-        return None if manifest is None else manifest.version
+        """The current version per the head, without loading anything (reads a small file)."""
+        head = self.store.read_head()
+        return None if head is None else head.version
 
     def manifest(self) -> Manifest:
         return self.store.require_manifest()
 
-    def open(self) -> Snapshot:
-        """Lease and open the current version. Use ``with receiver.open() as snap:``."""
-        self._open_lock.acquire()
-        try:
-            for _ in range(100):
-                manifest = self.store.require_manifest()
-                self._acquire(manifest.slot, manifest.version)
-                again = self.store.read_manifest()
-                # If the manifest still names our version after our lease is visible, the
-                # writer cannot start on this slot without first seeing the lease.
-                if again is not None and again.version == manifest.version:
-                    snap = Snapshot(self, manifest)
-                    try:
-                        snap.check_unchanged()
-                    except BaseException:
-                        snap._files.clear()
-                        raise
-                    return snap
-                self._stop_holding()
-            raise DBSyncError("the manifest changed 100 times while opening; writer too fast?")
-        except BaseException:
-            self._release()
-            raise
+    def open(self, version: int | None = None) -> Snapshot:
+        """Hold and open the current version (or ``version``, if this receiver opened it
+        before and its slot still holds it). Use ``with receiver.open() as snap:``.
 
-    def load(self, load_weights: LoadWeights, verify: bool | None = None) -> int:
-        """Call ``load_weights(iterable of (name, tensor))`` once, in manifest order, with the
-        latest complete version, after verifying it. Returns that version."""
-        with self.open() as snap:
-            if self.verify if verify is None else verify:
-                snap.verify()
-            load_weights(snap.tensors())
-            snap.check_unchanged()
-            self.mark_loaded(snap.version)
-            return snap.version
+        Raises ``StoreRewoundError`` if the head went backwards within one run (a restored
+        older copy); a new run id is followed (logged) instead."""
+        for _ in range(100):
+            head = self._target_head(version)
+            token = next(self._tokens)
+            leased = not self.read_only and self._keeper.hold(token, head.slot, head.version)
+            try:
+                if version is None and leased:
+                    # If the head still names our version after our lease is visible, the
+                    # writer cannot start on this slot without first seeing the lease.
+                    again = self.store.read_head()
+                    if again is None or (again.run_id, again.version) != (head.run_id,
+                                                                          head.version):
+                        self._keeper.release(token)
+                        continue
+                manifest = self.store.manifest_in_slot(head.slot, head)
+                if manifest is None:
+                    self._keeper.release(token)
+                    if version is not None:
+                        raise self._gone(version)
+                    continue
+                snap = Snapshot(self, manifest, token, leased)
+            except BaseException:
+                self._keeper.release(token)
+                raise
+            try:
+                snap.check_unchanged()
+            except _SlotReused:
+                snap.close()
+                if version is not None:
+                    raise self._gone(version) from None
+                continue
+            except BaseException:
+                snap.close()
+                raise
+            self._heads[head.version] = head
+            return snap
+        raise DBSyncError("the head changed 100 times while opening; is a writer publishing "
+                          "in a tight loop?")
 
-    def mark_loaded(self, version: int) -> None:
+    def _gone(self, version: int) -> DBSyncError:
+        return DBSyncError(f"version {version} is no longer held in {self.store.root} (the "
+                           "writer reused its slot); open the current version instead")
+
+    def _target_head(self, version: int | None) -> Head:
+        if version is not None:
+            head = self._heads.get(version)
+            current = self.store.read_head()
+            if current is not None and current.version == version:
+                head = current
+            if head is None:
+                raise self._gone(version)
+            return head
+        head = self.store.read_head()
+        if head is None:
+            raise NothingPublishedError(
+                f"no version has been published in {self.store.root} yet; push one first "
+                "(dbsync push SRC ROOT, or Sender(ROOT).push(weights))"
+            )
+        if head.run_id == self.loaded_run_id and self.loaded_version is not None and (
+                head.version < self.loaded_version):
+            raise StoreRewoundError(
+                f"{self.store.root} went back from version {self.loaded_version} to "
+                f"{head.version} within run {head.run_id}: its head was restored from an older "
+                "copy. Nothing was loaded. Publish a new version from the trainer (or start a "
+                "new run in a fresh directory)"
+            )
+        if self.loaded_run_id is not None and head.run_id != self.loaded_run_id:
+            log.info("%s holds a new run (%s, version %d; was %s, version %s): following it",
+                     self.store.root, head.run_id, head.version, self.loaded_run_id,
+                     self.loaded_version)
+        return head
+
+    def load(self, target: LoadWeights | Any, verify: bool | None = None,
+             threads: int = 8) -> int:
+        """Apply the latest complete version, after verifying it, and return that version.
+
+        ``target``: a ``load_weights`` callable (called once with an iterable of (name,
+        tensor) in manifest order), or a plain ``nn.Module`` / dict of tensors (copied into
+        in place, in ``threads`` parallel threads, names and shapes checked first)."""
+        verify = self.verify if verify is None else verify
+        for attempt in range(_LEASELESS_RETRIES):
+            with self.open() as snap:
+                try:
+                    if verify or not snap.leased:
+                        snap.verify()
+                except _SlotReused:
+                    if attempt + 1 < _LEASELESS_RETRIES:
+                        log.info("version %d was replaced while %s read it without a lease; "
+                                 "reading again", snap.version, self.reader_id)
+                        continue
+                    raise
+                if callable(target) and not _is_tensor_container(target):
+                    target(snap.tensors())
+                else:
+                    snap.copy_into(target, threads=threads)
+                snap.check_unchanged()
+                self.mark_loaded(snap.version, snap.run_id)
+                return snap.version
+        raise AssertionError("unreachable")
+
+    def mark_loaded(self, version: int, run_id: str | None = None) -> None:
         """Record that ``version`` is now applied (shown by ``dbsync status``, counted by
-        ``Sender.wait_for_receivers``)."""
+        ``Sender.wait_for_receivers``). Clears an earlier refusal of an older version."""
+        head = self._heads.get(version)
         self.loaded_version = version
+        self.loaded_run_id = run_id or (head.run_id if head is not None else None)
         self.loaded_at = time.time()
-        self._write_lease()
+        self._keeper.loaded = {"version": version, "run_id": self.loaded_run_id,
+                               "at": self.loaded_at}
+        if self._keeper.refused and self._keeper.refused.get("version", 0) <= version:
+            self._keeper.refused = None
+        if not self.read_only:
+            self._keeper.write()
+
+    def report_refusal(self, version: int, reason: str) -> None:
+        """Record that ``version`` was refused or failed to apply, so the trainer sees it
+        (``dbsync push --wait-for`` and ``wait_for_receivers`` fail fast naming this reader)."""
+        self._keeper.refused = {"version": version, "reason": str(reason)[:2000],
+                                "at": time.time()}
+        if not self.read_only:
+            self._keeper.write()
 
     def wait(self, newer_than: int | None = None, timeout: float | None = None) -> int | None:
         """Block until a version newer than ``newer_than`` (default: the loaded one) is
-        published; return it, or None on timeout. Uses the store's watcher (inotify or
-        polling, chosen from the mount type)."""
+        published, or a new run starts; return its version, or None on timeout. Uses the
+        store's watcher (inotify or polling, chosen from the mount type)."""
         from .watch import Watcher
 
         floor = self.loaded_version if newer_than is None else newer_than
         floor = 0 if floor is None else floor
+        run = self.loaded_run_id
+        if run is None:
+            head = self._read_head_quietly()
+            run = None if head is None else head.run_id
         event = threading.Event()
-        found: list[int] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with Watcher(self.store.root, lambda _v: event.set(), poll_interval=self.poll_interval,
+                     skip_current=True):
+            while True:
+                head = self._read_head_quietly()
+                if head is not None and (head.version > floor or (
+                        run is not None and head.run_id != run)):
+                    return head.version
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                # the watcher wakes us; the bound is only a safety net (no spinning)
+                event.wait(5.0 if remaining is None else min(remaining, 5.0))
+                event.clear()
 
-        def on_version(v: int) -> None:
-            if v > floor:
-                found.append(v)
-                event.set()
-
-        with Watcher(self.store.root, on_version, poll_interval=self.poll_interval) as _:
-            current = self.latest_version()
-            if current is not None and current > floor:
-                return current
-            if not event.wait(timeout):
-                current = self.latest_version()
-                return current if current is not None and current > floor else None
-        return max(found)
+    def _read_head_quietly(self) -> Head | None:
+        try:
+            return self.store.read_head()
+        except (DBSyncError, OSError) as exc:
+            log.debug("cannot read the head of %s: %s", self.store.root, exc)
+            return None
 
     def watch(self, callback: Callable[[int], Any], **kwargs: Any) -> Any:
         """Start a background watcher calling ``callback(version)`` on each new version
@@ -311,10 +597,18 @@ class Receiver:
         return watcher
 
     def close(self) -> None:
-        self.store.remove_lease(self.reader_id)
+        """Stop the heartbeat and remove the lease. Safe to call more than once."""
+        self._finalizer()
 
     def __enter__(self) -> Receiver:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_tensor_container(target: Any) -> bool:
+    import torch
+
+    return isinstance(target, torch.nn.Module | Mapping)
+

@@ -1,24 +1,31 @@
 """Sender: publish complete versions of a set of weights into a store.
 
 push = collect and validate -> snapshot (when needed) -> wait until the free slot has no live
-reader -> stamp the slot "writing" -> parallel buffered writes into preallocated files ->
-fsync -> tensordict meta + slot stamp -> the flip (atomic manifest replace).
+reader -> check free space -> stamp the slot "writing" -> parallel buffered writes into
+preallocated shard files -> fsync -> index + slot stamp -> the flip (atomic head replace).
 
 Guarantees (docs/FORMAT.md, each with a test): a push that fails or is killed at any point
-leaves the previous version current and intact; the slot the manifest points to is never
-written; versions increase by one per push, continuing after a writer restart.
+leaves the previous version current and intact; a push that fails removes what it wrote (a
+full disk stays as usable as before the push); the slot the head points to is never written;
+versions increase by one per push, continuing after a writer restart, within one run id.
 
-Hazards: one push runs at a time; a second ``push`` waits for the one before it. With
-``durable=False`` (meant for same-host ``/dev/shm``), a power loss may leave the current
-version pointing at incomplete data.
+Hazards: one push runs at a time; a second ``push`` waits for the snapshot buffer that the push
+before the previous one used. With ``durable=False`` (meant for same-host ``/dev/shm``), a
+power loss may leave the current version pointing at incomplete data. A Sender holds the
+store's writer lock until ``close()``; one dropped without ``close()`` releases it when it is
+garbage-collected (in CPython, as soon as the last reference goes).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import socket
 import threading
 import time
+import uuid
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,13 +33,47 @@ from typing import Any
 import torch
 
 from . import fileio, sources
-from .errors import DBSyncError
-from .format import FILE_SUFFIX, SLOTS, Manifest, TensorEntry, dtype_name, file_stems_for
+from .errors import (
+    DBSyncError,
+    FormatError,
+    StalenessError,
+    StoreFullError,
+    UnsupportedFormatError,
+)
+from .format import (
+    INDEX_FILE,
+    SLOTS,
+    Head,
+    Index,
+    TensorEntry,
+    dtype_name,
+    plan_shards,
+    shard_file,
+)
 from .leases import DEFAULT_LEASE_TIMEOUT, LeaseMonitor
-from .status import wait_for_receivers
+from .status import loaded_versions, wait_for_receivers
 from .store import WRITING, Store
 
+log = logging.getLogger(__name__)
+
 Progress = Callable[[int, int], None]
+#: ``push`` accepts: an ``nn.Module``, a mapping of names to tensors, a ``TensorDict``, or a
+#: path (``.safetensors`` file, checkpoint directory, ``.pt``/``.bin`` state dict, tensordict
+#: memmap directory).
+Weights = Any
+
+
+class PushInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a blocking ``push``. ``published_version`` is the version that was
+    published anyway (the flip had already happened), or None: nothing was published."""
+
+    def __init__(self, published_version: int | None):
+        super().__init__()
+        self.published_version = published_version
+
+
+class _Aborted(DBSyncError):
+    pass
 
 
 class _HostBuffer:
@@ -41,6 +82,8 @@ class _HostBuffer:
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
+        #: the publish that reads this buffer (reuse waits for it)
+        self.user: Future[int] | None = None
 
     def snapshot(self, pairs: sources.Pairs, dtype: torch.dtype | None) -> sources.Pairs:
         """Copy into the buffer, converting floating tensors to ``dtype`` during the copy (no
@@ -50,6 +93,7 @@ class _HostBuffer:
         total = sum(fileio.aligned(n) for n in sizes)
         if self._buf is None or self._buf.numel() < total:
             pin = torch.cuda.is_available()
+            self._buf = None
             self._buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
         out: sources.Pairs = []
         offset = 0
@@ -65,14 +109,26 @@ class _HostBuffer:
         return out
 
 
+def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor]) -> None:
+    """Finalizer shared by ``close()`` and garbage collection (holds no Sender reference)."""
+    for pool in pools:
+        pool.shutdown(wait=True)
+    fd = lock_fd[0]
+    if fd is not None:
+        lock_fd[0] = None
+        Store.unlock_writer(fd)
+
+
 class Sender:
     """Publishes versions into ``root``. One Sender per store (it takes the writer lock).
 
     ``num_threads``: parallel writers. ``dtype``: convert floating tensors (e.g.
     ``torch.bfloat16``). ``strategy``: how an ``nn.Module`` becomes names ("state_dict" or
     "tensordict"). ``durable``: fsync data and directories before the flip (default; turn off
-    only for ``/dev/shm``). ``lease_timeout``: how long a reader that stopped heart-beating may
-    keep a slot."""
+    only for ``/dev/shm``). ``lease_timeout``: how long a reader that stopped heart-beating and
+    states no timeout of its own may keep a slot. ``max_lag``: a push waits (up to
+    ``max_lag_timeout`` seconds, then raises ``StalenessError``) while any live receiver that
+    reports loads is more than ``max_lag`` versions behind the current version."""
 
     def __init__(
         self,
@@ -82,6 +138,8 @@ class Sender:
         strategy: str = "state_dict",
         durable: bool = True,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        max_lag: int | None = None,
+        max_lag_timeout: float | None = None,
     ):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise DBSyncError(f"dtype= must be a floating torch dtype, not {dtype!r}")
@@ -89,120 +147,253 @@ class Sender:
             raise DBSyncError(f"strategy must be one of {sources.STRATEGIES}, not {strategy!r}")
         if num_threads < 1:
             raise DBSyncError("num_threads must be at least 1")
+        if max_lag is not None and max_lag < 0:
+            raise DBSyncError("max_lag must be >= 0 (or None for no bound)")
         self.store = Store(root, create=True)
         self.dtype = dtype
         self.strategy = strategy
         self.durable = durable
-        self._lock_fd: int | None = self.store.lock_writer()
-        self.store.remove_temp_files()
-        self._leases = LeaseMonitor(self.store, lease_timeout)
+        self.max_lag = max_lag
+        self.max_lag_timeout = max_lag_timeout
+        self._lock_fd: list[int | None] = [self.store.lock_writer()]
         self._io = ThreadPoolExecutor(num_threads, thread_name_prefix="dbsync-write")
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dbsync-publish")
-        self._staging = _HostBuffer()
-        self._pending: Future[int] | None = None
+        self._finalizer = weakref.finalize(self, _release, self._lock_fd,
+                                           [self._publisher, self._io])
+        self.store.remove_temp_files()
+        self._leases = LeaseMonitor(self.store, lease_timeout)
+        self._buffers = (_HostBuffer(), _HostBuffer())
+        self._next_buffer = 0
         self._push_lock = threading.Lock()
+        self._abort = threading.Event()
+        self._run_id, self._version, self._slot = self._continue_from_store()
+        #: the error of the last push that failed (background pushes included), else None
+        self.last_error: BaseException | None = None
         self.last_push_seconds: dict[str, float] = {}
+
+    def _continue_from_store(self) -> tuple[str, int, str | None]:
+        """(run id, current version, current slot) to continue from."""
+        try:
+            head = self.store.read_head()
+        except FormatError as exc:
+            if not isinstance(exc, UnsupportedFormatError):
+                log.warning("the head of %s is unreadable (%s); the next push starts a new run "
+                            "at version 1", self.store.root, exc)
+                return uuid.uuid4().hex, 0, None
+            raw = self.store.read_raw_head_json() or {}
+            version = raw.get("version") if isinstance(raw.get("version"), int) else 0
+            slot = raw.get("slot") if raw.get("slot") in SLOTS else None
+            log.info("%s holds format %s; the next push rewrites it in this format and "
+                     "continues from version %d", self.store.root, raw.get("format_version"),
+                     version)
+            return uuid.uuid4().hex, version, slot
+        if head is None:
+            return uuid.uuid4().hex, 0, None
+        return head.run_id, head.version, head.slot
 
     @property
     def root(self) -> str:
         return self.store.root
 
-    def latest_version(self) -> int | None:
-        manifest = self.store.read_manifest()
-        return None if manifest is None else manifest.version
+    @property
+    def run_id(self) -> str:
+        """Identity of this store's run: readers follow a new run instead of ignoring it."""
+        return self._run_id
 
-    def push(self, weights: Any, blocking: bool = True,
+    def latest_version(self) -> int | None:
+        head = self.store.read_head()
+        return None if head is None else head.version
+
+    def push(self, weights: Weights, blocking: bool = True,
              progress: Progress | None = None) -> Any:
         """Publish ``weights`` as the next version.
 
-        ``blocking=True`` returns the new version once it is published (durable and flipped).
+        ``blocking=True`` returns the new version (an int) once it is published (durable and
+        flipped); Ctrl-C meanwhile raises ``PushInterrupted`` saying whether it was published.
         ``blocking=False`` returns a ``Future[int]`` as soon as the weights are snapshotted to
         host memory; the caller may then modify them. Errors in the background surface from
-        ``future.result()``. ``progress(bytes_done, bytes_total)`` is called from writer
-        threads."""
-        if self._lock_fd is None:
+        ``future.result()``, in ``last_error`` and in the log. ``progress(bytes_done,
+        bytes_total)`` is called from writer threads."""
+        if self._lock_fd[0] is None:
             raise DBSyncError("this Sender is closed; create a new one")
         with self._push_lock:
             pairs = sources.collect(weights, self.strategy)  # dtype is applied below
-            if self._pending is not None:
-                # The staging buffer may still be in use by the previous push: wait for it.
-                # Its error (if any) belongs to its own future, not to this push.
-                try:
-                    self._pending.result()
-                except BaseException:  # noqa: BLE001
-                    pass
             needs_copy = not blocking or any(t.device.type != "cpu" for _, t in pairs)
             if needs_copy:
-                pairs = self._staging.snapshot(pairs, self.dtype)
+                buffer = self._buffers[self._next_buffer]
+                self._next_buffer ^= 1
+                if buffer.user is not None:
+                    # The push before the previous one may still read this buffer. Its error
+                    # (if any) belongs to its own future, and was logged.
+                    buffer.user.exception()
+                pairs = buffer.snapshot(pairs, self.dtype)
             else:
-                pairs = [(n, t.detach().to(sources.target_dtype(t, self.dtype)).contiguous())
+                buffer = None
+                pairs = [(n, sources.materialize(t, sources.target_dtype(t, self.dtype)))
                          for n, t in pairs]
+            self._abort.clear()
             future = self._publisher.submit(self._publish, pairs, progress)
-            self._pending = future
-        return future.result() if blocking else future
+            future.add_done_callback(self._on_done if not blocking else self._on_done_quietly)
+            if buffer is not None:
+                buffer.user = future
+        if not blocking:
+            return future
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            self._abort.set()
+            exc = future.exception()
+            raise PushInterrupted(None if exc is not None else future.result()) from None
+
+    def _on_done_quietly(self, future: Future[int]) -> None:
+        """A blocking push: its caller gets the error; just remember it."""
+        exc = future.exception()
+        self.last_error = None if isinstance(exc, _Aborted) else exc
+
+    def _on_done(self, future: Future[int]) -> None:
+        """A background push: nobody may ever read its future, so its failure is logged."""
+        self._on_done_quietly(future)
+        if self.last_error is not None:
+            log.error("background push into %s failed: %s", self.store.root, self.last_error)
+
+    def _wait_for_lag(self) -> float:
+        if self.max_lag is None or self._version == 0:
+            return 0.0
+        start = time.monotonic()
+        interval = 0.02
+        while True:
+            live, _ = self._leases.scan()
+            behind = {r: self._version - v for r, v in loaded_versions(live).items()
+                      if self._version - v > self.max_lag}
+            if not behind:
+                return time.monotonic() - start
+            waited = time.monotonic() - start
+            if self.max_lag_timeout is not None and waited >= self.max_lag_timeout:
+                listing = ", ".join(f"{r} ({n} behind)" for r, n in sorted(behind.items()))
+                raise StalenessError(
+                    f"max_lag={self.max_lag}: after {waited:.1f} s, receiver(s) {listing} are "
+                    f"still more than {self.max_lag} version(s) behind version {self._version};"
+                    " nothing was published. See `dbsync status ROOT`"
+                )
+            time.sleep(interval)
+            interval = min(interval * 1.5, 0.25)
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None) -> int:
         t0 = time.perf_counter()
-        current = self.store.read_manifest()
-        version = 1 if current is None else current.version + 1
-        slot = SLOTS[0] if current is None else SLOTS[1 - SLOTS.index(current.slot)]
+        lagged = self._wait_for_lag()
+        version = self._version + 1
+        slot = SLOTS[0] if self._slot is None else SLOTS[1 - SLOTS.index(self._slot)]
         waited = self._leases.wait_until_free(slot)
         t1 = time.perf_counter()
 
-        names = [n for n, _ in pairs]
-        files = [stem + FILE_SUFFIX for stem in file_stems_for(names)]
+        sizes = [t.numel() * t.element_size() for _, t in pairs]
+        places, shard_sizes = plan_shards(sizes)
+        self._check_space(slot, shard_sizes)
         # From here on the slot is not a complete version: say so before touching its data.
-        # (Not fsynced: after a power loss the manifest still names the other slot, and this
+        # (Not fsynced: after a power loss the head still names the other slot, and this
         # stamp only matters to live readers, which see it through the page cache or, on
         # NFS, at their next open.)
-        self.store.write_stamp(slot, WRITING, durable=False)
-        writes = [fileio.FileWrite(self.store.tensor_path(slot, f), fileio.tensor_bytes(t))
-                  for f, (_, t) in zip(files, pairs, strict=True)]
+        self.store.write_stamp(slot, WRITING, None, durable=False)
+        try:
+            checksums = self._write(slot, pairs, places, shard_sizes, progress)
+            t2 = time.perf_counter()
+            entries = tuple(
+                TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), size, shard, offset, c)
+                for (name, t), size, (shard, offset), c in zip(pairs, sizes, places, checksums,
+                                                                strict=True)
+            )
+            index = Index(self._run_id, version, entries, tuple(shard_sizes)).dumps()
+            keep = {INDEX_FILE, *(shard_file(i) for i in range(len(shard_sizes)))}
+            self.store.remove_slot_files(slot, keep)
+            self.store.write_index(slot, index, durable=self.durable)
+            self.store.write_stamp(slot, version, self._run_id, durable=self.durable,
+                                   sync_dir=False)
+            if self.durable:
+                self.store.sync_slot(slot)  # one directory fsync for the unlinks and replaces
+            if self._abort.is_set():
+                raise _Aborted("push interrupted before the flip; nothing was published")
+        except BaseException as exc:
+            self._free_slot(slot)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(
+                    f"no space left on the filesystem of {self.store.root} while writing version "
+                    f"{version} ({sum(sizes)} bytes); nothing was published and the partial "
+                    "files were removed. Free space there, then push again"
+                ) from exc
+            raise
+        head = Head(
+            run_id=self._run_id, version=version, slot=slot,
+            index_checksum=fileio.checksum(index), index_nbytes=len(index),
+            created_at=time.time(), durable=self.durable, tensor_count=len(entries),
+            total_bytes=sum(sizes), writer={"host": socket.gethostname(), "pid": os.getpid()},
+        )
+        self.store.publish_head(head, durable=self.durable)
+        self._version, self._slot = version, slot
+        t3 = time.perf_counter()
+        self.last_push_seconds = {"wait_for_lag": lagged, "wait_for_readers": waited,
+                                  "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}
+        return version
+
+    def _check_space(self, slot: str, shard_sizes: list[int]) -> None:
+        """Refuse before writing anything if the new shards cannot fit (files reused in place
+        count with their current size)."""
+        try:
+            have = self.store.slot_file_sizes(slot)
+            free = self.store.free_bytes()
+        except OSError:
+            return  # cannot tell here: the writes themselves will say
+        need = sum(max(0, size - have.get(shard_file(i), 0)) for i, size in
+                   enumerate(shard_sizes))
+        reclaim = sum(n for name, n in have.items() if name.startswith("shard-") and name not in
+                      {shard_file(i) for i in range(len(shard_sizes))})
+        if need > free + reclaim:
+            raise StoreFullError(
+                f"version {self._version + 1} needs {need} more bytes in {self.store.root} but "
+                f"its filesystem has {free} free; nothing was written. Free space there (or "
+                "publish in a smaller dtype), then push again"
+            )
+
+    def _free_slot(self, slot: str) -> None:
+        try:
+            freed = self.store.remove_slot_files(slot)
+            log.info("push into %s failed: removed %d bytes of partial files from slot %s",
+                     self.store.root, freed, slot)
+        except OSError as exc:
+            log.warning("push into %s failed and its partial files in slot %s could not be "
+                        "removed: %s", self.store.root, slot, exc)
+
+    def _write(self, slot: str, pairs: sources.Pairs, places: list[tuple[int, int]],
+               shard_sizes: list[int], progress: Progress | None) -> list[str]:
+        placed = [fileio.Placed(fileio.tensor_bytes(t), shard, offset)
+                  for (_, t), (shard, offset) in zip(pairs, places, strict=True)]
         on_bytes = None
         if progress is not None:
-            total, done, lock = sum(len(w.data) for w in writes), [0], threading.Lock()
+            total, done, lock = sum(len(p.data) for p in placed), [0], threading.Lock()
 
             def on_bytes(n: int) -> None:
                 with lock:
                     done[0] += n
                     progress(done[0], total)
 
-        checksums = fileio.write_files(writes, self._io, self.durable, on_bytes)
-        t2 = time.perf_counter()
-        entries = tuple(
-            TensorEntry(name, f, dtype_name(t.dtype), tuple(t.shape),
-                        t.numel() * t.element_size(), c)
-            for (name, t), f, c in zip(pairs, files, checksums, strict=True)
-        )
-        manifest = Manifest(
-            version=version, slot=slot, tensors=entries, created_at=time.time(),
-            durable=self.durable, writer={"host": socket.gethostname(), "pid": os.getpid()},
-        )
-        self.store.remove_unlisted_files(slot, set(files))
-        self.store.write_tensordict_meta(manifest, durable=self.durable, sync_dir=False)
-        self.store.write_stamp(slot, version, durable=self.durable, sync_dir=False)
-        if self.durable:
-            self.store.sync_slot(slot)  # one directory fsync for the unlinks and both replaces
-        self.store.publish_manifest(manifest, durable=self.durable)
-        t3 = time.perf_counter()
-        self.last_push_seconds = {"wait_for_readers": waited,
-                                  "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}
-        return version
+        fds: list[int] = []
+        try:
+            for i, size in enumerate(shard_sizes):
+                fds.append(self.store.open_shard_for_write(slot, i, size))
+            return fileio.write_shards(fds, placed, self._io, self.durable, on_bytes)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def wait_for_receivers(self, version: int, count: int, timeout: float | None = None
                            ) -> bool:
         """Wait until at least ``count`` receivers report ``version`` (or newer) loaded;
-        False on timeout."""
+        False on timeout. Raises ``ReceiverRefusedError`` at once if a receiver refused or
+        failed to apply it."""
         return wait_for_receivers(self.store, version, count, timeout)
 
     def close(self) -> None:
         """Finish the pending push (its errors stay in its future), release the writer lock."""
-        if self._lock_fd is None:
-            return
-        self._publisher.shutdown(wait=True)
-        self._io.shutdown(wait=True)
-        self.store.unlock_writer(self._lock_fd)
-        self._lock_fd = None
+        self._finalizer()
 
     def __enter__(self) -> Sender:
         return self

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .errors import InvalidWeightsError
-from .format import is_supported_dtype
+from .format import describe_name, is_supported_dtype, name_problem
 
 Pairs = list[tuple[str, torch.Tensor]]
 
@@ -35,7 +35,8 @@ def collect(weights: Any, strategy: str = "state_dict", dtype: torch.dtype | Non
         raise InvalidWeightsError(f"dtype= must be a floating torch dtype, not {dtype!r}")
     pairs = _pairs_of(weights, strategy)
     _validate(pairs)
-    return pairs if dtype is None else [(n, t.to(target_dtype(t, dtype))) for n, t in pairs]
+    return pairs if dtype is None else [(n, materialize(t, target_dtype(t, dtype)))
+                                        for n, t in pairs]
 
 
 def target_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -77,15 +78,20 @@ def _is_leaf(cls: type) -> bool:
     return not issubclass(cls, TensorDictBase)
 
 
+def materialize(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A plain contiguous tensor of ``dtype`` with the values ``tensor`` shows: conjugate and
+    negative views are resolved (the same values on both push paths)."""
+    return tensor.detach().resolve_conj().resolve_neg().to(dtype).contiguous()
+
+
 def _validate(pairs: list[tuple[Any, Any]]) -> None:
     problems: list[str] = []
     seen: set[str] = set()
     for name, value in pairs:
-        label = repr(name)
-        if not isinstance(name, str) or not name:
-            problems.append(f"{label}: names must be non-empty strings")
-        elif "\x00" in name:
-            problems.append(f"{label}: names may not contain NUL")
+        label = describe_name(name)
+        bad = name_problem(name)
+        if bad:
+            problems.append(f"{label}: {bad}")
         elif name in seen:
             problems.append(f"{label}: appears twice")
         if isinstance(name, str):
@@ -187,30 +193,93 @@ def _load_torch_file(path: str) -> Pairs:
 
 
 def _load_tensordict_dir(path: str) -> Pairs:
-    """Read a tensordict memmap directory through its meta.json, checking every file exists
-    and has the right size (tensordict's own loader silently skips missing files)."""
-    from tensordict import TensorDict
-
-    problems = []
-    for dirpath, _dirs, files in os.walk(path):
-        if "meta.json" not in files:
-            continue
-        try:
-            with open(os.path.join(dirpath, "meta.json"), encoding="utf-8") as f:
-                meta = json.load(f)
-        except ValueError as exc:
-            raise InvalidWeightsError(f"{dirpath}/meta.json is not valid JSON ({exc})") from None
-        # tensordict writes each leaf as a top-level entry carrying a "dtype"
-        leaves = [k for k, v in meta.items() if isinstance(v, dict) and "dtype" in v]
-        for key in leaves:
-            if not os.path.isfile(os.path.join(dirpath, f"{key}.memmap")):
-                problems.append(os.path.join(dirpath, f"{key}.memmap"))
+    """Read a tensordict memmap directory through its ``meta.json`` files without tensordict's
+    loader: nothing is ever unpickled (a non-tensor entry is refused, naming it), every file
+    must exist and hold exactly the bytes its metadata promises, and tensors are mapped
+    copy-on-write (the source is never modified)."""
+    problems: list[str] = []
+    pairs: Pairs = []
+    _read_tensordict_level(path, "", pairs, problems, depth=0)
     if problems:
         raise InvalidWeightsError(
-            "tensordict directory is incomplete; missing: " + ", ".join(problems)
+            f"{path} cannot be published as a tensordict memmap directory; nothing was "
+            "written:\n  " + "\n  ".join(problems)
         )
+    return pairs
+
+
+def _read_tensordict_level(directory: str, prefix: str, pairs: Pairs, problems: list[str],
+                           depth: int) -> None:
+    meta_path = os.path.join(directory, "meta.json")
+    if depth > 32:
+        problems.append(f"{directory}: nested more than 32 levels deep")
+        return
     try:
-        td = TensorDict.load_memmap(path)
-    except Exception as exc:
-        raise InvalidWeightsError(f"{path} is not a loadable tensordict memmap ({exc})") from None
-    return _tensordict_pairs(td)
+        with open(meta_path, "rb") as f:
+            raw = f.read(64 << 20)
+        meta = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        problems.append(f"{meta_path} is not readable JSON ({type(exc).__name__}: {exc})")
+        return
+    if not isinstance(meta, dict):
+        problems.append(f"{meta_path} is not a JSON object")
+        return
+    if meta.get("_is_non_tensor") or "NonTensor" in str(meta.get("_type", "")):
+        problems.append(f"{prefix.rstrip('.') or directory}: a non-tensor entry (tensordict "
+                        "stores it with pickle, and dbsync never unpickles); drop it from "
+                        "the tensordict before saving")
+        return
+    entries = meta.get("leaves") if isinstance(meta.get("leaves"), dict) else meta
+    for key, value in entries.items():
+        if key in _TD_META_KEYS or not isinstance(value, dict):
+            continue
+        name = prefix + key
+        if "dtype" in value:
+            pairs_or_problem = _tensordict_leaf(directory, key, name, value)
+            if isinstance(pairs_or_problem, str):
+                problems.append(pairs_or_problem)
+            else:
+                pairs.append(pairs_or_problem)
+        elif value.get("type") == "TensorDict" or "TensorDict" in str(value.get("_type", "")):
+            sub = os.path.join(directory, key)
+            if not os.path.isfile(os.path.join(sub, "meta.json")):
+                problems.append(f"{name}: nested tensordict {sub} has no meta.json")
+                continue
+            _read_tensordict_level(sub, name + ".", pairs, problems, depth + 1)
+        else:
+            problems.append(f"{name}: a {value.get('type') or value.get('_type') or 'non-tensor'}"
+                            " entry (stored with pickle or not a tensor); dbsync never "
+                            "unpickles: drop it from the tensordict before saving")
+
+
+_TD_META_KEYS = {"shape", "device", "_type", "_format_version", "_class", "names",
+                 "batch_size", "_non_tensor", "leaves", "is_nested", "meta", "_metadata"}
+
+
+def _tensordict_leaf(directory: str, key: str, name: str, value: dict[str, Any]
+                     ) -> tuple[str, torch.Tensor] | str:
+    dtype_text, shape = value.get("dtype"), value.get("shape")
+    dtype = getattr(torch, str(dtype_text).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        return f"{name}: unknown dtype {str(dtype_text)[:40]!r}"
+    if not (isinstance(shape, list) and all(isinstance(d, int) and 0 <= d < 2**62
+                                            for d in shape)):
+        return f"{name}: shape {str(shape)[:60]} is not a list of non-negative integers"
+    if value.get("is_nested"):
+        return f"{name}: nested (jagged) tensors cannot be published"
+    file = os.path.join(directory, f"{key}.memmap")
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * dtype.itemsize
+    try:
+        size = os.stat(file).st_size
+    except FileNotFoundError:
+        return f"{name}: {file} is missing"
+    if size != nbytes:
+        return (f"{name}: {file} holds {size} bytes but its metadata says {nbytes} "
+                f"({dtype_text} {shape}); the directory is truncated or damaged")
+    if numel == 0:
+        return name, torch.empty(shape, dtype=dtype)
+    flat = torch.from_file(file, shared=False, size=nbytes, dtype=torch.uint8)
+    return name, flat.view(dtype).reshape(shape)

@@ -1,67 +1,137 @@
 """What a store holds and who reads it: the data behind ``dbsync status`` and
-``Sender.wait_for_receivers``."""
+``Sender.wait_for_receivers``. Imports no torch.
+
+Receivers on a read-only view of the store cannot write leases: they are invisible here, and
+``wait_for_receivers`` cannot count them (it says so when it times out).
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from .errors import DBSyncError, ReceiverRefusedError
+from .leases import DEFAULT_LEASE_TIMEOUT, READING, held_slots, lease_timeout_of
 from .store import Store
+
+LIVE, IDLE, DEAD, REFUSED = "live", "idle", "dead", "refused"
+
+
+def loaded_versions(leases: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """reader id -> loaded version, for leases that report loads."""
+    return {r: lease["loaded_version"] for r, lease in leases.items()
+            if isinstance(lease.get("loaded_version"), int)
+            and not isinstance(lease.get("loaded_version"), bool)}
+
+
+def refusal_of(lease: dict[str, Any]) -> tuple[int, str] | None:
+    """(version, reason) of the receiver's latest refusal or failed apply, if any."""
+    refused = lease.get("refused")
+    if not isinstance(refused, dict) or not isinstance(refused.get("version"), int):
+        return None
+    return refused["version"], str(refused.get("reason", ""))[:2000]
+
+
+def state_of(lease: dict[str, Any], now: float | None = None) -> str:
+    """live (holding a slot), idle, refused, or dead (not refreshed for longer than its own
+    lease timeout: judged by wall clocks, so only for display; the writer never uses this)."""
+    now = time.time() if now is None else now
+    updated = lease.get("updated_at")
+    if isinstance(updated, int | float) and now - updated > 2 * lease_timeout_of(
+            lease, DEFAULT_LEASE_TIMEOUT):
+        return DEAD
+    refused = refusal_of(lease)
+    loaded = lease.get("loaded_version")
+    if refused is not None and not (isinstance(loaded, int) and loaded >= refused[0]):
+        return REFUSED
+    return LIVE if held_slots(lease) or lease.get("state") == READING else IDLE
 
 
 def receivers(store: Store) -> list[dict[str, Any]]:
-    """One record per registered receiver, with its lag (versions behind the current one)."""
-    manifest = store.read_manifest()
-    current = None if manifest is None else manifest.version
+    """One record per registered receiver: host, loaded version, lag, last seen, state."""
+    head = _head_or_none(store)
+    current = None if head is None else head.version
     out = []
     now = time.time()
     for reader_id, lease in sorted(store.read_leases().items()):
         loaded = lease.get("loaded_version")
+        refused = refusal_of(lease)
+        updated = lease.get("updated_at")
         out.append({
             "id": reader_id,
             "host": lease.get("host"),
             "pid": lease.get("pid"),
-            "state": lease.get("state"),
+            "state": state_of(lease, now),
             "version": loaded,
+            "run_id": lease.get("loaded_run_id"),
             "lag": None if current is None or not isinstance(loaded, int) else current - loaded,
-            "last_seen": lease.get("updated_at"),
-            "seconds_since_seen": (now - lease["updated_at"])
-            if isinstance(lease.get("updated_at"), int | float) else None,
+            "last_seen": updated,
+            "seconds_since_seen": (now - updated) if isinstance(updated, int | float) else None,
+            "refused": None if refused is None else {"version": refused[0],
+                                                     "reason": refused[1]},
+            "lease_timeout": lease.get("lease_timeout"),
         })
     return out
 
 
+def _head_or_none(store: Store) -> Any:
+    try:
+        return store.read_head()
+    except DBSyncError:
+        return None
+
+
 def receivers_at(store: Store, version: int) -> list[str]:
     """Ids of receivers that report ``version`` or newer loaded (reads only the leases)."""
-    return sorted(reader_id for reader_id, lease in store.read_leases().items()
-                  if isinstance(lease.get("loaded_version"), int)
-                  and lease["loaded_version"] >= version)
+    return sorted(r for r, v in loaded_versions(store.read_leases()).items() if v >= version)
 
 
 def wait_for_receivers(store: Store, version: int, count: int, timeout: float | None = None,
                        interval: float = 0.1) -> bool:
     """Wait until at least ``count`` receivers report ``version`` (or newer) loaded. Returns
-    False on timeout. Needs no writer lock: any process may wait."""
+    False on timeout. Raises ``ReceiverRefusedError`` as soon as a receiver reports that it
+    refused or failed to apply ``version`` (or newer), naming it and the reason. Needs no
+    writer lock: any process may wait."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while len(receivers_at(store, version)) < count:
+    while True:
+        leases = store.read_leases()
+        loaded = loaded_versions(leases)
+        if sum(1 for v in loaded.values() if v >= version) >= count:
+            return True
+        refusals = {}
+        for r, lease in leases.items():
+            refused = refusal_of(lease)
+            if refused is not None and refused[0] >= version and loaded.get(r, 0) < refused[0]:
+                refusals[r] = f"version {refused[0]}: {refused[1]}"
+        if refusals:
+            listing = "; ".join(f"{r} refused {why}" for r, why in sorted(refusals.items()))
+            raise ReceiverRefusedError(
+                f"{len(refusals)} receiver(s) did not apply version {version}: {listing}",
+                refusals,
+            )
         if deadline is not None and time.monotonic() >= deadline:
             return False
         time.sleep(interval)
-    return True
 
 
 def store_status(store: Store) -> dict[str, Any]:
-    manifest = store.read_manifest()
-    if manifest is None:
-        return {"root": store.root, "version": None, "receivers": receivers(store)}
+    head = store.read_head()
+    writable = store.writable()
+    base = {"root": store.root, "receivers": receivers(store), "leases_writable": writable}
+    if not writable:
+        base["note"] = ("this view of the store is read-only: receivers reading through "
+                        "read-only views cannot register and are not listed")
+    if head is None:
+        return {**base, "version": None}
     return {
-        "root": store.root,
-        "version": manifest.version,
-        "slot": manifest.slot,
-        "tensors": len(manifest.tensors),
-        "bytes": manifest.total_bytes,
-        "published_at": manifest.created_at,
-        "durable": manifest.durable,
-        "writer": manifest.writer,
-        "receivers": receivers(store),
+        **base,
+        "version": head.version,
+        "run_id": head.run_id,
+        "kind": head.kind,
+        "slot": head.slot,
+        "tensors": head.tensor_count,
+        "bytes": head.total_bytes,
+        "published_at": head.created_at,
+        "durable": head.durable,
+        "writer": head.writer,
     }

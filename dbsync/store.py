@@ -1,61 +1,167 @@
-"""Store: the only code that knows where files live under a dbsync root.
+"""Store: the only code that knows where files live under a dbsync root, and the one place
+that opens them.
 
-    ROOT/dbsync.json                 the manifest: which version is current and where it lives
-    ROOT/slots/{a,b}/                two reusable slots, each a tensordict memmap directory
+    ROOT/dbsync.json                 the head: which version is current, of which run, where
+    ROOT/slots/{a,b}/index.json      the tensors of the version a slot holds (apply order)
+    ROOT/slots/X/shard-NNNNN.bin     the tensors' bytes, packed, each at an aligned offset
     ROOT/slots/X/dbsync-slot.json    the slot stamp: which version the slot holds (or "writing")
     ROOT/readers/<reader_id>.json    one lease file per receiver
     ROOT/writer.lock                 flock'ed by the single writer
 
+Every file below ROOT is opened through ``_open_at``: each path component is opened relative
+to its parent with ``O_NOFOLLOW`` (a symlink anywhere below ROOT is refused, never followed),
+with ``O_NONBLOCK`` (a FIFO cannot block the open), and checked with ``fstat`` to be a regular
+file (or a directory) before a byte is read. JSON records are read with a size bound. ROOT
+itself may be a symlink: that is the operator's choice, not the store's content.
+
 Hazards:
 - ``flock`` succeeds silently on some NFS, Lustre and GPFS setups without excluding anyone.
   Run one Sender per store; the lock only catches mistakes where locks work.
-- On NFS, directory listings are attribute-cached: a receiver that registers (creates its lease
-  file) moments before a writer lists ``readers/`` may be missed for up to ``acdirmax``.
-  Receivers therefore register when constructed, long before they read, and the slot stamp
-  check after every read catches the remaining window.
+- On NFS, directory listings are attribute-cached: a receiver that registers moments before a
+  writer lists ``readers/`` may be missed for up to ``acdirmax``. Receivers register when
+  constructed, long before they read, and the slot stamp check after every read catches the
+  remaining window.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
 import socket
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import xxhash
+
 from . import fileio
-from .errors import FormatError, NothingPublishedError, StoreBusyError
+from .errors import (
+    DBSyncError,
+    FormatError,
+    NothingPublishedError,
+    StoreBusyError,
+    StoreNotFoundError,
+)
 from .format import (
-    FILE_SUFFIX,
+    INDEX_FILE,
     MANIFEST_FILE,
+    MAX_HEAD_BYTES,
+    MAX_INDEX_BYTES,
+    MAX_LEASE_BYTES,
+    MAX_STAMP_BYTES,
     READERS_DIR,
     SLOT_STAMP_FILE,
     SLOTS,
     SLOTS_DIR,
-    TENSORDICT_META_FILE,
     WRITER_LOCK_FILE,
+    Head,
+    Index,
     Manifest,
     check_reader_id,
+    loads_json,
+    shard_file,
 )
 
+log = logging.getLogger(__name__)
+
 WRITING = "writing"
+DIR_MODE = 0o755
+FILE_MODE = 0o644
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Store:
-    """Paths and small atomic records under one dbsync root."""
+    """Paths, safe opens and small atomic records under one dbsync root."""
 
     def __init__(self, root: str | os.PathLike[str], create: bool = False):
         self.root = os.path.abspath(os.fspath(root))
         if create:
-            for d in (self.root, self.readers_dir, *(self.slot_dir(s) for s in SLOTS)):
-                os.makedirs(d, exist_ok=True)
+            self._create_layout()
         elif not os.path.isdir(self.root):
-            raise NothingPublishedError(
-                f"{self.root} does not exist; nothing has been published there yet "
-                "(create it with a Sender, or check the path and mount)"
+            raise StoreNotFoundError(
+                f"{self.root} does not exist or is not a directory; check the path and that "
+                "the volume is mounted (a Sender creates a store; readers never do)"
             )
 
-    # ---- paths -------------------------------------------------------------------------
+    def _create_layout(self) -> None:
+        """Create ROOT, readers/ and the slots with explicit modes (never the caller's umask).
+        Existing directories are kept, but a symlink or file in their place is refused."""
+        os.makedirs(os.path.dirname(self.root), exist_ok=True)
+        if not os.path.isdir(self.root):  # ROOT itself may be a symlink: the operator's choice
+            _mkdir(self.root)
+        for parts in ((READERS_DIR,), (SLOTS_DIR,), *((SLOTS_DIR, s) for s in SLOTS)):
+            _mkdir(os.path.join(self.root, *parts))
+
+    # ---- safe opening ----------------------------------------------------------------------
+    @contextmanager
+    def dir_fd(self, *parts: str) -> Iterator[int]:
+        """An fd of the directory ROOT/parts, every component opened without following links."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in parts:
+                try:
+                    child = os.open(part, _DIR, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise FormatError(
+                            f"{os.path.join(self.root, *parts)} is not a plain directory (a "
+                            "symlink or a file stands in its place); dbsync never follows links "
+                            "inside a store: remove it and publish again"
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)
+
+    def open_regular(self, parts: tuple[str, ...]) -> int:
+        """Open ROOT/parts read-only: no symlink followed, no FIFO blocking, regular files only.
+        Raises FileNotFoundError if absent, FormatError if it is anything but a regular file."""
+        *dirs, name = parts
+        with self.dir_fd(*dirs) as dfd:
+            try:
+                fd = os.open(name, _READ, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self._not_regular(parts, "a symlink") from None
+                raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise self._not_regular(parts, _kind(st.st_mode))
+        return fd
+
+    def _not_regular(self, parts: tuple[str, ...], what: str) -> FormatError:
+        return FormatError(
+            f"{os.path.join(self.root, *parts)} is {what}, not a regular file; dbsync opens only "
+            "regular files inside a store: remove it and publish again"
+        )
+
+    def read_small(self, parts: tuple[str, ...], limit: int) -> bytes | None:
+        """The bytes of a small record (None if absent); FormatError if larger than ``limit``."""
+        try:
+            fd = self.open_regular(parts)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise FormatError(
+                    f"{os.path.join(self.root, *parts)} is {size} bytes, more than the "
+                    f"{limit} a dbsync record may have; publish again from the trainer"
+                )
+            data = fileio.read_exact(fd, size, 0)
+            return data
+        finally:
+            os.close(fd)
+
+    # ---- head, index, manifest ---------------------------------------------------------------
     @property
     def manifest_path(self) -> str:
         return os.path.join(self.root, MANIFEST_FILE)
@@ -69,27 +175,58 @@ class Store:
             raise FormatError(f"unknown slot {slot!r}")
         return os.path.join(self.root, SLOTS_DIR, slot)
 
-    def tensor_path(self, slot: str, file: str) -> str:
-        """Path of one tensor file. ``file`` must already be validated by ``Manifest``; this
-        re-checks that it stays inside the slot (defence in depth)."""
-        directory = self.slot_dir(slot)
-        path = os.path.join(directory, file)
-        if os.path.dirname(path) != directory or not file.endswith(FILE_SUFFIX):
-            raise FormatError(f"file name {file!r} would leave slot {slot}; refusing")
-        return path
+    def read_head_bytes(self) -> bytes | None:
+        """The raw head (bounded), for cheap change checks: compare before parsing."""
+        return self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES)
 
-    def lease_path(self, reader_id: str) -> str:
-        return os.path.join(self.readers_dir, check_reader_id(reader_id) + ".json")
+    def read_head(self) -> Head | None:
+        """The current head (a fresh open: NFS close-to-open revalidates), None if nothing was
+        published. Cheap: it never reads the tensor list."""
+        raw = self.read_head_bytes()
+        return None if raw is None else Head.loads(raw, self.manifest_path)
 
-    # ---- manifest ----------------------------------------------------------------------
-    def read_manifest(self) -> Manifest | None:
-        """The current manifest, read from a fresh open (NFS close-to-open revalidates)."""
-        try:
-            with open(self.manifest_path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
+    def read_index(self, slot: str, head: Head | None = None) -> Index | None:
+        """The index a slot holds (None if absent). With ``head``, None also when the index is
+        not the one ``head`` names (the writer moved on: read the head again)."""
+        raw = self.read_small((SLOTS_DIR, slot, INDEX_FILE), MAX_INDEX_BYTES)
+        if raw is None:
             return None
-        return Manifest.loads(raw, source=self.manifest_path)
+        if head is not None and (len(raw) != head.index_nbytes
+                                 or xxhash.xxh3_64_hexdigest(raw) != head.index_checksum):
+            return None
+        index = Index.loads(raw, os.path.join(self.slot_dir(slot), INDEX_FILE))
+        if head is not None and (index.run_id, index.version) != (head.run_id, head.version):
+            raise FormatError(
+                f"{self.slot_dir(slot)}/{INDEX_FILE} names version {index.version} of run "
+                f"{index.run_id}, but its checksum matches the head of version {head.version}: "
+                "the store is damaged; publish again from the trainer"
+            )
+        return index
+
+    def read_manifest(self) -> Manifest | None:
+        """The current version's head and index, consistent with each other."""
+        for _ in range(50):
+            head = self.read_head()
+            if head is None:
+                return None
+            index = self.read_index(head.slot, head)
+            if index is not None:
+                return Manifest(head, index.tensors, index.shards, index.adapter)
+            if self.read_head() == head:
+                raise FormatError(
+                    f"{self.slot_dir(head.slot)}/{INDEX_FILE} is missing or does not match "
+                    f"{self.manifest_path} (version {head.version}): the store is damaged; "
+                    "publish again from the trainer"
+                )
+        raise DBSyncError(f"{self.root}: the head changed 50 times while reading it; is a "
+                          "writer publishing in a tight loop?")
+
+    def manifest_in_slot(self, slot: str, head: Head) -> Manifest | None:
+        """The version a slot holds if its index is ``head``'s; for re-opening a version that
+        is no longer current (its head was kept by the caller)."""
+        index = self.read_index(slot, head)
+        return None if index is None else Manifest(head, index.tensors, index.shards,
+                                                   index.adapter)
 
     def require_manifest(self) -> Manifest:
         manifest = self.read_manifest()
@@ -100,86 +237,134 @@ class Store:
             )
         return manifest
 
-    def publish_manifest(self, manifest: Manifest, durable: bool) -> None:
-        """The flip: atomically replace the manifest. Call only once the slot is complete
-        (and durable, when ``durable``)."""
-        fileio.write_atomic(self.manifest_path, manifest.dumps(), durable=durable)
-
-    # ---- slots -------------------------------------------------------------------------
-    def read_stamp(self, slot: str) -> int | str | None:
-        try:
-            with open(os.path.join(self.slot_dir(slot), SLOT_STAMP_FILE), "rb") as f:
-                value = json.loads(f.read()).get("version")
-        except (FileNotFoundError, ValueError, AttributeError):
+    def read_raw_head_json(self) -> dict[str, Any] | None:
+        """The head as plain JSON without format checks (a writer continuing an older store)."""
+        raw = self.read_head_bytes()
+        if raw is None:
             return None
-        return value
+        data = loads_json(raw, self.manifest_path)
+        return data if isinstance(data, dict) else None
 
-    def write_stamp(self, slot: str, version: int | str, durable: bool,
+    def publish_head(self, head: Head, durable: bool) -> None:
+        """The flip: atomically replace the head. Call only once the slot is complete (and
+        durable, when ``durable``)."""
+        with self.dir_fd() as dfd:
+            fileio.write_atomic_at(dfd, MANIFEST_FILE, head.dumps(), durable=durable)
+
+    def write_index(self, slot: str, index_bytes: bytes, durable: bool) -> None:
+        with self.dir_fd(SLOTS_DIR, slot) as dfd:
+            fileio.write_atomic_at(dfd, INDEX_FILE, index_bytes, durable=durable,
+                                   sync_dir=False)
+
+    # ---- slots -------------------------------------------------------------------------------
+    def read_stamp(self, slot: str) -> tuple[Any, Any]:
+        """(version, run_id) the slot's stamp names; version is "writing" while a writer is
+        rewriting it, and (None, None) if the stamp is absent or unreadable."""
+        try:
+            raw = self.read_small((SLOTS_DIR, slot, SLOT_STAMP_FILE), MAX_STAMP_BYTES)
+            data = None if raw is None else loads_json(raw, SLOT_STAMP_FILE)
+        except (FormatError, OSError):
+            return None, None
+        if not isinstance(data, dict):
+            return None, None
+        return data.get("version"), data.get("run_id")
+
+    def write_stamp(self, slot: str, version: int | str, run_id: str | None, durable: bool,
                     sync_dir: bool = True) -> None:
-        path = os.path.join(self.slot_dir(slot), SLOT_STAMP_FILE)
-        fileio.write_atomic(path, json.dumps({"version": version}).encode(), durable=durable,
-                            sync_dir=sync_dir)
+        with self.dir_fd(SLOTS_DIR, slot) as dfd:
+            fileio.write_atomic_at(dfd, SLOT_STAMP_FILE,
+                                   json.dumps({"version": version, "run_id": run_id}).encode(),
+                                   durable=durable, sync_dir=sync_dir)
 
     def sync_slot(self, slot: str) -> None:
         """fsync the slot directory (makes replaces and unlinks inside it durable)."""
-        fileio.fsync_dir(self.slot_dir(slot))
+        with self.dir_fd(SLOTS_DIR, slot) as dfd:
+            os.fsync(dfd)
 
-    def write_tensordict_meta(self, manifest: Manifest, durable: bool,
-                              sync_dir: bool = True) -> None:
-        """Write tensordict's ``meta.json`` so ``TensorDict.load_memmap(slot_dir)`` opens the
-        slot (keys are the file stems; the manifest maps them back to tensor names)."""
-        meta: dict[str, Any] = {
-            t.file[: -len(FILE_SUFFIX)]: {
-                "device": "cpu",
-                "shape": list(t.shape),
-                "dtype": f"torch.{t.dtype}",
-                "is_nested": False,
-            }
-            for t in manifest.tensors
-        }
-        meta.update({
-            "shape": [],
-            "device": "cpu",
-            "_type": "<class 'tensordict._td.TensorDict'>",
-            "_format_version": 1,
-            "_class": "tensordict:TensorDict",
-        })
-        path = os.path.join(self.slot_dir(manifest.slot), TENSORDICT_META_FILE)
-        fileio.write_atomic(path, json.dumps(meta).encode(), durable=durable,
-                            sync_dir=sync_dir)
+    def open_shard(self, slot: str, shard: int) -> int:
+        """A read-only fd of one shard (regular file, no link followed)."""
+        return self.open_regular((SLOTS_DIR, slot, shard_file(shard)))
 
-    def remove_unlisted_files(self, slot: str, keep: set[str]) -> None:
-        directory = self.slot_dir(slot)
-        for entry in os.scandir(directory):
-            if entry.name.endswith(FILE_SUFFIX) and entry.name not in keep:
-                os.unlink(entry.path)
+    def open_shard_for_write(self, slot: str, shard: int, size: int) -> int:
+        """An fd to write one shard of ``size`` bytes, reusing the file in place when its size
+        is unchanged (keeps its blocks), else resizing and preallocating it."""
+        with self.dir_fd(SLOTS_DIR, slot) as dfd:
+            fd = os.open(shard_file(shard), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
+                         os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._not_regular((SLOTS_DIR, slot, shard_file(shard)), _kind(st.st_mode))
+            os.fchmod(fd, FILE_MODE)
+            fileio.preallocate(fd, size, st.st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def slot_file_sizes(self, slot: str) -> dict[str, int]:
+        """Name -> size of every regular file in a slot (for space estimates and cleanup)."""
+        with self.dir_fd(SLOTS_DIR, slot) as dfd:
+            return {e.name: e.stat(follow_symlinks=False).st_size for e in os.scandir(dfd)
+                    if e.is_file(follow_symlinks=False)}
+
+    def remove_slot_files(self, slot: str, keep: set[str] = frozenset()) -> int:
+        """Unlink data files of a slot that are not in ``keep`` (shards, the index, files of
+        older formats); returns the bytes freed. The stamp is always kept."""
+        freed = 0
+        with self.dir_fd(SLOTS_DIR, slot) as dfd:
+            for entry in list(os.scandir(dfd)):
+                if entry.name in keep or entry.name == SLOT_STAMP_FILE:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    freed += entry.stat(follow_symlinks=False).st_size
+                    os.unlink(entry.name, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+        return freed
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
 
     def remove_temp_files(self) -> None:
-        """Remove temp files a killed writer left behind (they are never referenced)."""
-        for directory in (self.root, self.readers_dir, *(self.slot_dir(s) for s in SLOTS)):
+        """Remove temp files a killed writer left in ROOT and the slots (only the writer writes
+        there). ``readers/`` is never touched: its temp files belong to live receivers."""
+        for parts in ((), *((SLOTS_DIR, s) for s in SLOTS)):
             try:
-                entries = list(os.scandir(directory))
+                with self.dir_fd(*parts) as dfd:
+                    for entry in list(os.scandir(dfd)):
+                        if entry.name.startswith(".tmp-") and entry.is_file(
+                                follow_symlinks=False):
+                            try:
+                                os.unlink(entry.name, dir_fd=dfd)
+                            except FileNotFoundError:
+                                pass
             except FileNotFoundError:
                 continue
-            for entry in entries:
-                if entry.name.startswith(".tmp-"):
-                    try:
-                        os.unlink(entry.path)
-                    except FileNotFoundError:
-                        pass
 
-    # ---- writer lock -------------------------------------------------------------------
+    # ---- writer lock -------------------------------------------------------------------------
     def lock_writer(self) -> int:
         """Take the writer lock (non-blocking). Returns the fd; pass it to ``unlock_writer``."""
-        fd = os.open(os.path.join(self.root, WRITER_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        with self.dir_fd() as dfd:
+            fd = os.open(WRITER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
+                         os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise self._not_regular((WRITER_LOCK_FILE,), "not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise StoreBusyError(
                 f"another writer holds {self.root}/{WRITER_LOCK_FILE}; only one Sender may "
-                "publish into a store at a time (stop the other one, or use another root)"
+                "publish into a store at a time (close the other one — in a notebook, the "
+                "Sender of an earlier cell: sender.close() — or use another root)"
             ) from None
+        except BaseException:
+            os.close(fd)
+            raise
         os.ftruncate(fd, 0)
         os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
         return fd
@@ -189,32 +374,77 @@ class Store:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
-    # ---- reader leases -----------------------------------------------------------------
+    # ---- reader leases -----------------------------------------------------------------------
+    def lease_path(self, reader_id: str) -> str:
+        return os.path.join(self.readers_dir, check_reader_id(reader_id) + ".json")
+
     def write_lease(self, reader_id: str, record: dict[str, Any]) -> None:
-        # Not fsynced: a lease is only meaningful while its reader lives.
-        fileio.write_atomic(self.lease_path(reader_id), json.dumps(record).encode(),
-                            durable=False)
+        """Replace a reader's lease atomically. Not fsynced: a lease matters only while its
+        reader lives. Raises OSError (EROFS, EACCES, ENOSPC, ...) for the caller to handle."""
+        name = check_reader_id(reader_id) + ".json"
+        with self.dir_fd(READERS_DIR) as dfd:
+            fileio.write_atomic_at(dfd, name, json.dumps(record).encode(), durable=False)
 
     def remove_lease(self, reader_id: str) -> None:
         try:
-            os.unlink(self.lease_path(reader_id))
+            with self.dir_fd(READERS_DIR) as dfd:
+                os.unlink(check_reader_id(reader_id) + ".json", dir_fd=dfd)
         except FileNotFoundError:
             pass
 
     def read_leases(self) -> dict[str, dict[str, Any]]:
+        """reader id -> lease record, for every readable lease (damaged ones are skipped)."""
         leases: dict[str, dict[str, Any]] = {}
         try:
-            entries = list(os.scandir(self.readers_dir))
+            with self.dir_fd(READERS_DIR) as dfd:
+                names = [e.name for e in os.scandir(dfd)]
         except FileNotFoundError:
             return leases
-        for entry in entries:
-            if not entry.name.endswith(".json") or entry.name.startswith("."):
+        for name in names:
+            if not name.endswith(".json") or name.startswith("."):
                 continue
             try:
-                with open(entry.path, "rb") as f:
-                    record = json.loads(f.read())
-            except (FileNotFoundError, ValueError):
-                continue  # removed or being replaced right now: the next look sees it
+                raw = self.read_small((READERS_DIR, name), MAX_LEASE_BYTES)
+                record = None if raw is None else loads_json(raw, name)
+            except (OSError, FormatError):
+                continue  # removed, being replaced, or not a lease: the next look sees it
             if isinstance(record, dict):
-                leases[entry.name[: -len(".json")]] = record
+                leases[name[: -len(".json")]] = record
         return leases
+
+    def writable(self) -> bool:
+        """Whether this process can write leases here (False on read-only mounts)."""
+        try:
+            if os.statvfs(self.root).f_flag & os.ST_RDONLY:
+                return False
+        except OSError:
+            return False
+        return os.access(self.readers_dir, os.W_OK | os.X_OK)
+
+
+def _mkdir(path: str) -> None:
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise FormatError(
+                f"{path} is {_kind(st.st_mode)}, not a directory; dbsync never follows links "
+                "inside a store: remove it"
+            ) from None
+        return
+    os.chmod(path, DIR_MODE)  # mkdir's mode is filtered by the umask
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"

@@ -40,6 +40,8 @@ def reader(root: str, loads: str, delay: str, out: str) -> None:
     """Load ``loads`` times, sleeping ``delay`` inside load_weights (a slow reader); record,
     per load, the version and the set of distinct values seen across all tensors."""
     results = []
+    while not os.path.isdir(root):  # the writer creates the store
+        time.sleep(0.01)
     receiver = dbsync.Receiver(root, lease_timeout=5.0)
     while receiver.latest_version() is None:
         time.sleep(0.01)

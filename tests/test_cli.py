@@ -54,10 +54,13 @@ def current_version(root: str) -> int | None:
     return None if manifest is None else manifest.version
 
 
-def slot_path(root: str, name: str) -> str:
+def shard_path(root: str, name: str) -> tuple[str, int]:
+    """(path of the shard file holding tensor ``name``, the tensor's offset in it)."""
     store = Store(root)
     manifest = store.require_manifest()
-    return store.tensor_path(manifest.slot, manifest.entry(name).file)
+    entry = manifest.entry(name)
+    return os.path.join(store.slot_dir(manifest.slot), f"shard-{entry.shard:05d}.bin"), \
+        entry.offset
 
 
 def manifest_bytes(root: str) -> bytes:
@@ -162,10 +165,9 @@ def test_traversal_looking_names_stay_inside_the_slot(root, tmp_path):
     assert result.exit_code == 0, result.output
     # Nothing appeared next to the store or above it; every tensor file is in the slot dir.
     assert sorted(os.listdir(tmp_path)) == sorted([*before, "store"])
-    store = Store(root)
-    manifest = store.require_manifest()
-    for entry in manifest.tensors:
-        assert "/" not in entry.file and not entry.file.startswith(".")
+    slot = Store(root).require_manifest().slot
+    assert sorted(os.listdir(os.path.join(root, "slots", slot))) == [
+        "dbsync-slot.json", "index.json", "shard-00000.bin"]
     got = published(root)
     assert sorted(got) == sorted(evil)
     for name, tensor in evil.items():
@@ -350,18 +352,22 @@ def test_status_of_empty_and_missing_stores(tmp_path):
     assert not os.path.exists(missing)
 
 
-def test_status_names_truncated_and_missing_slot_files(store_v1):
-    path = slot_path(store_v1, "model.embed.weight")
-    os.truncate(path, 10)
-    os.unlink(slot_path(store_v1, "lm_head.step"))
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_status_names_truncated_and_missing_slot_files(store_v1, damage):
+    path, _ = shard_path(store_v1, "model.embed.weight")
+    if damage == "truncate":
+        os.truncate(path, 10)
+    else:
+        os.unlink(path)
     result = run("status", store_v1, "--json")
     assert result.exit_code == 1
     problems = json.loads(result.stdout)["problems"]
-    assert sorted(problems) == ["lm_head.step", "model.embed.weight"]
-    assert "has 10 bytes, expected 512" in problems["model.embed.weight"]
+    assert sorted(problems) == ["shard-00000.bin"]
+    assert ("has 10 bytes, expected" if damage == "truncate" else "is missing") in problems[
+        "shard-00000.bin"]
     human = run("status", store_v1)
     assert human.exit_code == 1
-    assert "DAMAGED    model.embed.weight" in human.stdout
+    assert "DAMAGED    shard-00000.bin" in human.stdout
     assert "damaged" in human.stderr and "dbsync push" in human.stderr
 
 
@@ -388,11 +394,11 @@ def test_verify_good_store_and_version_check(store_v1, st_file):
 
 
 def test_verify_names_exactly_the_corrupted_tensor(store_v1):
-    path = slot_path(store_v1, "model.layers.0.mlp.weight")
+    path, offset = shard_path(store_v1, "model.layers.0.mlp.weight")
     with open(path, "r+b") as f:
-        f.seek(5)
+        f.seek(offset + 5)
         byte = f.read(1)
-        f.seek(5)
+        f.seek(offset + 5)
         f.write(bytes([byte[0] ^ 0x01]))
     result = run("verify", store_v1)
     assert result.exit_code == 1
@@ -405,15 +411,16 @@ def test_verify_names_exactly_the_corrupted_tensor(store_v1):
 
 
 def test_verify_names_truncated_tensor(store_v1):
-    os.truncate(slot_path(store_v1, "model.layers.0.mlp.bias"), 3)
+    os.truncate(shard_path(store_v1, "model.layers.0.mlp.bias")[0], 3)
     result = run("verify", store_v1)
     assert result.exit_code == 1
-    assert "model.layers.0.mlp.bias: " in result.stderr and "expected 32" in result.stderr
+    assert "model.layers.0.mlp.bias: " in result.stderr and "has 3 bytes, expected" in (
+        result.stderr)
 
 
 def test_verify_damaged_slot_stamp(store_v1):
     store = Store(store_v1)
-    store.write_stamp(store.require_manifest().slot, "writing", durable=False)
+    store.write_stamp(store.require_manifest().slot, "writing", None, durable=False)
     result = run("verify", store_v1)
     assert result.exit_code == 1
     assert "stamp" in result.stderr and "dbsync push" in result.stderr

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import xxhash
 
 import dbsync
 from dbsync.format import MANIFEST_FILE
@@ -15,10 +16,11 @@ def publish(root, weights, **kw):
         return sender.push(weights)
 
 
-def slot_file(root, name):
+def shard_of(root, name):
+    """(path of the shard holding ``name``, the tensor's offset in it)."""
     manifest = dbsync.Receiver(root).manifest()
     entry = manifest.entry(name)
-    return os.path.join(root, "slots", manifest.slot, entry.file)
+    return os.path.join(root, "slots", manifest.slot, f"shard-{entry.shard:05d}.bin"), entry.offset
 
 
 def test_bad_input_lists_every_bad_key_and_publishes_nothing(root):
@@ -49,23 +51,26 @@ def test_write_failing_after_the_slot_was_touched_publishes_nothing(root, monkey
     from dbsync import fileio
 
     publish(root, {"a": torch.ones(8), "b": torch.ones(8)})
-    real, calls = fileio._write_file, []
+    real, calls = fileio._write_task, []
 
-    def fail_second(fd, data, durable, progress):
+    def fail_second(*args):
         calls.append(1)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return real(fd, data, durable, progress)
+        return real(*args)
 
-    monkeypatch.setattr(fileio, "_write_file", fail_second)
+    monkeypatch.setattr(fileio, "GROUP_BYTES", 16)  # one write task per tensor
+    monkeypatch.setattr(fileio, "_write_task", fail_second)
     with dbsync.Sender(root) as sender:
-        with pytest.raises(OSError, match="No space"):
+        with pytest.raises(dbsync.StoreFullError, match="nothing was published"):
             sender.push({"a": torch.full((8,), 2.0), "b": torch.full((8,), 2.0)})
+        free_slot = os.listdir(os.path.join(root, "slots", "b"))
+        assert not [f for f in free_slot if f.startswith("shard-")]  # partial files removed
         assert sender.latest_version() == 1
         got = {}
         dbsync.Receiver(root).load(lambda pairs: got.update({n: t.clone() for n, t in pairs}))
         assert torch.equal(got["a"], torch.ones(8)) and torch.equal(got["b"], torch.ones(8))
-        monkeypatch.setattr(fileio, "_write_file", real)
+        monkeypatch.setattr(fileio, "_write_task", real)
         assert sender.push({"a": torch.full((8,), 3.0), "b": torch.ones(8)}) == 2
 
 
@@ -74,7 +79,14 @@ def test_second_writer_is_refused(root):
         dbsync.Sender(root)
 
 
+def test_receiver_on_missing_root_is_an_error(root):
+    with pytest.raises(dbsync.StoreNotFoundError, match="mounted"):
+        dbsync.Receiver(root)
+    assert not os.path.exists(root)  # a typo never creates a directory
+
+
 def test_receiver_on_empty_store_says_what_to_do(root):
+    dbsync.Sender(root).close()
     receiver = dbsync.Receiver(root)
     assert receiver.latest_version() is None
     with pytest.raises(dbsync.NothingPublishedError, match="push"):
@@ -84,34 +96,41 @@ def test_receiver_on_empty_store_says_what_to_do(root):
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
 def test_damaged_version_never_reaches_load_weights(root, damage):
     publish(root, {"a": torch.randn(100), "b": torch.randn(50), "c": torch.randn(10)})
-    path_b, path_c = slot_file(root, "b"), slot_file(root, "c")
-    for path in (path_b, path_c):
-        if damage == "corrupt":
+    (path, offset_b), (_, offset_c) = shard_of(root, "b"), shard_of(root, "c")
+    if damage == "corrupt":
+        for offset in (offset_b, offset_c):
             with open(path, "r+b") as f:
-                f.seek(17)
+                f.seek(offset + 17)
                 byte = f.read(1)
-                f.seek(17)
+                f.seek(offset + 17)
                 f.write(bytes([byte[0] ^ 0xFF]))
-        elif damage == "truncate":
-            os.truncate(path, 12)
-        else:
-            os.unlink(path)
+    elif damage == "truncate":
+        os.truncate(path, 12)
+    else:
+        os.unlink(path)
     calls = []
     with pytest.raises(dbsync.DamagedVersionError) as err:
         dbsync.Receiver(root).load(lambda pairs: calls.append(list(pairs)))
     assert calls == []
-    assert set(err.value.damaged) == {"b", "c"}  # one error naming every damaged tensor
-    assert "b, c" in str(err.value) or "c, b" in str(err.value)  # the message names both
+    # one error naming every damaged tensor (a shard that is gone or cut damages all of them)
+    expected = {"b", "c"} if damage == "corrupt" else {"a", "b", "c"}
+    assert set(err.value.damaged) == expected
+    assert "b, c" in str(err.value)
 
 
 def test_manifest_pointing_outside_the_slot_is_refused(root):
     publish(root, {"w": torch.ones(2)})
-    path = os.path.join(root, MANIFEST_FILE)
+    path = os.path.join(root, "slots", "a", "index.json")
     data = json.loads(open(path, "rb").read())
-    data["tensors"][0]["file"] = "../../../etc/passwd.memmap"
-    open(path, "w").write(json.dumps(data))
+    data["tensors"][0]["offset"] = 2**40  # past the end of its shard
+    raw = json.dumps(data).encode()
+    open(path, "wb").write(raw)
+    head_path = os.path.join(root, MANIFEST_FILE)
+    head = json.loads(open(head_path, "rb").read())  # a consistent forgery: head matches index
+    head["index"].update(nbytes=len(raw), checksum=xxhash.xxh3_64_hexdigest(raw))
+    open(head_path, "w").write(json.dumps(head))
     calls = []
-    with pytest.raises(dbsync.FormatError, match="plain"):
+    with pytest.raises(dbsync.FormatError, match="outside"):
         dbsync.Receiver(root).load(lambda pairs: calls.append(1))
     assert calls == []
 

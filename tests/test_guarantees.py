@@ -124,14 +124,17 @@ def test_default_lease_timeout_is_30_seconds(root):
 
 def test_stalled_reader_finds_out_its_lease_expired(root):
     """A reader frozen past the lease timeout must not silently trust what it read."""
-    with dbsync.Sender(root, lease_timeout=0.5) as sender:
+    with dbsync.Sender(root) as sender:
         sender.push({"w": torch.ones(4)})
-        receiver = dbsync.Receiver(root, lease_timeout=1000)  # beats too rarely to keep it
+        receiver = dbsync.Receiver(root, lease_timeout=0.5)
         with pytest.raises(dbsync.LeaseExpiredError, match="load again"):
             def stall(pairs):
                 list(pairs)
+                receiver._keeper._stop.set()  # frozen: its heartbeat stops too
                 sender.push({"w": torch.full((4,), 2.0)})
+                start = time.monotonic()
                 sender.push({"w": torch.full((4,), 3.0)})  # reuses the stalled reader's slot
+                assert time.monotonic() - start < 0.5 + 1.0  # the reader's own timeout
 
             receiver.load(stall)
 

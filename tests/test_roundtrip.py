@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from tensordict import TensorDict
 
 import dbsync
-from dbsync.format import _DTYPES
+from dbsync.format import DTYPE_SIZES
 
 
 def load_all(root: str) -> tuple[int, dict[str, torch.Tensor]]:
@@ -34,7 +34,8 @@ def assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Ten
 def every_dtype() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = {}
-    for name, dtype in _DTYPES.items():
+    for name in DTYPE_SIZES:
+        dtype = getattr(torch, name)
         high = 2 if dtype == torch.bool else 256  # a bool byte other than 0/1 is not a bool
         raw = torch.randint(0, high, (3, 5, 8), dtype=torch.uint8, generator=g)
         item = torch.empty((), dtype=dtype).element_size()
@@ -66,7 +67,7 @@ def test_versions_alternate_slots_and_reuse_files(root):
             assert version == expected and torch.equal(got["w"], weights["w"])
             manifest = dbsync.Receiver(root).manifest()
             assert manifest.slot == "ab"[(expected - 1) % 2]
-            path = os.path.join(root, "slots", manifest.slot, manifest.entry("w").file)
+            path = os.path.join(root, "slots", manifest.slot, "shard-00000.bin")
             inodes[expected] = os.stat(path).st_ino
     assert inodes[1] == inodes[3] and inodes[2] == inodes[4]  # rewritten in place
 
@@ -129,15 +130,16 @@ def test_module_tensordict_and_checkpoint_sources(root, tmp_path):
         assert torch.equal(got["model.layers.1.w"], torch.full((2,), 2.0))
 
 
-def test_slot_opens_with_tensordict_load_memmap(root):
-    weights = {"layer.weight": torch.randn(3, 4).bfloat16(), "odd/name": torch.arange(3)}
+def test_snapshot_opens_as_a_tensordict(root):
+    weights = {"layer.weight": torch.randn(3, 4).bfloat16(), "odd/name": torch.arange(3),
+               "fp8": torch.ones(4).to(torch.float8_e4m3fn)}
     with dbsync.Sender(root) as sender:
         sender.push(weights)
-    manifest = dbsync.Receiver(root).manifest()
-    td = TensorDict.load_memmap(os.path.join(root, "slots", manifest.slot))
-    for entry in manifest.tensors:
-        stem = entry.file[: -len(".memmap")]
-        assert torch.equal(td[stem], weights[entry.name])
+    with dbsync.Receiver(root) as receiver, receiver.open() as snap:
+        td = snap.tensordict()
+        for name, tensor in weights.items():
+            assert td[name].dtype == tensor.dtype
+            assert torch.equal(td[name].view(torch.uint8), tensor.view(torch.uint8))
 
 
 names = st.lists(st.sampled_from(list("ab/._-Zü✓ 0") + ["..", "/"]), min_size=1,

@@ -5,6 +5,7 @@ is started; the integration tests in test_vllm_server.py drive the real one."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +100,11 @@ def test_damaged_version_refused_before_pausing(setup: Any) -> None:
     store = Store(sender.root)
     manifest = store.require_manifest()
     entry = manifest.tensors[1]
-    with open(store.tensor_path(manifest.slot, entry.file), "r+b") as f:
+    shard = os.path.join(store.slot_dir(manifest.slot), f"shard-{entry.shard:05d}.bin")
+    with open(shard, "r+b") as f:
+        f.seek(entry.offset)
         byte = f.read(1)
-        f.seek(0)
+        f.seek(entry.offset)
         f.write(bytes([byte[0] ^ 0xFF]))
     ops.calls.clear()
     with pytest.raises(DamagedVersionError):

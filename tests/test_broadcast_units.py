@@ -216,7 +216,7 @@ def test_version_republished_after_a_failed_publish_replaces_the_broadcast_copy(
         first: dict[str, Any] = {}
         thread = _receive_in_thread(rx, first, timeout=20)
         assert bs.wait_for_joins(1, 10)
-        publish, calls = sender.store.publish_manifest, []
+        publish, calls = sender.store.publish_head, []
 
         def fail_once(manifest: Any, durable: bool) -> None:
             calls.append(1)
@@ -224,7 +224,7 @@ def test_version_republished_after_a_failed_publish_replaces_the_broadcast_copy(
                 raise OSError(28, "No space left on device")
             publish(manifest, durable)
 
-        sender.store.publish_manifest = fail_once  # type: ignore[method-assign]
+        sender.store.publish_head = fail_once  # type: ignore[method-assign]
         with pytest.raises(OSError):
             bs.push({"x": torch.ones(4)})
         thread.join(20)

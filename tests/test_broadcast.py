@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dbsync import Receiver, Sender, fileio
-from dbsync.format import _DTYPES
+from dbsync.format import DTYPE_SIZES
 from dbsync.nccl import BroadcastSender, read_record
 
 TIMEOUT = 3.0  # every collective and handshake step
@@ -86,7 +86,8 @@ def random_bytes_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.G
 def all_dtype_weights(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
-    for name, dtype in _DTYPES.items():
+    for name in DTYPE_SIZES:
+        dtype = getattr(torch, name)
         weights[f"{name}.matrix"] = random_bytes_tensor(dtype, (33, 7), gen)
         weights[f"{name}.scalar"] = random_bytes_tensor(dtype, (), gen)
         weights[f"{name}.empty"] = random_bytes_tensor(dtype, (0, 5), gen)

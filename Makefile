@@ -12,7 +12,8 @@ STAMP := $(VENV)/.dbsync-installed
 TORCHRL_VENV ?= .venv-torchrl
 TORCHRL_PY := $(TORCHRL_VENV)/bin/python
 TORCHRL_STAMP := $(TORCHRL_VENV)/.dbsync-installed
-TORCHRL_PACKAGES := torchrl==0.14.1 tensordict==0.14.3 hoptorch==0.1.4 orjson importlib-metadata zipp lazy-importer
+TORCHRL_PACKAGES := torchrl==0.14.1 tensordict==0.14.3 hoptorch==0.1.4 orjson==3.13.0 \
+    importlib-metadata==10.2.0 zipp==4.1.2 lazy-importer==0.1.0
 
 .PHONY: test demo lint bench clean
 

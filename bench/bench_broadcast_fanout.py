@@ -25,6 +25,7 @@ broadcast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -76,6 +78,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def profiled(args: argparse.Namespace, rank: int, on: bool) -> Iterator[None]:
+    """With ``--profile DIR`` and ``on``: a CUDA kernel trace of the block, DIR/rank<r>.json."""
+    if not (on and args.profile):
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    torch.cuda.synchronize()
+    os.makedirs(args.profile, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(args.profile, f"rank{rank}.json"))
 
 
 def raw_bucketed(total: int, bucket: int, iters: int) -> list[float]:
@@ -164,9 +181,10 @@ def _sender(args: argparse.Namespace, root: str, commands: Any, results: Any,
             changed = weights[names[cmd["version_hint"] % len(names)]].view(-1)
             changed[:4096] += 1  # every version differs from the last
             torch.cuda.synchronize()
-            t = time.perf_counter()
-            version = bs.push(weights)
-            wall = time.perf_counter() - t
+            with profiled(args, 0, cmd.get("profile", False)):
+                t = time.perf_counter()
+                version = bs.push(weights)
+                wall = time.perf_counter() - t
             stats = dict(bs.last_push_stats)
             results.put(json.dumps({"rank": 0, "version": version, "push_wall_seconds": wall,
                                     "stats": stats, "fingerprints": fingerprints(weights)},
@@ -212,9 +230,10 @@ def _receiver(rank: int, args: argparse.Namespace, root: str, commands: Any,
         elif op == "receive":
             if cmd.get("stall"):
                 time.sleep(cmd["stall"])  # not receiving while the sender pushes
-            t = time.perf_counter()
-            version = rx.receive(dying if cmd.get("die") else load_weights, timeout=600)
-            wall = time.perf_counter() - t
+            with profiled(args, rank, cmd.get("profile", False)):
+                t = time.perf_counter()
+                version = rx.receive(dying if cmd.get("die") else load_weights, timeout=600)
+                wall = time.perf_counter() - t
             results.put(json.dumps({
                 "rank": rank, "version": version, "source": rx.last_source,
                 "error": rx.last_error, "stats": rx.last_stats, "wall_seconds": wall,
@@ -289,11 +308,12 @@ def measure_size(d: Driver, args: argparse.Namespace, gb: float, seed: int) -> d
     exact = True
     setup = None
     for i in range(args.iters + 1):
-        d.send(receivers, op="receive")
+        last = i == args.iters
+        d.send(receivers, op="receive", profile=last)
         if i == 0:
             d.send([0], op="join", count=world - 1)
             setup = d.collect([0], 600)[0]
-        d.send([0], op="push", version_hint=i)
+        d.send([0], op="push", version_hint=i, profile=last)
         push = d.collect([0], 600)[0]
         take = d.collect(receivers, 600)
         for r in receivers:
@@ -419,6 +439,7 @@ def main() -> int:
     ap.add_argument("--sender-kwargs", default="{}")
     ap.add_argument("--receiver-kwargs", default="{}")
     ap.add_argument("--faults", action="store_true")
+    ap.add_argument("--profile", default="", help="write kernel traces of the last push here")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args()

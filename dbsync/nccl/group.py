@@ -162,7 +162,9 @@ def _create_nccl(store: Any, rank: int, size: int, device: torch.device,
 
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    opts.is_high_priority_stream = False
+    # NCCL's kernels get the SMs first: a copy or checksum kernel launched at the same moment
+    # (packing the next bucket) must not delay the start of the next broadcast
+    opts.is_high_priority_stream = True
     with _ENV_LOCK:
         saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"

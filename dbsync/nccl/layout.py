@@ -79,6 +79,13 @@ class Header:
         meta = json.dumps({"version": self.version, "epoch": self.epoch, "seq": self.seq})
         return meta.encode() + b"\n" + (self.layout_bytes if layout is None else layout)
 
+    def for_push(self, version: int, epoch: int, seq: int) -> Header:
+        """This layout as the header of another push (the layout bytes are not rebuilt)."""
+        header = dataclasses.replace(self, version=version, epoch=epoch, seq=seq)
+        if "layout_bytes" in self.__dict__:
+            header.__dict__["layout_bytes"] = self.__dict__["layout_bytes"]
+        return header
+
     @functools.cached_property
     def layout_bytes(self) -> bytes:
         return json.dumps({
@@ -103,7 +110,7 @@ class Header:
             base = cls._loads_layout(layout_raw)
             if cache is not None:
                 cache.update(raw=layout_raw, header=base)
-        return dataclasses.replace(base, version=version, epoch=epoch, seq=seq)
+        return base.for_push(version, epoch, seq)
 
     @classmethod
     def _loads_layout(cls, raw: bytes) -> Header:

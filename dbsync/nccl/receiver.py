@@ -322,17 +322,6 @@ class BroadcastReceiver:
             # A push this receiver only had to drain is not loaded from the filesystem either.
             return self._load_fs(load_weights, header.version) if wanted else None
 
-        try:
-            if header.epoch != epoch:
-                raise BroadcastError(f"push header names epoch {header.epoch}, not {epoch}")
-            store.set(rv.ack_key(epoch, seq, self.reader_id), "1")
-        except BroadcastError as exc:
-            self._leave_group(str(exc))
-            return fall_back()
-        except Exception as exc:  # noqa: BLE001 - the store connection broke
-            self._disconnect()
-            self.last_error = f"lost the broadcast sender ({exc})"
-            return fall_back()
 
         def cancelled() -> str | None:
             """Polled while a bucket is late: did the sender abort this push?"""
@@ -351,6 +340,19 @@ class BroadcastReceiver:
             self._group, header, self._bucket_buffers(header), verify=self.verify,
             views=self._views, cancelled=cancelled, plan=cache["plan"],
             before_verify=self.before_verify)
+        try:
+            if header.epoch != epoch:
+                raise BroadcastError(f"push header names epoch {header.epoch}, not {epoch}")
+            incoming.start()  # the sender streams at once: post the first receives first
+            store.set(rv.ack_key(epoch, seq, self.reader_id), "1")  # names who held it up
+        except BroadcastError as exc:
+            self._leave_group(str(exc))
+            return fall_back()
+        except Exception as exc:  # noqa: BLE001 - the store connection broke
+            self._close_group()  # receives may be posted: the group is unusable
+            self._disconnect()
+            self.last_error = f"lost the broadcast sender ({exc})"
+            return fall_back()
         try:
             if usable:
                 load_weights(incoming)

@@ -31,7 +31,6 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import threading
@@ -230,8 +229,9 @@ class BroadcastSender:
         if cached is None or cached[0] != signature:
             header = Header.build(version, epoch, seq, self.bucket_bytes,
                                   [(n, d, tuple(s)) for n, d, s in signature[1]], algorithm)
+            header.layout_bytes  # noqa: B018 - built once here, reused by every later push
             cached = self._header_cache = (signature, header)
-        return dataclasses.replace(cached[1], version=version, epoch=epoch, seq=seq)
+        return cached[1].for_push(version, epoch, seq)
 
     def _after_publish(self, fs_future: Future[int], result: Future[int], version: int,
                        sent: tuple[int, int] | None, stats: dict[str, Any]) -> None:

@@ -71,6 +71,7 @@ class IncomingVersion:
         self.damaged: str | None = None
         self.complete = False
         self._iter: Iterator[tuple[str, torch.Tensor]] | None = None
+        self._works: list[Any] | None = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._iter is None:
@@ -80,6 +81,16 @@ class IncomingVersion:
     def drain(self) -> None:
         for _ in self:
             pass
+
+    def start(self) -> None:
+        """Post the receives of the first buckets now (before the caller starts iterating),
+        so the sender's stream starts at once. Idempotent."""
+        if self._works is None:
+            buckets = self.header.buckets()
+            depth = len(self.buffers)
+            self._works = [None] * depth
+            for b in range(min(depth, len(buckets))):
+                self._works[b] = self._post(b, buckets)
 
     def _post(self, b: int, buckets: list[tuple[int, int]]) -> Any:
         lo, hi = buckets[b]
@@ -116,14 +127,14 @@ class IncomingVersion:
         plan = self.plan
         depth = len(self.buffers)
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        works: list[Any] = [None] * depth
         partial: dict[int, torch.Tensor] = {}
         next_i = 0  # next entry to hand out (manifest order)
         empty = torch.empty(0, dtype=torch.uint8, device=device)
         views = self.views
         try:
-            for b in range(min(depth, len(buckets))):
-                works[b] = self._post(b, buckets)
+            self.start()
+            works = self._works
+            assert works is not None
             for b, (lo, hi) in enumerate(buckets):
                 k = b % depth
                 what = f"bucket {b} of {len(buckets)} of version {header.version}"

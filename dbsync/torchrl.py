@@ -54,6 +54,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -69,7 +70,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "dbsync.torchrl needs torchrl (tested with torchrl 0.14.1): pip install torchrl"
     ) from exc
 
-from .errors import DBSyncError, InvalidWeightsError
+from .errors import DBSyncError, InvalidWeightsError, StoreNotFoundError
 from .receiver import Receiver
 from .sender import Sender
 from .store import Store
@@ -134,6 +135,33 @@ def _as_pairs(weights: Any) -> dict[str, torch.Tensor]:
             "no weights to publish (an empty set): torchrl's extraction returns one for a "
             "source it does not support; pass the model or its state_dict")
     return pairs
+
+
+# ---- the store ---------------------------------------------------------------------------------
+def _published_version(root: str) -> int | None:
+    """The store's current version; None if nothing is published or the store does not exist
+    yet."""
+    try:
+        manifest = Store(root).read_manifest()
+    except StoreNotFoundError:
+        return None
+    return None if manifest is None else manifest.version
+
+
+def _wait_for_store(root: str, timeout: float | None) -> bool:
+    """Whether ``root`` exists, waiting up to ``timeout`` seconds (None or 0: no wait) for the
+    trainer's first push to create it; checked four times a second."""
+    if os.path.isdir(root):
+        return True
+    if not timeout:
+        return False
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while (left := deadline - time.monotonic()) > 0:
+        pause.wait(min(0.25, left))
+        if os.path.isdir(root):
+            return True
+    return False
 
 
 # ---- vLLM engines --------------------------------------------------------------------------
@@ -228,6 +256,11 @@ class DBSyncTransport:
                 self._vllm = DBSyncWeightReceiver(self._scheme, engine)
             applied = self._vllm.poll(timeout)
             return self._vllm.version if applied else None
+        started = time.monotonic()
+        if not _wait_for_store(self.local_addr, timeout):
+            return None
+        if timeout:
+            timeout = max(0.0, timeout - (time.monotonic() - started))
         receiver = self._receiver()
         floor = self.last_version or 0
         latest = receiver.latest_version()
@@ -328,23 +361,36 @@ class DBSyncWeightReceiver:
         self._strategy = scheme.strategy
         self.engine = _vllm_engine(target)
         self._target = target
+        self._loop = loop
         self._transport = scheme.create_transport()
         self._attachment: Any = None
         self._lock = threading.Lock()
-        if self.engine is not None:
-            from .vllm import attach
-
-            self._attachment = attach(self.engine, scheme.local_addr, watch=False,
-                                      model_dir=scheme.model_dir, verify=scheme.verify,
-                                      poll_interval=scheme.poll_interval,
-                                      loop=loop, transport="filesystem")
-        elif isinstance(target, nn.Module | TensorDictBase | dict):
-            self._transport._receiver()  # registers the reader now, as torchrl's does
-        else:
+        if self.engine is None and not isinstance(target, nn.Module | TensorDictBase | dict):
             raise DBSyncError(
                 f"cannot receive into a {type(target).__name__}: pass a vllm.LLM or AsyncLLM "
                 "created with **dbsync.vllm.engine_args(), or an nn.Module")
-        log.info("dbsync: receiver reading from %s", scheme.local_addr)
+        if self._connect_store():
+            log.info("dbsync: receiver reading from %s", scheme.local_addr)
+        else:
+            log.info("dbsync: %s does not exist yet; the receiver starts reading it once the "
+                     "trainer's first push creates it", scheme.local_addr)
+
+    def _connect_store(self) -> bool:
+        """Attach the engine (or register the reader) once the store exists; whether it
+        does. A receiver may start before the trainer has created the store."""
+        if not os.path.isdir(self._scheme.local_addr):
+            return False
+        if self.engine is None:
+            self._transport._receiver()  # registers the reader, as torchrl's does at once
+        elif self._attachment is None:
+            from .vllm import attach
+
+            scheme = self._scheme
+            self._attachment = attach(self.engine, scheme.local_addr, watch=False,
+                                      model_dir=scheme.model_dir, verify=scheme.verify,
+                                      poll_interval=scheme.poll_interval, loop=self._loop,
+                                      transport="filesystem")
+        return True
 
     @property
     def version(self) -> int | None:
@@ -356,11 +402,10 @@ class DBSyncWeightReceiver:
     def status(self) -> dict[str, Any]:
         """For a vLLM engine: the same JSON ``serve-vllm`` answers on ``/dbsync/status``."""
         if self._attachment is None:
-            return {"version": self.version}
+            return {"version": self.version, "root": self._scheme.local_addr}
         return self._attachment.status()
 
     def _wait_for(self, newer_than: int, timeout: float) -> bool:
-        store = Store(self._scheme.local_addr)
         found = threading.Event()
 
         def on_version(v: int) -> None:
@@ -369,8 +414,8 @@ class DBSyncWeightReceiver:
 
         with Watcher(self._scheme.local_addr, on_version,
                      poll_interval=self._scheme.poll_interval):
-            manifest = store.read_manifest()
-            if manifest is not None and manifest.version > newer_than:
+            published = _published_version(self._scheme.local_addr)
+            if published is not None and published > newer_than:
                 return True
             return found.wait(timeout)
 
@@ -378,31 +423,45 @@ class DBSyncWeightReceiver:
         """Apply the newest version if it is newer than the one applied, waiting up to
         ``timeout`` seconds for one (None or 0: do not wait). True if one was applied."""
         with self._lock:
-            before = self.version
-            if self._attachment is None:
+            if self.engine is None:
                 got = self._transport.receive_weights(timeout, model=self._target,
                                                       strategy=self._strategy)
                 return got is not None
-            if timeout:
-                self._wait_for(before or 0, timeout)
+            deadline = time.monotonic() + (timeout or 0)
+            if not self._connect_store():
+                if not _wait_for_store(self._scheme.local_addr, timeout):
+                    return False
+                self._connect_store()
+            before = self.version
+            left = deadline - time.monotonic()
+            if left > 0:
+                self._wait_for(before or 0, left)
             after = self._attachment.apply_latest()
             return after is not None and after != before
 
     def poll_and_apply(self, timeout: float = 180.0) -> bool:
         """Apply the newest published version if the engine does not serve it yet; True if a
         version was applied, False if it already serves the newest one. Waits (up to
-        ``timeout`` seconds) only while nothing at all has been published. Raises
-        ``IncompatibleWeightsError``/``DamagedVersionError`` when the version is refused (the
-        previous one keeps serving)."""
-        published = Store(self._scheme.local_addr).read_manifest()
-        return self.poll(timeout if published is None else None)
+        ``timeout`` seconds) only while nothing at all has been published; if the store still
+        does not exist then, raises ``StoreNotFoundError`` (a wrong path or a missing mount).
+        Raises ``IncompatibleWeightsError``/``DamagedVersionError`` when the version is refused
+        (the previous one keeps serving)."""
+        root = self._scheme.local_addr
+        if _published_version(root) is not None:
+            return self.poll(None)
+        applied = self.poll(timeout)
+        if not applied and not os.path.isdir(root):
+            raise StoreNotFoundError(
+                f"{root} still does not exist after {timeout} s: check the path and that the "
+                "volume is mounted (the trainer's first push creates the store)")
+        return applied
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
         """Apply given tensors to an ``nn.Module`` target (torchrl's strategy). A vLLM engine
         only applies published versions (verified, versioned): use ``poll_and_apply``."""
         if not inplace:
             raise ValueError("Cannot apply weights out of place for vLLM double-buffer")
-        if self._attachment is not None:
+        if self.engine is not None:
             raise DBSyncError(
                 "a vLLM engine applies only published versions: push the weights with the "
                 "sender (update_weights) and call poll_and_apply()")

@@ -101,15 +101,16 @@ def test_update_weights_hook_drives_vllm(engine: Any, tmp_path: Path) -> None:
     assert b_tokens != a_tokens
     scheme = VLLMDoubleBufferSyncScheme(remote_addr=str(tmp_path / "store"), num_threads=2,
                                         strategy="tensordict")
-    receiver = scheme.create_receiver(llm)
-    assert receiver.poll_and_apply(timeout=0.2) is False  # nothing published yet
+    receiver = scheme.create_receiver(llm)  # before the trainer created the store
+    with pytest.raises(dbsync.StoreNotFoundError, match="still does not exist after 0.2 s"):
+        receiver.poll_and_apply(timeout=0.2)  # a wrong path is not "nothing new" forever
 
     trainer_model = hf_model("B")
     sender = scheme.create_sender()
     sender.register_model(trainer_model)
     hook = UpdateWeights(sender=sender, update_weights_interval=2)
     hook()  # first of two batches: torchrl's hook does not push yet
-    assert dbsync.Receiver(scheme.remote_addr).latest_version() is None
+    assert not os.path.exists(scheme.remote_addr)
     hook()
     assert receiver.poll_and_apply() is True
     assert receiver.version == 1 and llm.get_weight_version() == "1"

@@ -352,7 +352,7 @@ class SwapController:
             except (IncompatibleWeightsError, DamagedVersionError):
                 break  # a refusal: recorded in the status and logged once already
             except (OSError, DBSyncError) as exc:
-                if isinstance(exc, OSError):
+                if not isinstance(exc, SwapError):  # a SwapError is recorded by _fail
                     self._read_failed(exc, delay)
                 s.retrying = True
                 s.retries += 1
@@ -363,10 +363,10 @@ class SwapController:
             break
         s.retrying = False
 
-    def _read_failed(self, exc: OSError, delay: float) -> None:
+    def _read_failed(self, exc: OSError | DBSyncError, delay: float) -> None:
         s = self.state
         version = s.published_version
-        first = s.last_error_version != version or not (s.last_error or "").startswith(
+        first = s.last_error_version != (version or 0) or not (s.last_error or "").startswith(
             "reading")
         self._record(version or 0, f"reading version {version} from {self.root} failed "
                                    f"({type(exc).__name__}: {exc}); still serving version "

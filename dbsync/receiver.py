@@ -296,9 +296,9 @@ class Snapshot:
                                       self._missing)
 
         def run(task: list[tuple[Any, Any]]) -> None:
-            with torch.no_grad():
-                for dst, entry in task:
-                    dst.detach().copy_(self._tensor(entry))
+            with torch.no_grad():  # one batched copy per task: little per-tensor overhead
+                torch._foreach_copy_([dst.detach() for dst, _ in task],
+                                     [self._tensor(entry) for _, entry in task])
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             wait_all([pool.submit(run, t) for t in _batches(pairs, lambda p: p[1].nbytes)])

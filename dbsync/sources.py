@@ -81,30 +81,31 @@ def _is_leaf(cls: type) -> bool:
 def materialize(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A plain contiguous tensor of ``dtype`` with the values ``tensor`` shows: conjugate and
     negative views are resolved (the same values on both push paths)."""
+    if (tensor.dtype == dtype and tensor.is_contiguous() and not tensor.is_conj()
+            and not tensor.is_neg()):
+        return tensor.detach() if tensor.requires_grad else tensor
     return tensor.detach().resolve_conj().resolve_neg().to(dtype).contiguous()
 
 
 def _validate(pairs: list[tuple[Any, Any]]) -> None:
     problems: list[str] = []
     seen: set[str] = set()
+    strided = torch.strided
     for name, value in pairs:
-        label = describe_name(name)
-        bad = name_problem(name)
-        if bad:
-            problems.append(f"{label}: {bad}")
-        elif name in seen:
-            problems.append(f"{label}: appears twice")
+        why = name_problem(name) or ("appears twice" if name in seen else None)
         if isinstance(name, str):
             seen.add(name)
         if not isinstance(value, torch.Tensor):
-            problems.append(f"{label}: is a {type(value).__name__}, not a tensor (drop it or "
-                            "convert it to a tensor)")
-        elif value.is_sparse or value.layout != torch.strided:
-            problems.append(f"{label}: sparse/non-strided tensors are not supported (densify it)")
+            why = why or (f"is a {type(value).__name__}, not a tensor (drop it or convert it "
+                          "to a tensor)")
+        elif value.layout != strided or value.is_sparse:
+            why = why or "sparse/non-strided tensors are not supported (densify it)"
         elif not is_supported_dtype(value.dtype):
-            problems.append(f"{label}: dtype {value.dtype} is not supported")
+            why = why or f"dtype {value.dtype} is not supported"
         elif value.device.type == "meta":
-            problems.append(f"{label}: is on the meta device and has no data")
+            why = why or "is on the meta device and has no data"
+        if why:
+            problems.append(f"{describe_name(name)}: {why}")
     if problems:
         raise InvalidWeightsError(
             f"{len(problems)} entr{'y' if len(problems) == 1 else 'ies'} cannot be published; "

@@ -80,6 +80,7 @@ class Store:
 
     def __init__(self, root: str | os.PathLike[str], create: bool = False):
         self.root = os.path.abspath(os.fspath(root))
+        self._parsed: dict[str, Index] = {}  # index checksum -> parsed index (the last two)
         if create:
             self._create_layout()
         elif not os.path.isdir(self.root):
@@ -143,14 +144,19 @@ class Store:
             "regular files inside a store: remove it and publish again"
         )
 
-    def read_small(self, parts: tuple[str, ...], limit: int) -> bytes | None:
-        """The bytes of a small record (None if absent); FormatError if larger than ``limit``."""
+    def read_small(self, parts: tuple[str, ...], limit: int,
+                   exact: int | None = None) -> bytes | None:
+        """The bytes of a small record (None if absent); FormatError if larger than ``limit``.
+        With ``exact``, a file of any other size is not read at all and ``b""`` is returned
+        (memory and time stay bounded by what the caller expects, not by the file)."""
         try:
             fd = self.open_regular(parts)
         except FileNotFoundError:
             return None
         try:
             size = os.fstat(fd).st_size
+            if exact is not None and size != exact:
+                return b""
             if size > limit:
                 raise FormatError(
                     f"{os.path.join(self.root, *parts)} is {size} bytes, more than the "
@@ -188,13 +194,17 @@ class Store:
     def read_index(self, slot: str, head: Head | None = None) -> Index | None:
         """The index a slot holds (None if absent). With ``head``, None also when the index is
         not the one ``head`` names (the writer moved on: read the head again)."""
-        raw = self.read_small((SLOTS_DIR, slot, INDEX_FILE), MAX_INDEX_BYTES)
+        raw = self.read_small((SLOTS_DIR, slot, INDEX_FILE), MAX_INDEX_BYTES,
+                              exact=None if head is None else head.index_nbytes)
         if raw is None:
             return None
-        if head is not None and (len(raw) != head.index_nbytes
-                                 or xxhash.xxh3_64_hexdigest(raw) != head.index_checksum):
+        digest = xxhash.xxh3_64_hexdigest(raw)
+        if head is not None and (len(raw) != head.index_nbytes or digest != head.index_checksum):
             return None
-        index = Index.loads(raw, os.path.join(self.slot_dir(slot), INDEX_FILE))
+        index = self._parsed.get(digest)
+        if index is None:  # an index is immutable once named by a head: parse it once
+            index = Index.loads(raw, os.path.join(self.slot_dir(slot), INDEX_FILE))
+            self._parsed = {digest: index, **dict(list(self._parsed.items())[:1])}
         if head is not None and (index.run_id, index.version) != (head.run_id, head.version):
             raise FormatError(
                 f"{self.slot_dir(slot)}/{INDEX_FILE} names version {index.version} of run "
@@ -223,10 +233,19 @@ class Store:
 
     def manifest_in_slot(self, slot: str, head: Head) -> Manifest | None:
         """The version a slot holds if its index is ``head``'s; for re-opening a version that
-        is no longer current (its head was kept by the caller)."""
+        is no longer current (its head was kept by the caller). None if the writer moved on;
+        FormatError if ``head`` is still current and its slot's index does not match it (no
+        writer rewrites the current slot: the store is damaged, and retrying cannot help)."""
         index = self.read_index(slot, head)
-        return None if index is None else Manifest(head, index.tensors, index.shards,
-                                                   index.adapter)
+        if index is None:
+            if self.read_head() == head:
+                raise FormatError(
+                    f"{self.slot_dir(slot)}/{INDEX_FILE} is missing or does not match "
+                    f"{self.manifest_path} (version {head.version}): the store is damaged; "
+                    "publish again from the trainer"
+                )
+            return None
+        return Manifest(head, index.tensors, index.shards, index.adapter)
 
     def require_manifest(self) -> Manifest:
         manifest = self.read_manifest()
@@ -259,12 +278,15 @@ class Store:
     # ---- slots -------------------------------------------------------------------------------
     def read_stamp(self, slot: str) -> tuple[Any, Any]:
         """(version, run_id) the slot's stamp names; version is "writing" while a writer is
-        rewriting it, and (None, None) if the stamp is absent or unreadable."""
+        rewriting it, and (None, None) if the stamp is absent or cannot be read (an I/O
+        error). FormatError if something other than a stamp stands in its place (a symlink,
+        a FIFO, an oversized or garbled file): the store was tampered with, not reused."""
+        parts = (SLOTS_DIR, slot, SLOT_STAMP_FILE)
         try:
-            raw = self.read_small((SLOTS_DIR, slot, SLOT_STAMP_FILE), MAX_STAMP_BYTES)
-            data = None if raw is None else loads_json(raw, SLOT_STAMP_FILE)
-        except (FormatError, OSError):
+            raw = self.read_small(parts, MAX_STAMP_BYTES)
+        except OSError:
             return None, None
+        data = None if raw is None else loads_json(raw, os.path.join(self.root, *parts))
         if not isinstance(data, dict):
             return None, None
         return data.get("version"), data.get("run_id")

@@ -160,13 +160,19 @@ class Sender:
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dbsync-publish")
         self._finalizer = weakref.finalize(self, _release, self._lock_fd,
                                            [self._publisher, self._io])
-        self.store.remove_temp_files()
+        try:
+            self.store.remove_temp_files()
+            self._run_id, self._version, self._slot = self._continue_from_store()
+        except BaseException:
+            # Release now: the traceback (a notebook keeps the last one) still references
+            # this half-built Sender, so garbage collection would not run for a long time.
+            self._finalizer()
+            raise
         self._leases = LeaseMonitor(self.store, lease_timeout)
         self._buffers = (_HostBuffer(), _HostBuffer())
         self._next_buffer = 0
         self._push_lock = threading.Lock()
         self._abort = threading.Event()
-        self._run_id, self._version, self._slot = self._continue_from_store()
         #: the error of the last push that failed (background pushes included), else None
         self.last_error: BaseException | None = None
         self.last_push_seconds: dict[str, float] = {}
@@ -292,9 +298,10 @@ class Sender:
         # From here on the slot is not a complete version: say so before touching its data.
         # (Not fsynced: after a power loss the head still names the other slot, and this
         # stamp only matters to live readers, which see it through the page cache or, on
-        # NFS, at their next open.)
-        self.store.write_stamp(slot, WRITING, None, durable=False)
+        # NFS, at their next open.) On a full disk this first write already fails: the slot
+        # then holds nothing usable either, and is freed like any failed push.
         try:
+            self.store.write_stamp(slot, WRITING, None, durable=False)
             checksums = self._write(slot, pairs, places, shard_sizes, progress)
             t2 = time.perf_counter()
             entries = tuple(

@@ -1,0 +1,140 @@
+"""Processes for tests/test_fleet.py: readers and writers that run in their own PID (and UTS)
+namespaces, hold slots, loop loads, publish with restarting Senders. Not a test module.
+
+Every version v holds tensors whose every element equals v (tests/_workers.py), so a load's
+values alone tell whether it applied exactly one version. Results are JSON files; readiness
+is a file the test waits for (no sleeps order events)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _write_json(path: str, record: object) -> None:
+    tmp = f"{path}.part"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def _wait_for_version(receiver: object) -> None:
+    deadline = time.monotonic() + 30
+    while receiver.latest_version() is None:  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            raise SystemExit("nothing was published within 30 s")
+        time.sleep(0.01)
+
+
+def namespaced(hostname: str, pid: str, *worker: str) -> None:
+    """Run as PID 1 of a fresh PID namespace (``unshare --pid --fork``): set the hostname
+    ('-' keeps the writer's), make the worker's pid ``pid`` (a pid that does not exist in the
+    writer's namespace, as a container's pids do not), run it and exit with its status."""
+    if hostname != "-":
+        socket.sethostname(hostname)
+    if pid != "-":
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(int(pid) - 1))
+        except OSError as exc:
+            print(f"cannot choose the pid ({exc}); using the next free one", file=sys.stderr)
+    child = os.fork()
+    if child == 0:
+        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *worker])
+    _, status = os.waitpid(child, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+
+
+def hold(root: str, ready: str, out: str, lease: str, seconds: str) -> None:
+    """Open (hold) the current version, write ``ready`` ({version, pid, host, pidns}), keep
+    holding it for ``seconds`` (forever if 'forever') while the heartbeat runs, then read
+    every tensor's values, check the slot was not reused, and write ``out``."""
+    import dbsync
+
+    receiver = dbsync.Receiver(root, lease_timeout=float(lease))
+    snap = receiver.open()
+    _write_json(ready, {"version": snap.version, "pid": os.getpid(),
+                        "host": socket.gethostname(), "leased": snap.leased,
+                        "pidns": os.stat("/proc/self/ns/pid").st_ino})
+    if seconds == "forever":
+        while True:
+            time.sleep(1)
+    time.sleep(float(seconds))  # the hold itself: the writer must wait it out
+    values = sorted({float(v) for _, t in snap.tensors() for v in t.float().unique()})
+    try:
+        snap.check_unchanged()
+        trusted = True
+    except dbsync.LeaseExpiredError:
+        trusted = False
+    released = time.monotonic()
+    snap.close()
+    receiver.close()
+    _write_json(out, {"version": snap.version, "values": values, "trusted": trusted,
+                      "released_at": released})
+
+
+def idle(root: str, ready: str, lease: str) -> None:
+    """A registered receiver that never loads (heartbeat only), until killed."""
+    import dbsync
+
+    receiver = dbsync.Receiver(root, lease_timeout=float(lease))
+    _write_json(ready, {"reader_id": receiver.reader_id, "pid": os.getpid()})
+    while True:
+        time.sleep(1)
+
+
+def reader_loop(root: str, out: str, stop: str, lease: str, min_loads: str) -> None:
+    """Load again and again until ``stop`` exists (and at least ``min_loads`` loads were
+    made). Per load: the version returned and the distinct values applied. Errors that say
+    "load again" (the slot was reused under a leaseless read) are counted, not hidden."""
+    import dbsync
+
+    receiver = dbsync.Receiver(root, lease_timeout=float(lease))
+    _wait_for_version(receiver)
+    loads: list[dict[str, object]] = []
+    retried = 0
+    while len(loads) < int(min_loads) or not os.path.exists(stop):
+        seen: set[float] = set()
+
+        def apply(pairs: object, seen: set[float] = seen) -> None:
+            for _name, tensor in pairs:  # type: ignore[attr-defined]
+                seen.update(float(v) for v in tensor.float().unique())
+
+        try:
+            version = receiver.load(apply)
+        except dbsync.LeaseExpiredError:
+            retried += 1
+            continue
+        loads.append({"version": version, "values": sorted(seen)})
+    receiver.close()
+    _write_json(out, {"loads": loads, "retried": retried, "read_only": receiver.read_only})
+
+
+def writer_loop(root: str, stop: str, per_sender: str, out: str) -> None:
+    """Publish version after version (content = the version number) until ``stop`` exists,
+    closing the Sender and starting a new one every ``per_sender`` pushes (a trainer that
+    restarts, or `dbsync push` once per checkpoint)."""
+    sys.path.insert(0, HERE)
+    from _workers import weights_for
+
+    import dbsync
+
+    pushed: list[int] = []
+    senders = 0
+    while not os.path.exists(stop):
+        with dbsync.Sender(root, num_threads=2, lease_timeout=2.0) as sender:
+            senders += 1
+            for _ in range(int(per_sender)):
+                version = (sender.latest_version() or 0) + 1
+                pushed.append(sender.push(weights_for(version)))
+    _write_json(out, {"pushed": pushed, "senders": senders})
+
+
+if __name__ == "__main__":
+    {"namespaced": namespaced, "hold": hold, "idle": idle, "reader_loop": reader_loop,
+     "writer_loop": writer_loop}[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,557 @@
+"""A fleet on one machine: readers in their own PID and UTS namespaces (other hosts, containers
+sharing the writer's hostname), read-only bind mounts, small tmpfs stores that fill up,
+injected ESTALE/EIO, trainers that restart. Real processes, real mounts, real files; each
+test asserts what was applied, which version, and how long the writer waited.
+
+Namespaces and mounts need root and util-linux's ``unshare`` (CI runs as root); elsewhere
+those tests skip, saying so."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from _workers import weights_for
+
+import dbsync
+from dbsync.format import MANIFEST_FILE
+from dbsync.store import Store
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(REPO, "tests", "fleet_workers.py")
+ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None,
+    reason="needs root and util-linux (unshare, mount) to make namespaces and mounts; CI runs "
+           "as root",
+)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def tmpfs(path: Any, size: str) -> Iterator[str]:
+    """A small filesystem of its own (``size`` like "4m"): a disk that can fill up."""
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", path],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+@contextlib.contextmanager
+def read_only_view(base: Any, view: Any) -> Iterator[str]:
+    """``mount --bind`` + ``remount,ro``: what a pod given the store read-only sees."""
+    os.makedirs(view, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(base), str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True)
+        yield str(view)
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=False)
+
+
+def fill(directory: str, name: str = "filler") -> str:
+    """Write a file until the filesystem says ENOSPC; returns its path."""
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for chunk in (1 << 16, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * chunk)
+    finally:
+        os.close(fd)
+    return path
+
+
+def worker(*args: str) -> list[str]:
+    return [sys.executable, WORKERS, *args]
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(worker(*args), env=ENV, start_new_session=True)
+
+
+def in_namespace(hostname: str | None, pid: int | None, *args: str) -> subprocess.Popen:
+    """A worker in a new PID namespace (pid ``pid`` there), and a new UTS namespace with
+    ``hostname`` if given (another host), else sharing the writer's hostname (a container
+    with ``--network host`` / ``hostNetwork``). Killing the returned process kills it all."""
+    cmd = ["unshare", "--pid", "--fork", "--kill-child"]
+    if hostname is not None:
+        cmd.append("--uts")
+    cmd += worker("namespaced", hostname or "-", "-" if pid is None else str(pid), *args)
+    return subprocess.Popen(cmd, env=ENV, start_new_session=True)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def wait_json(path: Any, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> Any:
+    """The JSON a worker writes (atomically) at ``path``; fails early if the worker died."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc is not None and proc.poll() is not None and not os.path.exists(path):
+            raise AssertionError(f"worker exited with {proc.returncode} before writing {path}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} was not written within {timeout} s")
+        time.sleep(0.01)
+    with open(path) as f:
+        return json.load(f)
+
+
+def pid_free_here() -> int:
+    """A pid that no process has in this (the writer's) PID namespace."""
+    for pid in range(30011, 1000, -1):
+        if not os.path.exists(f"/proc/{pid}"):
+            return pid
+    raise AssertionError("no free pid")
+
+
+def values_of(pairs: Any) -> list[float]:
+    return sorted({float(v) for _, t in pairs for v in t.float().unique()})
+
+
+def load(receiver: dbsync.Receiver, timeout: float = 20.0) -> tuple[int, list[float]]:
+    """(version, distinct values applied) of one load, which must finish within ``timeout``
+    (a hung load fails the test instead of hanging it)."""
+    return bounded(lambda: _load(receiver), timeout)
+
+
+def _load(receiver: dbsync.Receiver) -> tuple[int, list[float]]:
+    got: list[list[float]] = []
+    version = receiver.load(lambda pairs: got.append(values_of(pairs)))
+    assert len(got) == 1
+    return version, got[0]
+
+
+def bounded(fn: Callable[[], Any], timeout: float) -> Any:
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise AssertionError(f"still blocked after {timeout} s (wedged)")
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """The real `dbsync` command, in its own process."""
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], env=ENV, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def used_bytes(path: str) -> int:
+    return shutil.disk_usage(path).used
+
+
+# ---- 1. lease write failures never wedge a receiver ----------------------------------------
+@needs_root
+def test_lease_write_failures_never_wedge_a_receiver(tmp_path):
+    """A full disk makes every lease write fail (ENOSPC): loads go on without a lease
+    (private verified copies) and keep working; once there is space again, the receiver
+    leases and acknowledges again."""
+    with tmpfs(tmp_path / "small", "2m") as small:
+        root = os.path.join(small, "store")
+        with dbsync.Sender(root, lease_timeout=1.0) as sender:
+            sender.push(weights_for(1))
+            receiver = dbsync.Receiver(root, lease_timeout=1.0)
+            assert load(receiver) == (1, [1.0])
+            filler = fill(small)
+            for _ in range(3):  # the first failed lease write used to wedge every later load
+                assert load(receiver) == (1, [1.0])
+            snap = bounded(receiver.open, 10)
+            with snap:
+                assert not snap.leased, "no lease can be written on a full disk"
+            os.unlink(filler)
+            assert sender.push(weights_for(2)) == 2
+            assert load(receiver) == (2, [2.0])
+            lease = Store(root).read_leases()[receiver.reader_id]
+            assert lease["loaded_version"] == 2, "acknowledgements resume once leases fit"
+            receiver.close()
+
+
+def test_senders_restarting_while_receivers_loop_never_hang(root, tmp_path):
+    """A trainer restarting (a new Sender per checkpoint) while two receivers loop loads:
+    no receiver hangs, every load applies exactly one whole version."""
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+    stop = str(tmp_path / "stop")
+    outs = [str(tmp_path / f"reader{i}.json") for i in range(2)]
+    readers = [spawn("reader_loop", root, out, stop, "1.0", "10") for out in outs]
+    try:
+        version = 1
+        for _ in range(20):
+            with dbsync.Sender(root, lease_timeout=1.0) as sender:
+                version = sender.push(weights_for(version + 1))
+        open(stop, "w").close()
+        for reader in readers:
+            assert reader.wait(timeout=30) == 0, "a receiver failed"
+    finally:
+        for reader in readers:
+            kill(reader)
+    for out in outs:
+        loads = wait_json(out)["loads"]
+        assert len(loads) >= 10
+        for record in loads:
+            assert record["values"] == [float(record["version"])], record  # one version only
+    assert version == 21
+
+
+# ---- 2. a full disk ------------------------------------------------------------------------
+@needs_root
+def test_full_store_frees_a_failed_push_and_keeps_serving(tmp_path):
+    """On a small tmpfs: a push that cannot fit, a push onto a full disk and a disk that
+    fills up during a push all fail with StoreFullError and leave no partial files (the space
+    is back); the current version still loads and verifies; a push that fits then works."""
+    with tmpfs(tmp_path / "small", "4m") as small:
+        root = os.path.join(small, "store")
+        with dbsync.Sender(root, lease_timeout=1.0) as sender:
+            sender.push(weights_for(1))
+            sender.push(weights_for(2))
+            receiver = dbsync.Receiver(root, lease_timeout=1.0)
+            assert load(receiver) == (2, [2.0])
+
+            before = used_bytes(small)  # too big: refused before a byte is written
+            with pytest.raises(dbsync.StoreFullError, match="nothing was"):
+                sender.push({"w": torch.zeros(2 << 20)})
+            assert used_bytes(small) == before
+
+            fillers = [fill(small, "filler1")]  # a full disk (the slot's files are reusable)
+            assert shutil.disk_usage(small).free < 4096
+            with pytest.raises(dbsync.StoreFullError, match="nothing was published"):
+                sender.push(weights_for(3))
+            assert shutil.disk_usage(small).free >= 6 * 4096 * 4 // 2, "partial files freed"
+
+            # The disk fills up while the push writes (another process writes a log ...).
+            def fill_during_write(done: int, total: int) -> None:
+                if len(fillers) == 1:
+                    fillers.append(fill(small, "filler2"))
+
+            with pytest.raises(dbsync.StoreFullError, match="partial files were removed"):
+                sender.push(weights_for(3), progress=fill_during_write)
+            assert len(fillers) == 2
+            assert shutil.disk_usage(small).free >= 6 * 4096 * 4 // 2, "partial files freed"
+            free_slot = os.path.join(root, "slots", "a")
+            assert not [f for f in os.listdir(free_slot) if f.startswith("shard-")]
+
+            # Still full: the current version loads (leaseless) and verifies.
+            assert load(receiver) == (2, [2.0])
+            verified = cli("verify", root)
+            assert verified.returncode == 0, verified.stderr
+            assert "version 2 OK" in verified.stdout
+
+            for filler in fillers:
+                os.unlink(filler)
+            assert sender.push(weights_for(3)) == 3
+            assert load(receiver) == (3, [3.0])
+            receiver.close()
+
+
+# ---- 3. read-only views ----------------------------------------------------------------------
+@needs_root
+def test_read_only_view_serves_load_wait_watch_status_verify(tmp_path):
+    base = str(tmp_path / "base")
+    with dbsync.Sender(base) as sender:
+        sender.push(weights_for(1))
+        with read_only_view(base, tmp_path / "view") as view:
+            receiver = dbsync.Receiver(view, lease_timeout=1.0)
+            assert receiver.read_only
+            assert load(receiver) == (1, [1.0])
+            seen: list[int] = []
+            got_2 = threading.Event()
+            watcher = receiver.watch(lambda v: (seen.append(v), v == 2 and got_2.set()),
+                                     poll_interval=0.05)
+            try:
+                waited: list[int | None] = []
+                waiter = threading.Thread(
+                    target=lambda: waited.append(receiver.wait(newer_than=1, timeout=20)))
+                waiter.start()
+                assert sender.push(weights_for(2)) == 2
+                waiter.join(30)
+                assert waited == [2]
+                assert got_2.wait(20), f"the watcher saw {seen}"
+            finally:
+                watcher.stop()
+            assert seen == [1, 2]
+            assert load(receiver) == (2, [2.0])
+
+            status = cli("status", view, "--json")
+            assert status.returncode == 0, status.stderr
+            info = json.loads(status.stdout)
+            assert info["version"] == 2 and info["leases_writable"] is False
+            verified = cli("verify", view)
+            assert verified.returncode == 0, verified.stderr
+            assert "version 2 OK" in verified.stdout
+            receiver.close()
+        assert os.listdir(os.path.join(base, "readers")) == [], "nothing registered via ro"
+
+
+@needs_root
+def test_read_only_view_soak_has_no_torn_applies(tmp_path):
+    """A writer publishing without pause (a new Sender every 3 pushes) and a reader loading
+    through a read-only view, over and over: every load applies exactly one version."""
+    base = str(tmp_path / "base")
+    with dbsync.Sender(base) as sender:
+        sender.push(weights_for(1))
+    stop, done = str(tmp_path / "stop"), str(tmp_path / "done")
+    with read_only_view(base, tmp_path / "view") as view:
+        writer = spawn("writer_loop", base, stop, "3", str(tmp_path / "writer.json"))
+        reader = spawn("reader_loop", view, str(tmp_path / "reader.json"), done, "1.0", "60")
+        try:
+            deadline = time.monotonic() + 60
+            while (Store(base).read_head().version < 60 and reader.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)  # the soak runs until the writer has published 60 versions
+            open(done, "w").close()  # then the reader stops (after at least 60 loads)
+            assert reader.wait(timeout=60) == 0, "the reader failed"
+            open(stop, "w").close()
+            assert writer.wait(timeout=30) == 0, "the writer failed"
+        finally:
+            open(stop, "w").close()
+            kill(reader)
+            kill(writer)
+    result = wait_json(tmp_path / "reader.json")
+    pushed = wait_json(tmp_path / "writer.json")
+    assert result["read_only"] is True
+    versions = [r["version"] for r in result["loads"]]
+    torn = [r for r in result["loads"] if r["values"] != [float(r["version"])]]
+    assert torn == [], f"{len(torn)} torn applies"
+    assert len(versions) >= 60 and len(set(versions)) >= 5, versions
+    assert pushed["senders"] >= 3 and len(pushed["pushed"]) >= 10
+
+
+# ---- 4, 5. containers and other hosts --------------------------------------------------------
+@needs_root
+@pytest.mark.parametrize("where", ["container", "other-host"])
+def test_live_reader_in_another_namespace_keeps_its_slot(root, tmp_path, where):
+    """container: the writer's hostname, another PID namespace (its pid means nothing to the
+    writer). other-host: its own hostname and a lease timeout (2 s) four times the writer's
+    (0.5 s). Either way a live, heart-beating reader holding version 1 for 1.5 s is waited for,
+    and the bytes it reads at the end are still version 1's."""
+    hostname = None if where == "container" else "reader-host"
+    pid = pid_free_here()
+    with dbsync.Sender(root, lease_timeout=0.5) as sender:
+        sender.push(weights_for(1))
+        ready, out = tmp_path / "ready.json", tmp_path / "out.json"
+        reader = in_namespace(hostname, pid, "hold", root, str(ready), str(out), "2.0", "1.5")
+        try:
+            info = wait_json(ready, reader)
+            assert info["version"] == 1 and info["leased"]
+            assert info["host"] == (hostname or socket.gethostname())
+            if where == "container":
+                assert info["pid"] == pid and not os.path.exists(f"/proc/{pid}")
+            assert sender.push(weights_for(2)) == 2  # the other slot: free
+            start = time.monotonic()
+            assert sender.push(weights_for(3)) == 3  # the reader's slot
+            flipped = time.monotonic()
+            held = wait_json(out, reader)
+        finally:
+            kill(reader)
+    assert held == {**held, "version": 1, "values": [1.0], "trusted": True}
+    assert flipped >= held["released_at"], "the writer rewrote a slot a live reader held"
+    assert sender.last_push_seconds["wait_for_readers"] <= flipped - start
+    assert flipped - start >= 0.5, "the hold outlasted the writer's own lease timeout"
+
+
+def _state(status: dict[str, Any], reader_id: str) -> str | None:
+    for record in status["receivers"]:
+        if record["id"] == reader_id:
+            return record["state"]
+    return None
+
+
+@needs_root
+def test_dead_reader_on_another_host_costs_one_timeout(root, tmp_path):
+    """A reader on another host (own UTS and PID namespaces) SIGKILLed while holding a slot
+    stalls the writer once (<= 1.5 x lease_timeout over 10 pushes), is shown dead, and its
+    lease is removed after the grace period. A SIGKILLed idle receiver is shown dead too."""
+    timeout = 1.0
+    with dbsync.Sender(root, lease_timeout=timeout) as sender:
+        sender.push(weights_for(1))
+        ready, idle_ready = tmp_path / "ready.json", tmp_path / "idle.json"
+        holder = in_namespace("far-host", None, "hold", root, str(ready), str(tmp_path / "o"),
+                              str(timeout), "forever")
+        idle = spawn("idle", root, str(idle_ready), str(timeout))
+        try:
+            assert wait_json(ready, holder)["version"] == 1
+            idle_id = wait_json(idle_ready, idle)["reader_id"]
+        finally:
+            kill(holder)
+            kill(idle)
+        leases = Store(root).read_leases()
+        (far_id,) = [r for r, lease in leases.items() if lease.get("host") == "far-host"]
+        first = json.loads(cli("status", root, "--json").stdout)
+        assert _state(first, idle_id) == "dead", first["receivers"]
+
+        stalls = []
+        for version in range(2, 12):
+            assert sender.push(weights_for(version)) == version
+            stalls.append(sender.last_push_seconds["wait_for_readers"])
+        assert 0.5 * timeout <= sum(stalls) <= 1.5 * timeout, stalls
+
+        status = json.loads(cli("status", root, "--json").stdout)
+        assert _state(status, far_id) == "dead", status["receivers"]
+        lease_file = os.path.join(root, "readers", f"{far_id}.json")
+        assert os.path.exists(lease_file), "shown dead before it is removed"
+        deadline = time.monotonic() + 4 * timeout
+        version = 11
+        while os.path.exists(lease_file) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the grace period is a time: let it pass, pushing meanwhile
+            version = sender.push(weights_for(version + 1))
+        assert not os.path.exists(lease_file), "a dead lease is removed after the grace period"
+        assert not os.path.exists(os.path.join(root, "readers", f"{idle_id}.json"))
+
+
+# ---- 6. a new run at the same path -------------------------------------------------------------
+def test_new_run_is_followed_and_rewind_refused(root, caplog):
+    with dbsync.Sender(root) as sender:
+        for version in range(1, 6):
+            sender.push(weights_for(version))
+        old_run = sender.run_id
+    receiver = dbsync.Receiver(root, poll_interval=0.05)
+    assert load(receiver) == (5, [5.0])
+    seen: list[int] = []
+    new_run_seen = threading.Event()
+    watcher = receiver.watch(lambda v: (seen.append(v), v == 3 and new_run_seen.set()))
+    try:
+        shutil.rmtree(root)  # a new training run at the same path
+        with dbsync.Sender(root) as sender:
+            heads = []
+            for version in (1, 2, 3):
+                assert sender.push(weights_for(version)) == version
+                heads.append(open(os.path.join(root, MANIFEST_FILE), "rb").read())
+            assert sender.run_id != old_run
+            assert new_run_seen.wait(20), f"the watcher saw only {seen}"
+        assert receiver.wait(newer_than=5, timeout=10) == 3
+        with caplog.at_level(logging.INFO, logger="dbsync"):
+            assert load(receiver) == (3, [3.0])
+        assert any("new run" in r.getMessage() and r.name.startswith("dbsync")
+                   for r in caplog.records)
+        assert seen[0] == 5 and seen[-1] == 3
+
+        # A restored older head within the same run: refused loudly, nothing loaded.
+        with open(os.path.join(root, ".restored"), "wb") as f:
+            f.write(heads[1])
+        os.replace(os.path.join(root, ".restored"), os.path.join(root, MANIFEST_FILE))
+        applied: list[Any] = []
+        with pytest.raises(dbsync.StoreRewoundError, match="version 3 to 2"):
+            receiver.load(applied.append)
+        assert applied == [] and receiver.loaded_version == 3
+    finally:
+        watcher.stop()
+        receiver.close()
+
+
+# ---- 7. transient errors -----------------------------------------------------------------------
+@pytest.mark.parametrize("code", [errno.ESTALE, errno.EIO])
+@pytest.mark.parametrize("target", ["dbsync.json", "index.json", "dbsync-slot.json", "shard"])
+def test_transient_error_opening_a_version_marks_nothing_loaded(root, monkeypatch, code,
+                                                                 target):
+    """An ESTALE or EIO while opening version 2 (its head, index, stamp or a shard) raises,
+    applies nothing, acknowledges nothing; the next load after the hiccup works."""
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+        receiver = dbsync.Receiver(root)
+        assert load(receiver) == (1, [1.0])
+        sender.push(weights_for(2))
+    real = Store.open_regular
+
+    def flaky(self: Store, parts: tuple[str, ...]) -> int:
+        if parts[-1] == target or (target == "shard" and parts[-1].startswith("shard-")):
+            raise OSError(code, os.strerror(code))
+        return real(self, parts)
+
+    monkeypatch.setattr(Store, "open_regular", flaky)
+    applied: list[Any] = []
+    with pytest.raises((OSError, dbsync.DBSyncError)):
+        receiver.load(applied.append)
+    assert applied == [], "nothing may be handed over"
+    assert receiver.loaded_version == 1
+    assert Store(root).read_leases()[receiver.reader_id]["loaded_version"] == 1
+    monkeypatch.undo()
+    assert load(receiver) == (2, [2.0])
+    receiver.close()
+
+
+# ---- 8. objects that hold the lock --------------------------------------------------------------
+def test_dropped_or_failed_senders_release_the_lock(root, tmp_path, monkeypatch):
+    dbsync.Sender(root).push({"w": torch.ones(2)})  # dropped without close()
+    assert dbsync.Sender(root).push({"w": torch.full((2,), 2.0)}) == 2
+
+    def eio(self: Store) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(Store, "read_head", eio)
+    with pytest.raises(OSError) as failed:  # kept alive, like a notebook's last traceback
+        dbsync.Sender(root)
+    monkeypatch.undo()
+    gc.collect()
+    with dbsync.Sender(root) as sender:
+        assert sender.push({"w": torch.full((2,), 3.0)}) == 3
+    assert failed.value.errno == errno.EIO
+
+    typo = str(tmp_path / "stroe")
+    with pytest.raises(dbsync.StoreNotFoundError, match="does not exist"):
+        dbsync.Receiver(typo)
+    assert not os.path.exists(typo)
+
+
+# ---- 9. logging ---------------------------------------------------------------------------------
+@needs_root
+def test_failed_background_push_is_logged_and_kept(tmp_path, caplog):
+    with tmpfs(tmp_path / "small", "2m") as small:
+        root = os.path.join(small, "store")
+        with dbsync.Sender(root) as sender, caplog.at_level(logging.INFO, logger="dbsync"):
+            sender.push(weights_for(1))
+            future = sender.push({"w": torch.zeros(1 << 20)}, blocking=False)  # 4 MiB: no fit
+            with pytest.raises(dbsync.StoreFullError):
+                future.result(timeout=30)
+            failure = sender.last_error
+            assert isinstance(failure, dbsync.StoreFullError)
+            logged = [r for r in caplog.records if r.name.startswith("dbsync")
+                      and r.levelno >= logging.WARNING and "background push" in r.getMessage()]
+            assert logged and str(failure) in logged[0].getMessage()
+
+            writing, go = threading.Event(), threading.Event()
+
+            def hold_the_write(done: int, total: int) -> None:
+                writing.set()
+                go.wait(30)
+
+            nxt = sender.push(weights_for(2), blocking=False, progress=hold_the_write)
+            assert writing.wait(30)
+            assert sender.last_error is failure, "kept while the next push runs"
+            go.set()
+            assert nxt.result(timeout=30) == 2

@@ -262,13 +262,9 @@ class DBSyncTransport:
         if timeout:
             timeout = max(0.0, timeout - (time.monotonic() - started))
         receiver = self._receiver()
-        floor = self.last_version or 0
-        latest = receiver.latest_version()
-        if latest is None or latest <= floor:
-            if not timeout:
-                return None
-            if receiver.wait(newer_than=floor, timeout=timeout) is None:
-                return None
+        # Newer than the version loaded, or a new run (whose versions may be lower).
+        if receiver.wait(timeout=timeout or 0) is None:
+            return None
         copies: dict[str, torch.Tensor] = {}
 
         def load(pairs: Any) -> None:

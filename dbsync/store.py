@@ -309,8 +309,10 @@ class Store:
 
     def open_shard_for_write(self, slot: str, shard: int, size: int) -> int:
         """An fd to write one shard of ``size`` bytes, reusing the file in place when its size
-        is unchanged (keeps its blocks), else resizing and preallocating it."""
+        is unchanged (keeps its blocks), else resizing and preallocating it. Anything but a
+        regular file in its place (a symlink, a FIFO, a device) is removed, never opened."""
         with self.dir_fd(SLOTS_DIR, slot) as dfd:
+            _remove_unless_regular(dfd, shard_file(shard), self.slot_dir(slot))
             fd = os.open(shard_file(shard), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
                          os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
         try:
@@ -456,6 +458,26 @@ def _mkdir(path: str) -> None:
             ) from None
         return
     os.chmod(path, DIR_MODE)  # mkdir's mode is filtered by the umask
+
+
+def _remove_unless_regular(dir_fd: int, name: str, where: str) -> None:
+    """Unlink ``name`` in ``dir_fd`` (a slot the writer is about to rewrite) if it is anything
+    but a regular file; a directory there is refused (FormatError), never removed."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        return
+    path = os.path.join(where, name)
+    if stat.S_ISDIR(st.st_mode):
+        raise FormatError(f"{path} is a directory, not a shard file; remove it and publish again")
+    log.warning("%s is %s, not a regular file: removing it before writing the slot", path,
+                _kind(st.st_mode))
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
 
 
 def _kind(mode: int) -> str:

@@ -1,0 +1,577 @@
+"""Hostile and broken stores and inputs (docs/FORMAT.md section 9): nothing a store or a source
+directory holds may run code, make a reader open a file outside the store, hang a reader or the
+writer, exhaust memory, escape as a non-dbsync exception, or hand over part of a version.
+
+Every tampering case checks: the error class, that the version loaded before keeps serving,
+that nothing outside the store was opened (inotify on the outside files), and that every call
+returned within a bound (each runs in a thread joined with a timeout)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pickle
+import stat
+import struct
+import threading
+import tracemalloc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+from click.testing import CliRunner
+
+import dbsync
+from cli.main import cli
+from dbsync.errors import DamagedVersionError, FormatError, InvalidWeightsError
+from dbsync.format import INDEX_FILE, MANIFEST_FILE, MAX_HEAD_BYTES, SLOT_STAMP_FILE, shard_file
+from dbsync.store import Store
+
+BOUND_S = 10.0  # no call in this file may take longer (a hang fails the test, never the suite)
+V1 = {"a": torch.full((4,), 1.0), "b": torch.arange(6, dtype=torch.int32),
+      "c": torch.full((2, 3), 1.0, dtype=torch.bfloat16)}
+V2 = {"a": torch.full((4,), 2.0), "b": torch.arange(6, dtype=torch.int32) * 2,
+      "c": torch.full((2, 3), 2.0, dtype=torch.bfloat16)}
+
+
+# ---- helpers -------------------------------------------------------------------------------
+def publish(root: str, weights: Any) -> int:
+    with dbsync.Sender(root) as sender:
+        return sender.push(weights)
+
+
+def bounded(fn: Callable[[], Any], seconds: float = BOUND_S) -> tuple[Any, BaseException | None]:
+    """(result, exception) of ``fn()`` run in a thread; fails the test if it does not return
+    within ``seconds`` (the thread is a daemon: a hang cannot stop the test run)."""
+    out: list[Any] = [None, None]
+
+    def run() -> None:
+        try:
+            out[0] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out[1] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still running after {seconds} s"
+    return out[0], out[1]
+
+
+def refused(fn: Callable[[], Any], cls: type[BaseException] = FormatError) -> BaseException:
+    """The error ``fn`` raised (within the bound); it must be a ``cls``."""
+    result, exc = bounded(fn)
+    assert exc is not None, f"accepted a tampered store (returned {result!r})"
+    assert isinstance(exc, cls), f"{type(exc).__name__}: {exc}"
+    return exc
+
+
+def run_cli(*args: str) -> Any:
+    """``dbsync ARGS`` in-process, bounded; must fail with exit 1 and a plain message."""
+    result, exc = bounded(lambda: CliRunner().invoke(cli, list(args)))
+    assert exc is None, exc
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        repr(result.exception))
+    assert "Traceback" not in result.output and "bug in dbsync" not in result.output, (
+        result.output)
+    return result
+
+
+def cli_refuses(root: str, *needles: str) -> None:
+    for command in ("verify", "status"):
+        result = run_cli(command, root)
+        assert result.exit_code == 1, (command, result.output)
+        assert "Error:" in result.output, (command, result.output)
+        for needle in needles:
+            assert needle in result.output, (command, needle, result.output)
+
+
+class Serving:
+    """A ``load_weights`` that keeps what it was handed (what an engine would serve) and
+    counts every tensor it received."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.received = 0
+
+    def __call__(self, pairs: Any) -> None:
+        for name, tensor in pairs:
+            self.received += 1
+            self.weights[name] = tensor.clone()
+
+
+def assert_serving(rx: dbsync.Receiver, serving: Serving, version: int,
+                   weights: dict[str, torch.Tensor], received: int) -> None:
+    """The receiver still has ``version`` applied, and nothing more was handed over."""
+    assert rx.loaded_version == version
+    assert serving.received == received, "tensors of a refused version reached load_weights"
+    for name, tensor in weights.items():
+        assert torch.equal(serving.weights[name], tensor), name
+
+
+@contextmanager
+def loaded_v1_then_v2(root: str) -> Iterator[tuple[dbsync.Receiver, Serving]]:
+    """V1 published and loaded by a receiver, then V2 published (slot b), not loaded yet."""
+    publish(root, V1)
+    serving = Serving()
+    rx = dbsync.Receiver(root, lease_timeout=2.0)
+    try:
+        assert rx.load(serving) == 1
+        assert publish(root, V2) == 2
+        yield rx, serving
+    finally:
+        rx.close()
+
+
+def current_slot_dir(root: str) -> str:
+    store = Store(root)
+    return store.slot_dir(store.require_manifest().slot)
+
+
+class OpenSpy:
+    """inotify on outside files and directories: records every open and read of them (a
+    symlink followed from the store would show up here)."""
+
+    _IN_ACCESS, _IN_OPEN = 0x1, 0x20
+
+    def __init__(self, *paths: str):
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        for path in paths:
+            wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path),
+                                              self._IN_ACCESS | self._IN_OPEN)
+            assert wd >= 0, os.strerror(ctypes.get_errno())
+
+    def events(self) -> int:
+        count = 0
+        try:
+            while True:
+                buf = os.read(self.fd, 1 << 16)
+                pos = 0
+                while pos < len(buf):
+                    _wd, mask, _cookie, size = struct.unpack_from("iIII", buf, pos)
+                    count += bool(mask & (self._IN_ACCESS | self._IN_OPEN))
+                    pos += 16 + size
+        except BlockingIOError:
+            return count
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def outside_copy(src: str, dst: str) -> None:
+    """Copy a file or directory (its bytes would pass every check) outside the store."""
+    if os.path.isdir(src):
+        os.mkdir(dst)
+        for name in os.listdir(src):
+            outside_copy(os.path.join(src, name), os.path.join(dst, name))
+    else:
+        with open(src, "rb") as f, open(dst, "wb") as g:
+            g.write(f.read())
+
+
+def read_json(path: str) -> Any:
+    with open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def forge(root: str, index: Callable[[dict], Any] | None = None,
+          head: Callable[[dict], Any] | None = None) -> None:
+    """Rewrite the current index and head the way a hostile writer would: consistently (the
+    head's index length and checksum match the forged index). Each callable edits the JSON in
+    place or returns raw bytes to write instead."""
+    head_path = os.path.join(root, MANIFEST_FILE)
+    head_json = read_json(head_path)
+    index_path = os.path.join(Store(root).slot_dir(head_json["slot"]), INDEX_FILE)
+    index_json = read_json(index_path)
+    raw = index(index_json) if index is not None else None
+    if not isinstance(raw, bytes):
+        raw = json.dumps(index_json).encode()
+    write_bytes(index_path, raw)
+    head_json["index"].update(nbytes=len(raw), checksum=xxhash.xxh3_64_hexdigest(raw))
+    raw_head = head(head_json) if head is not None else None
+    if not isinstance(raw_head, bytes):
+        raw_head = json.dumps(head_json).encode()
+    write_bytes(head_path, raw_head)
+
+
+@pytest.fixture
+def fifos() -> Iterator[list[str]]:
+    """FIFOs a test creates; on teardown each is opened for writing once, which releases any
+    reader blocked on it (so a failing run does not leave a thread stuck forever)."""
+    made: list[str] = []
+    yield made
+    for path in made:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass  # nobody is blocked on it
+
+
+# ---- 1. code execution -----------------------------------------------------------------------
+class _Marker:
+    """Unpickling this creates the marker file (what a crafted pickle could do)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def test_tensordict_pickle_is_never_loaded(root, tmp_path):
+    from tensordict import NonTensorData, TensorDict
+
+    publish(root, V1)
+    before = open(os.path.join(root, MANIFEST_FILE), "rb").read()
+    src, marker = str(tmp_path / "td"), str(tmp_path / "marker")
+    TensorDict({"w": torch.ones(3), "layer": {"b": torch.zeros(2)},
+                "note": NonTensorData(_Marker(str(tmp_path / "unused")))},
+               batch_size=[]).memmap(src)
+    pickled = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs
+               if f.endswith((".pickle", ".pkl"))]
+    assert pickled, "tensordict no longer pickles non-tensor entries: craft one by hand"
+    for path in pickled:  # the crafted payload: loading it creates `marker`
+        write_bytes(path, pickle.dumps(_Marker(marker)))
+
+    result = run_cli("push", src, root)
+    assert result.exit_code == 1, result.output
+    assert "note" in result.output and "never unpickles" in result.output, result.output
+    with dbsync.Sender(root) as sender:
+        exc = refused(lambda: sender.push(src), InvalidWeightsError)
+        assert "note" in str(exc) and "nothing was written" in str(exc)
+        assert sender.latest_version() == 1
+    assert not os.path.exists(marker), "a pickle from the source directory was loaded"
+    assert open(os.path.join(root, MANIFEST_FILE), "rb").read() == before
+
+
+# ---- 2. leaving the store --------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["slot", "shard", "index", "stamp", "head"])
+def test_symlinks_are_never_followed(root, tmp_path, target):
+    with loaded_v1_then_v2(root) as (rx, serving):
+        slot_dir = current_slot_dir(root)
+        inside = {"slot": slot_dir, "shard": os.path.join(slot_dir, shard_file(0)),
+                  "index": os.path.join(slot_dir, INDEX_FILE),
+                  "stamp": os.path.join(slot_dir, SLOT_STAMP_FILE),
+                  "head": os.path.join(root, MANIFEST_FILE)}[target]
+        outside = str(tmp_path / f"outside-{target}")
+        outside_copy(inside, outside)  # the very bytes the store held: every checksum passes
+        os.rename(inside, str(tmp_path / "moved-away"))
+        os.symlink(outside, inside)
+        spy = OpenSpy(outside)
+        try:
+            what = (FormatError, DamagedVersionError) if target == "shard" else FormatError
+            exc = refused(lambda: rx.load(serving), what)
+            assert "symlink" in str(exc) or "not a plain directory" in str(exc), exc
+            if target in ("slot", "index", "head"):
+                refused(lambda: rx.manifest())
+            if target == "head":
+                refused(rx.latest_version)
+            else:
+                assert bounded(rx.latest_version)[0] == 2  # the head alone is intact
+            cli_refuses(root)
+            assert spy.events() == 0, f"the store's {target} symlink was followed"
+        finally:
+            spy.close()
+        assert_serving(rx, serving, 1, V1, received=len(V1))
+
+
+# ---- 3. hangs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["shard", "stamp", "index", "head"])
+def test_fifos_never_block(root, fifos, target):
+    with loaded_v1_then_v2(root) as (rx, serving):
+        slot_dir = current_slot_dir(root)
+        path = {"shard": os.path.join(slot_dir, shard_file(0)),
+                "stamp": os.path.join(slot_dir, SLOT_STAMP_FILE),
+                "index": os.path.join(slot_dir, INDEX_FILE),
+                "head": os.path.join(root, MANIFEST_FILE)}[target]
+        os.unlink(path)
+        os.mkfifo(path)
+        fifos.append(path)
+        what = (FormatError, DamagedVersionError) if target == "shard" else FormatError
+        exc = refused(lambda: rx.load(serving), what)
+        assert "FIFO" in str(exc) + str(getattr(exc, "damaged", "")), exc
+        if target == "head":
+            refused(rx.latest_version)
+        else:
+            assert bounded(rx.latest_version)[0] == 2
+        cli_refuses(root, "FIFO")
+        assert_serving(rx, serving, 1, V1, received=len(V1))
+
+        # The refused reader (still open, still heart-beating) holds no slot: the writer can
+        # publish into both slots, the one with the FIFO included, within the bound.
+        def push_twice() -> list[int]:
+            with dbsync.Sender(root, lease_timeout=60.0) as sender:
+                return [sender.push(V1), sender.push(V2)]
+
+        versions, exc = bounded(push_twice)
+        assert exc is None, exc
+        assert rx.load(serving) == versions[-1]
+        assert_serving(rx, serving, versions[-1], V2, received=2 * len(V1))
+
+
+# ---- oversized records -----------------------------------------------------------------------
+def test_oversized_records_are_refused(root, tmp_path):
+    with loaded_v1_then_v2(root) as (rx, serving):
+        head = os.path.join(root, MANIFEST_FILE)
+        good = open(head, "rb").read()
+
+        os.unlink(head)
+        os.symlink("/dev/zero", head)
+        assert "symlink" in str(refused(rx.latest_version))
+        assert "symlink" in str(refused(lambda: rx.load(serving)))
+        cli_refuses(root, "symlink")
+
+        # A regular head past the bound, yet valid JSON (so only the bound refuses it).
+        os.unlink(head)
+        write_bytes(head, good + b" " * MAX_HEAD_BYTES)
+        tracemalloc.start()
+        try:
+            exc = refused(rx.latest_version)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert "more than" in str(exc), exc
+        assert peak < MAX_HEAD_BYTES // 4, f"{peak} bytes allocated to refuse it"
+        refused(lambda: rx.load(serving))
+        cli_refuses(root)
+
+        # An index far larger than the head says (sparse: it costs no disk) is not read.
+        write_bytes(head, good)
+        index = os.path.join(current_slot_dir(root), INDEX_FILE)
+        os.truncate(index, 256 << 20)
+        tracemalloc.start()
+        try:
+            refused(lambda: rx.load(serving))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, f"{peak} bytes allocated to refuse a 256 MiB index"
+        assert_serving(rx, serving, 1, V1, received=len(V1))
+
+
+# ---- 5. garbled manifests --------------------------------------------------------------------
+_WRONG = [None, True, -1, 1.5, "x", [], {}, [1, 2], {"a": 1}, 2**70]
+_HEAD_FIELDS = ["format", "format_version", "run_id", "version", "slot", "kind", "created_at",
+                "index", "tensor_count", "total_bytes"]
+_INDEX_FIELDS = ["format", "format_version", "run_id", "version", "checksum_algorithm",
+                 "shards", "tensors", "adapter"]
+_TENSOR_FIELDS = ["name", "dtype", "shape", "shard", "offset", "checksum"]
+
+
+def _set(path: list[Any], value: Any) -> Callable[[dict], None]:
+    def edit(data: dict) -> None:
+        for key in path[:-1]:
+            data = data[key]
+        data[path[-1]] = value
+    return edit
+
+
+def _set_tensor(field: str, value: Any) -> Callable[[dict], None]:
+    """Set a field of the index's first tensor (the index keeps one list per field)."""
+    def edit(index: dict) -> None:
+        index["tensors"][field][0] = value
+    return edit
+
+
+def _append_tensor(index: dict, entry: dict[str, Any]) -> None:
+    columns = index["tensors"]
+    for field, values in columns.items():
+        values.append(entry[field])
+
+
+def _garbled_cases() -> list[tuple[str, dict[str, Any]]]:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    digits = b"1" * 5000
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("head deeply nested", {"head": lambda h: deep}),
+        ("index deeply nested", {"index": lambda i: deep}),
+        ("head 5000-digit version", {"head": lambda h: json.dumps(h).replace(
+            f'"version": {h["version"]}', '"version": ' + digits.decode()).encode()}),
+        ("index 5000-digit shape", {"index": lambda i: json.dumps(i).replace(
+            '"shape": [[4]', '"shape": [[' + digits.decode() + "]").encode()}),
+        ("dtype is a list", {"index": _set_tensor("dtype", ["float32"])}),
+        ("dtype is a dict", {"index": _set_tensor("dtype", {"float32": 1})}),
+        ("columns of different lengths", {"index": lambda i: i["tensors"]["name"].pop()}),
+        ("name twice", {"index": _set_tensor("name", "b")}),
+        ("head not UTF-8", {"head": lambda h: b"\xff\xfe" + json.dumps(h).encode()}),
+        ("head NaN created_at", {"head": _set(["created_at"], float("nan"))}),
+        ("head is a list", {"head": lambda h: b"[]"}),
+        ("index is a string", {"index": lambda i: b'"dbsync-index"'}),
+        ("shard offset outside", {"index": _set_tensor("offset", 1 << 40)}),
+        ("shard missing from list", {"index": _set_tensor("shard", 7)}),
+        ("tensors is a list of objects", {"index": _set(["tensors"], [{"name": "a"}])}),
+    ]
+    for field in _HEAD_FIELDS:
+        for n, value in enumerate(_WRONG):
+            if field == "created_at" and type(value) in (int, float):
+                continue  # any finite number is a valid (informational) time
+            cases.append((f"head.{field}={n}", {"head": _set([field], value)}))
+    for field in _INDEX_FIELDS:
+        for n, value in enumerate(_WRONG):
+            if field == "adapter" and (value is None or isinstance(value, dict)):
+                continue  # null and any object are valid adapters
+            cases.append((f"index.{field}={n}", {"index": _set([field], value)}))
+    for field in _TENSOR_FIELDS:
+        wrong = _WRONG if field != "shape" else [
+            v for v in _WRONG if v not in ([], [1, 2])] + [[-1], ["4"], [True], [4.0], [2**70]]
+        for n, value in enumerate(wrong):  # ([] and [1, 2] are shapes: checksums refuse them)
+            if field == "name" and value == "x":
+                continue  # a valid name: the writer is trusted with names and contents
+            cases.append((f"tensor.{field}={n}", {"index": _set_tensor(field, value)}))
+    return cases
+
+
+def test_garbled_manifests_raise_format_errors(root):
+    with loaded_v1_then_v2(root) as (rx, serving):
+        slot_dir = current_slot_dir(root)
+        head_path, index_path = os.path.join(root, MANIFEST_FILE), os.path.join(slot_dir,
+                                                                                INDEX_FILE)
+        good_head, good_index = open(head_path, "rb").read(), open(index_path, "rb").read()
+        accepted = []
+        for label, edits in _garbled_cases():
+            write_bytes(head_path, good_head)
+            write_bytes(index_path, good_index)
+            forge(root, **edits)
+            _, exc = bounded(lambda: rx.load(serving))
+            if exc is None:
+                accepted.append(label)
+                continue
+            assert isinstance(exc, FormatError), f"{label}: {type(exc).__name__}: {exc}"
+            assert len(str(exc)) < 4000, f"{label}: an error message of {len(str(exc))} chars"
+        assert not accepted, f"garbled manifests accepted: {accepted}"
+        assert_serving(rx, serving, 1, V1, received=len(V1))
+
+        # A few through the command line: one plain line, exit 1, never "a bug in dbsync".
+        for _label, edits in _garbled_cases()[:4]:
+            write_bytes(head_path, good_head)
+            write_bytes(index_path, good_index)
+            forge(root, **edits)
+            cli_refuses(root, "not valid JSON")
+
+        # A manifest that is a directory.
+        os.unlink(head_path)
+        os.mkdir(head_path)
+        assert "directory" in str(refused(rx.latest_version))
+        refused(lambda: rx.load(serving))
+        cli_refuses(root, "directory")
+        assert_serving(rx, serving, 1, V1, received=len(V1))
+
+
+# ---- 6. impossible shapes --------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [[0, 2**64], [0, 2**62, 4], [2**40, 2**40], [2**62, 2, 0, 3]],
+                         ids=["0x2^64", "stride-overflow", "huge-numel", "zero-then-overflow"])
+def test_impossible_shapes_refused_before_apply(root, shape):
+    with loaded_v1_then_v2(root) as (rx, serving):
+        def add_impossible(index: dict) -> None:
+            # after three good tensors: a partial apply would hand those over first
+            _append_tensor(index, {"name": "impossible", "dtype": "float32", "shape": shape,
+                                   "shard": 0, "offset": 0,
+                                   "checksum": xxhash.xxh3_64_hexdigest(b"")})
+
+        forge(root, index=add_impossible)
+        refused(lambda: rx.load(serving))
+        assert_serving(rx, serving, 1, V1, received=len(V1))
+        with pytest.raises(FormatError):
+            rx.manifest()
+        cli_refuses(root)
+
+
+# ---- 7. inputs -------------------------------------------------------------------------------
+def test_truncated_tensordict_source_is_refused_naming_the_file(root, tmp_path):
+    from tensordict import TensorDict
+
+    publish(root, V1)
+    src = str(tmp_path / "td")
+    TensorDict({"w": torch.ones(1000), "layer": {"b": torch.ones(10)}}, batch_size=[]).memmap(src)
+    memmap = os.path.join(src, "w.memmap")
+    os.truncate(memmap, 100)
+    with dbsync.Sender(root) as sender:
+        exc = refused(lambda: sender.push(src), InvalidWeightsError)
+        assert memmap in str(exc) and "truncated" in str(exc), exc
+        assert sender.latest_version() == 1
+    result = run_cli("push", src, root)
+    assert result.exit_code == 1 and memmap in result.output, result.output
+    assert dbsync.Receiver(root).latest_version() == 1
+
+
+def test_every_bad_key_is_listed_whatever_its_encoding(root):
+    publish(root, V1)
+    bad = {"ok": torch.ones(1), "lone\udc80surrogate": torch.ones(1), "": torch.ones(1),
+           "nul\x00": torch.ones(1), "lr": 0.1, "\udcff": "text"}
+    with dbsync.Sender(root) as sender:
+        exc = refused(lambda: sender.push(bad), InvalidWeightsError)
+        message = str(exc)
+        message.encode("utf-8")  # the error itself is printable anywhere
+        assert "'lone\\udc80surrogate'" in message and "lone surrogate" in message, message
+        assert "'\\udcff'" in message and "lr: is a float" in message and "nul" in message, (
+            message)
+        assert message.startswith("5 entries"), message
+        assert sender.latest_version() == 1
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_conj_and_neg_views_round_trip(root, blocking):
+    z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 10)
+    r = torch.arange(6.0).reshape(2, 3)
+    weights = {"conj": z.conj(), "neg": torch._neg_view(r), "conj_neg": torch._neg_view(z.conj()),
+               "conj_t": z.reshape(2, 2).conj().t()}
+    assert weights["conj"].is_conj() and weights["neg"].is_neg()
+    expected = {n: t.resolve_conj().resolve_neg().clone() for n, t in weights.items()}
+    with dbsync.Sender(root) as sender:
+        result = sender.push(weights, blocking=blocking)
+        version = result if blocking else result.result(timeout=BOUND_S)
+    assert version == 1
+    got: dict[str, torch.Tensor] = {}
+    with dbsync.Receiver(root) as rx:
+        rx.load(lambda pairs: got.update((n, t.clone()) for n, t in pairs))
+    for name, want in expected.items():
+        assert torch.equal(got[name], want), name
+        assert not got[name].is_conj() and not got[name].is_neg(), name
+
+
+def test_fp8_versions_open_as_a_tensordict(root):
+    weights = {"layer.w": torch.randn(4, 8).to(torch.float8_e4m3fn),
+               "layer.s": torch.randn(3).to(torch.float8_e5m2),
+               "bias": torch.randn(5, dtype=torch.bfloat16)}
+    publish(root, weights)
+    with dbsync.Receiver(root) as rx, rx.open() as snap:
+        snap.verify()
+        td = snap.tensordict()
+        assert set(td.keys()) == set(weights)
+        for name, tensor in weights.items():
+            assert td[name].dtype == tensor.dtype, name
+            assert torch.equal(td[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+# ---- 8. permissions --------------------------------------------------------------------------
+def test_store_modes_ignore_the_umask(root):
+    old = os.umask(0)
+    try:
+        publish(root, V1)
+        publish(root, V2)
+        with dbsync.Receiver(root, reader_id="reader") as rx:
+            rx.load(lambda pairs: None)
+            modes = {}
+            for directory, dirs, files in os.walk(root):
+                for name in dirs + files:
+                    path = os.path.join(directory, name)
+                    modes[os.path.relpath(path, root)] = stat.S_IMODE(os.lstat(path).st_mode)
+    finally:
+        os.umask(old)
+    assert {"slots", "readers", "slots/a", "slots/b", MANIFEST_FILE,
+            "readers/reader.json", "slots/a/index.json"} <= set(modes), sorted(modes)
+    wrong = {p: oct(m) for p, m in modes.items()
+             if m != (0o755 if os.path.isdir(os.path.join(root, p)) else 0o644)}
+    assert not wrong, wrong
+

@@ -42,6 +42,7 @@ from .errors import (
 )
 from .format import (
     INDEX_FILE,
+    SHARD_BYTES,
     SLOTS,
     Head,
     Index,
@@ -57,6 +58,7 @@ from .store import WRITING, Store
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
+_SHARDS_PER_BATCH = 64
 #: ``push`` accepts: an ``nn.Module``, a mapping of names to tensors, a ``TensorDict``, or a
 #: path (``.safetensors`` file, checkpoint directory, ``.pt``/``.bin`` state dict, tensordict
 #: memmap directory).
@@ -169,6 +171,8 @@ class Sender:
             self._finalizer()
             raise
         self._leases = LeaseMonitor(self.store, lease_timeout)
+        #: target shard size (bytes); the same weights always get the same layout
+        self.shard_bytes = SHARD_BYTES
         self._buffers = (_HostBuffer(), _HostBuffer())
         self._next_buffer = 0
         self._push_lock = threading.Lock()
@@ -293,7 +297,7 @@ class Sender:
         t1 = time.perf_counter()
 
         sizes = [t.numel() * t.element_size() for _, t in pairs]
-        places, shard_sizes = plan_shards(sizes)
+        places, shard_sizes = plan_shards(sizes, self.shard_bytes)
         self._check_space(slot, shard_sizes)
         # From here on the slot is not a complete version: say so before touching its data.
         # (Not fsynced: after a power loss the head still names the other slot, and this
@@ -382,14 +386,25 @@ class Sender:
                     done[0] += n
                     progress(done[0], total)
 
-        fds: list[int] = []
-        try:
-            for i, size in enumerate(shard_sizes):
-                fds.append(self.store.open_shard_for_write(slot, i, size))
-            return fileio.write_shards(fds, placed, self._io, self.durable, on_bytes)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        # Shards are written in batches, so the open files stay bounded whatever the size of
+        # the model (a 1 TB version has 2,000 shards; the common soft limit is 1,024 files).
+        checksums: list[str] = [""] * len(placed)
+        for first in range(0, len(shard_sizes), _SHARDS_PER_BATCH):
+            last = min(first + _SHARDS_PER_BATCH, len(shard_sizes))
+            members = [i for i, p in enumerate(placed) if first <= p.shard < last]
+            batch = [fileio.Placed(placed[i].data, placed[i].shard - first, placed[i].offset)
+                     for i in members]
+            fds: list[int] = []
+            try:
+                for shard in range(first, last):
+                    fds.append(self.store.open_shard_for_write(slot, shard, shard_sizes[shard]))
+                sums = fileio.write_shards(fds, batch, self._io, self.durable, on_bytes)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            for i, digest in zip(members, sums, strict=True):
+                checksums[i] = digest
+        return checksums
 
     def wait_for_receivers(self, version: int, count: int, timeout: float | None = None
                            ) -> bool:

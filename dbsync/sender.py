@@ -36,6 +36,7 @@ from . import fileio, sources
 from .errors import (
     DBSyncError,
     FormatError,
+    InvalidWeightsError,
     StalenessError,
     StoreFullError,
     UnsupportedFormatError,
@@ -170,6 +171,7 @@ class Sender:
             # this half-built Sender, so garbage collection would not run for a long time.
             self._finalizer()
             raise
+        self._kind: str | None = None
         self._leases = LeaseMonitor(self.store, lease_timeout)
         #: target shard size (bytes); the same weights always get the same layout
         self.shard_bytes = SHARD_BYTES
@@ -215,7 +217,8 @@ class Sender:
         return None if head is None else head.version
 
     def push(self, weights: Weights, blocking: bool = True,
-             progress: Progress | None = None) -> Any:
+             progress: Progress | None = None,
+             adapter_config: dict[str, Any] | None = None) -> Any:
         """Publish ``weights`` as the next version.
 
         ``blocking=True`` returns the new version (an int) once it is published (durable and
@@ -228,6 +231,9 @@ class Sender:
             raise DBSyncError("this Sender is closed; create a new one")
         with self._push_lock:
             pairs = sources.collect(weights, self.strategy)  # dtype is applied below
+            adapter = adapter_config if adapter_config is not None else (
+                sources.adapter_config_of(weights))
+            self._check_kind("adapter" if adapter is not None else "weights")
             needs_copy = not blocking or any(t.device.type != "cpu" for _, t in pairs)
             if needs_copy:
                 buffer = self._buffers[self._next_buffer]
@@ -242,7 +248,7 @@ class Sender:
                 pairs = [(n, sources.materialize(t, sources.target_dtype(t, self.dtype)))
                          for n, t in pairs]
             self._abort.clear()
-            future = self._publisher.submit(self._publish, pairs, progress)
+            future = self._publisher.submit(self._publish, pairs, progress, adapter)
             future.add_done_callback(self._on_done if not blocking else self._on_done_quietly)
             if buffer is not None:
                 buffer.user = future
@@ -288,7 +294,24 @@ class Sender:
             time.sleep(interval)
             interval = min(interval * 1.5, 0.25)
 
-    def _publish(self, pairs: sources.Pairs, progress: Progress | None) -> int:
+    def _check_kind(self, kind: str) -> None:
+        """A store holds one kind of version (full weights or LoRA adapters)."""
+        current = self._kind
+        if current is None:
+            try:
+                head = self.store.read_head()
+            except (FormatError, OSError):
+                head = None
+            current = None if head is None else head.kind
+        if current is not None and current != kind:
+            raise InvalidWeightsError(
+                f"{self.store.root} holds {current} versions; these are {kind}. A store holds "
+                "one kind: publish them into another ROOT; nothing was written"
+            )
+        self._kind = kind
+
+    def _publish(self, pairs: sources.Pairs, progress: Progress | None,
+                 adapter: dict[str, Any] | None = None) -> int:
         t0 = time.perf_counter()
         lagged = self._wait_for_lag()
         version = self._version + 1
@@ -313,7 +336,7 @@ class Sender:
                 for (name, t), size, (shard, offset), c in zip(pairs, sizes, places, checksums,
                                                                 strict=True)
             )
-            index = Index(self._run_id, version, entries, tuple(shard_sizes)).dumps()
+            index = Index(self._run_id, version, entries, tuple(shard_sizes), adapter).dumps()
             keep = {INDEX_FILE, *(shard_file(i) for i in range(len(shard_sizes)))}
             self.store.remove_slot_files(slot, keep)
             self.store.write_index(slot, index, durable=self.durable)
@@ -334,6 +357,7 @@ class Sender:
             raise
         head = Head(
             run_id=self._run_id, version=version, slot=slot,
+            kind="adapter" if adapter is not None else "weights",
             index_checksum=fileio.checksum(index), index_nbytes=len(index),
             created_at=time.time(), durable=self.durable, tensor_count=len(entries),
             total_bytes=sum(sizes), writer={"host": socket.gethostname(), "pid": os.getpid()},

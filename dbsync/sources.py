@@ -113,6 +113,32 @@ def _validate(pairs: list[tuple[Any, Any]]) -> None:
         )
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_config_of(weights: Any) -> dict[str, Any] | None:
+    """The PEFT configuration if ``weights`` is a PEFT adapter directory (``adapter_config.json``
+    next to ``adapter_model.safetensors``), else None."""
+    if not isinstance(weights, str | os.PathLike):
+        return None
+    path = os.fspath(weights)
+    config_path = os.path.join(path, ADAPTER_CONFIG)
+    if not (os.path.isdir(path) and os.path.isfile(config_path)):
+        return None
+    try:
+        with open(config_path, "rb") as f:
+            config = json.loads(f.read(1 << 20).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InvalidWeightsError(f"{config_path} is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise InvalidWeightsError(f"{config_path} must hold a JSON object")
+    if not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
+        raise InvalidWeightsError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}; "
+                                  "save the adapter with PEFT's save_pretrained")
+    return config
+
+
 # ---- paths ---------------------------------------------------------------------------------
 def load_path(path: str) -> Pairs:
     if not os.path.exists(path):

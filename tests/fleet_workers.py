@@ -59,7 +59,7 @@ def hold(root: str, ready: str, out: str, lease: str, seconds: str) -> None:
     receiver = dbsync.Receiver(root, lease_timeout=float(lease))
     snap = receiver.open()
     _write_json(ready, {"version": snap.version, "pid": os.getpid(),
-                        "host": socket.gethostname(), "leased": snap.leased,
+                        "host": socket.gethostname(), "leased": getattr(snap, "leased", True),
                         "pidns": os.stat("/proc/self/ns/pid").st_ino})
     if seconds == "forever":
         while True:
@@ -112,7 +112,8 @@ def reader_loop(root: str, out: str, stop: str, lease: str, min_loads: str) -> N
             continue
         loads.append({"version": version, "values": sorted(seen)})
     receiver.close()
-    _write_json(out, {"loads": loads, "retried": retried, "read_only": receiver.read_only})
+    _write_json(out, {"loads": loads, "retried": retried,
+                      "read_only": getattr(receiver, "read_only", None)})
 
 
 def writer_loop(root: str, stop: str, per_sender: str, out: str) -> None:

@@ -792,7 +792,7 @@ class DBSyncScheme(WeightSyncScheme):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for key in ("_writer_obj", "_sender", "_receiver", "_receiver_transport",
-                    "_shared_transport", "_sender_transports"):
+                    "_shared_transport", "_sender_transports", "_watch_error"):
             state[key] = None
         state["_writer_lock"] = None
         return state

@@ -181,11 +181,12 @@ class DemoServer:
 
 
 def _dbsync_command() -> list[str]:
-    """The installed ``dbsync`` script next to this interpreter, else ``python -m cli.main``."""
+    """The installed ``dbsync`` script next to this interpreter, else
+    ``python -m dbsync_cli.main``."""
     script = Path(sys.executable).with_name("dbsync")
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "cli.main"]
+    return [sys.executable, "-m", "dbsync_cli.main"]
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -26,9 +26,9 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -62,8 +62,14 @@ Progress = Callable[[int, int], None]
 _SHARDS_PER_BATCH = 64
 #: ``push`` accepts: an ``nn.Module``, a mapping of names to tensors, a ``TensorDict``, or a
 #: path (``.safetensors`` file, checkpoint directory, ``.pt``/``.bin`` state dict, tensordict
-#: memmap directory).
-Weights = Any
+#: memmap directory, PEFT adapter directory).
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
+    Weights = torch.nn.Module | Mapping[str, torch.Tensor] | TensorDictBase | str | \
+        os.PathLike[str]
+else:
+    Weights = Any
 
 
 class PushInterrupted(KeyboardInterrupt):
@@ -216,9 +222,19 @@ class Sender:
         head = self.store.read_head()
         return None if head is None else head.version
 
+    @overload
+    def push(self, weights: Weights, blocking: Literal[True] = True,
+             progress: Progress | None = None,
+             adapter_config: dict[str, Any] | None = None) -> int: ...
+
+    @overload
+    def push(self, weights: Weights, blocking: Literal[False],
+             progress: Progress | None = None,
+             adapter_config: dict[str, Any] | None = None) -> Future[int]: ...
+
     def push(self, weights: Weights, blocking: bool = True,
              progress: Progress | None = None,
-             adapter_config: dict[str, Any] | None = None) -> Any:
+             adapter_config: dict[str, Any] | None = None) -> int | Future[int]:
         """Publish ``weights`` as the next version.
 
         ``blocking=True`` returns the new version (an int) once it is published (durable and

@@ -378,7 +378,16 @@ class Store:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise self._not_regular((WRITER_LOCK_FILE,), "not a regular file")
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+                    raise
+                raise DBSyncError(
+                    f"{self.root} does not support file locks ({exc.strerror}); on Lustre mount "
+                    "with -o flock (or -o localflock for a single writer host), on NFS make "
+                    "sure the lock service (NLM/lockd, or NFSv4) is running"
+                ) from None
         except BlockingIOError:
             os.close(fd)
             raise StoreBusyError(

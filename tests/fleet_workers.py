@@ -98,6 +98,7 @@ def reader_loop(root: str, out: str, stop: str, lease: str, min_loads: str) -> N
     _wait_for_version(receiver)
     loads: list[dict[str, object]] = []
     retried = 0
+    errors: list[dict[str, object]] = []
     while len(loads) < int(min_loads) or not os.path.exists(stop):
         seen: set[float] = set()
 
@@ -107,12 +108,13 @@ def reader_loop(root: str, out: str, stop: str, lease: str, min_loads: str) -> N
 
         try:
             version = receiver.load(apply)
-        except dbsync.LeaseExpiredError:
+        except dbsync.LeaseExpiredError as exc:
             retried += 1
+            errors.append({"error": str(exc), "applied": sorted(seen)})
             continue
         loads.append({"version": version, "values": sorted(seen)})
     receiver.close()
-    _write_json(out, {"loads": loads, "retried": retried,
+    _write_json(out, {"loads": loads, "retried": retried, "errors": errors[:20],
                       "read_only": getattr(receiver, "read_only", None)})
 
 

@@ -10,20 +10,27 @@ from typing import Any
 import pytest
 
 from dbsync import IncompatibleWeightsError, Sender
-from tests.vllm_helpers import engine_kwargs, greedy, reference, tiny_model
+from tests.vllm_helpers import child_output_to, engine_kwargs, greedy, reference, tiny_model
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def llm() -> Any:
+def engine_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the engine's core and worker processes write their log."""
+    return tmp_path_factory.mktemp("engine-log") / "engine.log"
+
+
+@pytest.fixture(scope="module")
+def llm(engine_log: Path) -> Any:
     from vllm import LLM
 
     from dbsync import vllm as dbsync_vllm
 
     reference("B")  # overlaps this engine's start-up
-    engine = LLM(model=str(tiny_model("A")), **engine_kwargs(**dbsync_vllm.engine_args()))
+    with child_output_to(engine_log):
+        engine = LLM(model=str(tiny_model("A")), **engine_kwargs(**dbsync_vllm.engine_args()))
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -74,3 +81,28 @@ def test_one_shot_apply_latest(llm: Any, tmp_path: Path) -> None:
         version = sender.push(str(tiny_model("B")))
     assert dbsync_vllm.apply_latest(llm, store) == version
     assert greedy(llm) == reference("B").result() != a_weights
+
+
+def test_superseded_apply_logs_info_and_keeps_weights(llm: Any, tmp_path: Path,
+                                                      engine_log: Path) -> None:
+    """The store moving on while a version is applied is a normal race: the worker applies
+    nothing, the engine keeps serving what it had, and neither vLLM process logs an ERROR
+    traceback for it (one INFO line each)."""
+    from dbsync.vllm.plugin import SUPERSEDED
+
+    store = tmp_path / "store"
+    with Sender(store) as sender:
+        version = sender.push(str(tiny_model("B")))
+    before = greedy(llm)
+    start = engine_log.stat().st_size
+    llm.start_weight_update()
+    with pytest.raises(Exception, match="superseded") as info:
+        llm.update_weights({"update_info": {"root": str(store), "version": version + 1}})
+    assert "nothing applied" in str(info.value)
+    assert greedy(llm) == before  # nothing applied; the session ended with the failure
+    with open(engine_log, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    race = [line for line in text.splitlines() if SUPERSEDED in line]
+    assert len(race) == 2 and all(" INFO " in line for line in race), race  # worker, core
+    assert "Traceback" not in text and " ERROR " not in text, text[-3000:]

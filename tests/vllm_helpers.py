@@ -299,6 +299,28 @@ class Server:
         self.stop()
 
 
+@contextlib.contextmanager
+def child_output_to(path: Path) -> Iterator[None]:
+    """Processes started inside this block write their stdout and stderr into ``path``
+    (file descriptors 1 and 2 are redirected meanwhile, then restored): an engine's worker
+    and core processes, whose log lines a test wants to read."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "ab") as f:
+        try:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
 def scrape_metrics(base: str, prefix: str = "dbsync_") -> dict[str, float]:
     """``/metrics`` samples whose name starts with ``prefix``: ``'name{labels}' -> value``."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:

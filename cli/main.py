@@ -416,10 +416,17 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
 @click.option("--drain-timeout", type=click.FloatRange(0, min_open=True), default=30.0,
               show_default=True, metavar="S",
               help="Seconds --pause-mode wait lets requests in flight finish.")
+@click.option("--lora", default=None, metavar="NAME",
+              help="ROOT holds LoRA adapters: serve --model with LoRA enabled and each new "
+                   "adapter version as model NAME, without pausing generation.")
+@click.option("--max-loras", type=click.IntRange(2), default=2, show_default=True,
+              metavar="N", help="With --lora: adapter versions kept loaded (the trainer's "
+                                "staleness + 1 or more).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float | None,
                transport: str, pause_mode: str, drain_timeout: float,
-               vllm_args: tuple[str, ...]) -> None:
+               vllm_args: tuple[str, ...], lora: str | None = None,
+               max_loras: int = 2) -> None:
     """Serve --model with vLLM's OpenAI server and hot-swap every version published in ROOT.
 
     Arguments after `--` go to vLLM, e.g. `-- --dtype bfloat16 --max-model-len 4096`. Adds
@@ -437,6 +444,8 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
             "--drain-timeout", str(drain_timeout)]
     if poll_interval is not None:
         argv += ["--poll-interval", str(poll_interval)]
+    if lora is not None:
+        argv += ["--lora", lora, "--max-loras", str(max_loras)]
     try:
         code = server.main([*argv, "--", *vllm_args])
     except OSError as exc:

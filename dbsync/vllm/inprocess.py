@@ -187,7 +187,7 @@ def attach(engine: Any, root: str | os.PathLike[str], *, watch: bool = True,
            poll_interval: float | None = None, loop: asyncio.AbstractEventLoop | None = None,
            on_version: Callable[[int], Any] | None = None,
            transport: str = "auto", pause_mode: str = "keep",
-           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> Attachment:
+           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, lora: str | None = None) -> Any:
     """Attach the dbsync store at ``root`` to ``engine`` (a ``vllm.LLM`` or ``AsyncLLM``
     created with ``**dbsync.vllm.engine_args()``). With ``watch`` a background watcher follows
     the store (see ``Attachment.watch``). ``model_dir``: the checkpoint the engine was started
@@ -196,7 +196,15 @@ def attach(engine: Any, root: str | os.PathLike[str], *, watch: bool = True,
     ``pause_mode`` (``AsyncLLM`` only): what happens to requests in flight during a swap:
     "keep" (held, finished on the new version), "wait" (drained first, at most
     ``drain_timeout`` seconds, then the rest kept) or "abort" (see
-    ``dbsync.vllm.controller``)."""
+    ``dbsync.vllm.controller``).
+
+    ``lora="NAME"``: ``root`` holds LoRA adapters; returns a ``dbsync.vllm.lora.LoRAAttachment``
+    whose ``latest()`` is the ``LoRARequest`` of the newest version (the engine needs
+    ``enable_lora=True``, not the dbsync backend; see docs/LORA.md)."""
+    if lora is not None:
+        from .lora import attach_lora
+
+        return attach_lora(engine, root, lora, model_dir=model_dir, verify=verify)
     attachment = Attachment(engine, root, model_dir=model_dir, verify=verify,
                             poll_interval=poll_interval, loop=loop, transport=transport,
                             pause_mode=pause_mode, drain_timeout=drain_timeout)

@@ -69,12 +69,19 @@ _GATED_PREFIXES = ("/v1/", "/health", "/generate", "/inference/", "/invocations"
 def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
           port: int = 8000, extra_args: Sequence[str] = (),
           poll_interval: float | None = None, transport: str = "auto",
-          pause_mode: str = "keep", drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:
+          pause_mode: str = "keep", drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+          lora: str | None = None, max_loras: int = 2) -> None:
     """Run the server until it is stopped (SIGINT/SIGTERM). ``extra_args`` are vLLM server
     arguments (e.g. ``["--dtype", "bfloat16", "--max-model-len", "4096"]``). ``transport``:
     "auto", "broadcast" or "filesystem"; ``pause_mode``: "keep", "wait" (drain for at most
     ``drain_timeout`` seconds) or "abort" (see the module docstring). Raises ``DBSyncError``
     for arguments that cannot work with dbsync."""
+    if lora is not None:  # a store of LoRA adapters, served as model ``lora``
+        from .lora_server import serve_lora
+
+        serve_lora(root, model, lora, max_loras, host=host, port=port, extra_args=extra_args,
+                   poll_interval=poll_interval)
+        return
     check_transport(transport)
     check_pause_mode(pause_mode)
     check_model(model)
@@ -304,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
                         help="seconds --pause-mode wait lets requests in flight finish "
                              f"(default {DEFAULT_DRAIN_TIMEOUT:g})")
+    parser.add_argument("--lora", default=None, metavar="NAME",
+                        help="ROOT holds LoRA adapters: serve MODEL with LoRA enabled and each "
+                             "new adapter version as model NAME, without pausing generation "
+                             "(docs/LORA.md)")
+    parser.add_argument("--max-loras", type=int, default=2, metavar="N",
+                        help="with --lora: adapter versions kept loaded (>= 2; the trainer's "
+                             "staleness + 1 or more)")
     return parser
 
 
@@ -322,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         serve(opts.root, opts.model, host=opts.host, port=opts.port, extra_args=extra,
               poll_interval=opts.poll_interval, transport=opts.transport,
-              pause_mode=opts.pause_mode, drain_timeout=opts.drain_timeout)
+              pause_mode=opts.pause_mode, drain_timeout=opts.drain_timeout,
+              lora=opts.lora, max_loras=opts.max_loras)
     except DBSyncError as exc:
         print(f"dbsync serve-vllm: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,315 @@
+"""``dbsync serve-vllm ROOT --model BASE --lora NAME [--max-loras N]``: serve BASE with LoRA
+enabled and follow a store of adapter versions, served as model ``NAME``.
+
+Each new version is prepared off the engine (verified, checked, materialised: see
+``dbsync.vllm.lora``), loaded into the running engine with ``add_lora`` (one engine-core
+utility call between two scheduler steps: generation is never paused) and then made the
+target of model ``NAME`` (vLLM's OpenAI layer resolves a request's model name to a
+``LoRARequest`` when the request arrives). Requests already running keep the ``LoRARequest``
+they were admitted with and finish on that version. The last N versions stay loaded
+(``--max-loras``, vLLM's ``max_loras`` and ``max_cpu_loras``); an older version is dropped
+from the engine, and its directory deleted once its last request ends.
+
+``GET /dbsync/status``: ``mode: "lora"``, ``name``, ``version`` (newest served; null before
+the first), ``lora_int_id``, ``loaded_at``, ``kept`` (the loaded versions, each with its
+requests ``in_flight``), ``refused`` (the last refused version and why, until a newer one is
+served), ``refusals``, ``published_version``, ``last_error`` (store errors, retried with
+backoff), ``healthy`` (always true: the base weights are never touched), ``timings`` of the
+last swap. Requests for ``NAME`` before a first version is served get vLLM's 404.
+
+Hazard: ``--transport``/``--pause-mode`` do not apply (adapters are read from the filesystem
+and never pause generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from ..errors import DBSyncError, NothingPublishedError
+from ..watch import Watcher
+from .lora import AdapterRefusedError, AdapterVersion, AdapterVersions, expected_of
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LORA_RANK = 16
+_RETRY_MIN, _RETRY_MAX = 0.5, 30.0
+
+
+class LoRAServing:
+    """Applies each new adapter version of ``versions`` to ``engine`` (an ``AsyncLLM`` /
+    ``EngineClient`` running on ``loop``) and points ``models.lora_requests[name]`` (vLLM's
+    ``OpenAIServingModels``) at it. ``apply_latest`` blocks; call it from a thread other than
+    the loop's. ``start_watching`` runs one thread that applies each version the store's
+    watcher reports, and retries store errors with backoff."""
+
+    def __init__(self, versions: AdapterVersions, engine: Any, loop: asyncio.AbstractEventLoop,
+                 models: Any = None, poll_interval: float | None = None,
+                 rpc_timeout: float = 120.0):
+        self.versions = versions
+        self.engine = engine
+        self.loop = loop
+        self.models = models
+        self.poll_interval = poll_interval
+        self.rpc_timeout = rpc_timeout
+        self.healthy = True
+        self.last_error: str | None = None
+        self.published_version: int | None = None
+        self.timings: dict[str, float] = {}
+        self._apply_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._watcher: Watcher | None = None
+
+    # the attributes server.install_routes reads
+    @property
+    def state(self) -> LoRAServing:
+        return self
+
+    @property
+    def version(self) -> int | None:
+        cur = self.versions.current
+        return None if cur is None else cur.version
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.rpc_timeout)
+
+    def apply_latest(self) -> int | None:
+        """Serve the store's current version (if new); return the newest served version.
+        Raises ``AdapterRefusedError`` when it does not fit (the previous one keeps serving)
+        and store errors as they come (recorded in ``last_error``)."""
+        with self._apply_lock:
+            t0 = time.perf_counter()
+            try:
+                prepared = self.versions.prepare()
+            except AdapterRefusedError:
+                self.last_error = None
+                raise
+            except (DBSyncError, OSError) as exc:
+                if not isinstance(exc, NothingPublishedError):
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                raise
+            if prepared is None:
+                self.last_error = None
+                return self.version
+            t1 = time.perf_counter()
+            try:
+                self._run(self.engine.add_lora(prepared.request))
+            except Exception as exc:  # noqa: BLE001 - vLLM's own refusal of this adapter
+                raise self.versions.refuse(prepared, _vllm_reason(exc)) from None
+            t2 = time.perf_counter()
+            self._run(self._point(prepared))
+            for old in self.versions.commit(prepared):
+                with contextlib.suppress(Exception):
+                    self._run(self.engine.remove_lora(old.lora_int_id))
+                self.versions.retire(old)
+            self.last_error = None
+            self.timings = {"prepare_s": t1 - t0, "add_lora_s": t2 - t1,
+                            "total_s": time.perf_counter() - t0}
+            log.info("dbsync: serving adapter %s version %d (lora_int_id %d; prepared in "
+                     "%.1f ms, loaded in %.1f ms)", self.versions.name, prepared.version,
+                     prepared.lora_int_id, 1e3 * (t1 - t0), 1e3 * (t2 - t1))
+            return prepared.version
+
+    async def _point(self, prepared: AdapterVersion) -> None:
+        if self.models is not None:
+            self.models.lora_requests[self.versions.name] = prepared.request
+
+    # ---- following the store ---------------------------------------------------------------
+    def start_watching(self) -> None:
+        self._thread = threading.Thread(target=self._follow, name="dbsync-lora", daemon=True)
+        self._thread.start()
+        self._watcher = Watcher(self.versions.root, self._noticed,
+                                poll_interval=self.poll_interval).start()
+
+    def _noticed(self, version: int) -> None:
+        self.published_version = version
+        self._wake.set()
+
+    def _follow(self) -> None:
+        delay = _RETRY_MIN
+        failing = False
+        while not self._stop.is_set():
+            # woken by the watcher; on failure, retried with backoff (never spins)
+            self._wake.wait(delay if failing else 5.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.apply_latest()
+                failing, delay = False, _RETRY_MIN
+            except (AdapterRefusedError, NothingPublishedError):
+                failing = False  # refused versions are not retried; a new one wakes us
+            except Exception as exc:  # noqa: BLE001 - recorded in status, retried
+                if not failing:
+                    log.warning("dbsync: could not apply adapter version (%s); retrying", exc)
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                failing, delay = True, min(delay * 2, _RETRY_MAX) if failing else _RETRY_MIN
+
+    # ---- requests in flight ------------------------------------------------------------
+    def wrap_generate(self, engine_client: Any) -> None:
+        """Count the requests running on each adapter version, so a dropped version's
+        directory stays until its last request ends."""
+        original = engine_client.generate
+        versions = self.versions
+
+        async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            request = kwargs.get("lora_request")
+            lora_id = None if request is None else getattr(request, "lora_int_id", None)
+            if lora_id is not None:
+                versions.acquire(lora_id)
+            try:
+                async for out in original(*args, **kwargs):
+                    yield out
+            finally:
+                if lora_id is not None:
+                    versions.release(lora_id)
+
+        engine_client.generate = generate
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": "lora", **self.versions.status(), "healthy": self.healthy,
+                "published_version": self.published_version, "last_error": self.last_error,
+                "timings": self.timings}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10)
+        self.versions.close()
+
+
+def _vllm_reason(exc: BaseException) -> str:
+    text = str(exc)
+    start = text.find("Worker failed with error '")
+    if start >= 0:
+        text = text[start + len("Worker failed with error '"):].split("', please check")[0]
+    return text[:1000]
+
+
+# ---- the server -----------------------------------------------------------------------------
+def check_lora_args(name: str, max_loras: int, model: str, extra: Sequence[str]) -> None:
+    if max_loras < 2:
+        raise DBSyncError("--max-loras must be at least 2 (the newest version and the one "
+                          "requests still running were admitted on); use the trainer's "
+                          "staleness + 1 or more")
+    if not name or "@" in name or "/" in name:
+        raise DBSyncError(f"--lora {name!r}: the adapter's model name must be non-empty, "
+                          "without '@' or '/'")
+    if name == model or name == os.path.basename(os.path.normpath(model)):
+        raise DBSyncError(f"--lora {name!r} must differ from the base model's name")
+    for flag in ("--max-loras", "--max-cpu-loras", "--lora-modules"):
+        if any(a == flag or a.startswith(flag + "=") for a in extra):
+            raise DBSyncError(f"with --lora, pass {flag} to serve-vllm itself (--max-loras) "
+                              "or leave it out")
+
+
+def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: int = 2,
+               host: str | None = None, port: int = 8000, extra_args: Sequence[str] = (),
+               poll_interval: float | None = None) -> None:
+    """Run the LoRA server until it is stopped (see the module docstring)."""
+    from .checkpoint import check_model
+    from .server import _apply_defaults, _configure_logging
+
+    check_model(model)
+    extra = list(extra_args)
+    check_lora_args(name, max_loras, model, extra)
+    import uvloop
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    for flag in ("--model", "--host", "--port"):
+        if any(a == flag or a.startswith(flag + "=") for a in extra):
+            raise DBSyncError(f"pass {flag} to serve-vllm itself, not after '--'")
+    argv = ["--model", model, "--port", str(port), *extra]
+    if host is not None:
+        argv += ["--host", host]
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(description="dbsync serve-vllm --lora"))
+    args = parser.parse_args(argv)
+    if (getattr(args, "api_server_count", None) or 1) > 1 or (
+            getattr(args, "data_parallel_size", 1) or 1) > 1:
+        raise DBSyncError("serve-vllm runs one API server and one engine; remove "
+                          "--api-server-count / --data-parallel-size")
+    args.enable_lora = True
+    args.max_loras = max_loras
+    args.max_cpu_loras = max_loras
+    if not any(a == "--max-lora-rank" or a.startswith("--max-lora-rank=") for a in extra):
+        args.max_lora_rank = DEFAULT_MAX_LORA_RANK
+    configure_logging_from_args(args)
+    _configure_logging()
+    _apply_defaults(args, extra)
+    validate_parsed_serve_args(args)
+    uvloop.run(_serve(args, os.fspath(root), name, max_loras, poll_interval))
+
+
+async def _serve(args: Any, root: str, name: str, max_loras: int,
+                 poll_interval: float | None) -> None:
+    from vllm import envs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
+    from .server import _quiet_shutdown, install_routes
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    serving: LoRAServing | None = None
+    try:
+        async with build_async_engine_client(args) as engine_client:
+            _quiet_shutdown(engine_client)
+            vllm_config = engine_client.vllm_config
+            versions = AdapterVersions(root, name, expected_of(vllm_config, args.model),
+                                       max_rank=vllm_config.lora_config.max_lora_rank,
+                                       keep=max_loras)
+            serving = LoRAServing(versions, engine_client, asyncio.get_running_loop(),
+                                  poll_interval=poll_interval)
+            serving.wrap_generate(engine_client)
+            supported_tasks = await engine_client.get_supported_tasks()
+            app = build_app(args, supported_tasks, engine_client.model_config)
+            install_routes(app, serving)  # type: ignore[arg-type]
+            await init_app_state(engine_client, app.state, args, supported_tasks)
+            serving.models = app.state.openai_serving_models
+            try:
+                await asyncio.to_thread(serving.apply_latest)
+            except NothingPublishedError:
+                log.info("dbsync: no adapter published in %s yet; model %s is served from "
+                         "the first one", root, name)
+            except (DBSyncError, OSError):
+                pass  # recorded and logged; the follower retries what is not a refusal
+            serving.start_watching()
+            uvicorn_kwargs: dict[str, Any] = {}
+            if (log_config := get_uvicorn_log_config(args)) is not None:
+                uvicorn_kwargs["log_config"] = log_config
+            log.info("dbsync: serving %s with adapter %s on %s (store %s, version %s)",
+                     args.model, name, listen_address, root, serving.version)
+            shutdown_task = await serve_http(
+                app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
+                host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                ssl_ciphers=args.ssl_ciphers,
+                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                h11_max_header_count=args.h11_max_header_count, **uvicorn_kwargs)
+            serving.stop()
+        await shutdown_task
+    finally:
+        if serving is not None:
+            serving.stop()
+        sock.close()

@@ -15,6 +15,10 @@ A lease is dead when its reader is gone:
 
 A dead reader costs the writer one timeout, not one per push: a beat once found dead stays
 dead until it changes. A lease dead for another timeout is removed (``DEAD_LEASE_GRACE``).
+A hold blocks only while the slot still holds the version it names: once a writer has judged
+the reader dead and rewritten the slot, the hold protects nothing, so a writer started later
+(``dbsync push`` once per checkpoint: a new Sender per push, knowing nothing of what earlier
+ones saw) does not wait for it again.
 
 Hazard: a reader stalled for longer than its timeout (a debugger, a swapped-out process) loses
 its lease and the writer may reuse its slot. The reader detects this afterwards through the
@@ -80,6 +84,33 @@ def held_slots(lease: dict[str, Any]) -> set[str]:
     return set()
 
 
+def held_versions(lease: dict[str, Any], slot: str) -> list[Any]:
+    """The versions a lease says it holds in ``slot`` (None where a record names none)."""
+    held = lease.get("held")
+    if isinstance(held, list):
+        return [h[1] if len(h) > 1 else None for h in held
+                if isinstance(h, list) and h and h[0] == slot]
+    if lease.get("state") == READING and lease.get("slot") == slot:
+        return [lease.get("version")]
+    return []
+
+
+def blocks(lease: dict[str, Any], slot: str, stamp_version: Any) -> bool:
+    """Whether a (live) lease keeps the writer out of ``slot``, whose stamp names
+    ``stamp_version``. A hold of another version than the slot holds is void: that version
+    was already overwritten (after its reader was judged dead), and its reader, if alive, finds
+    out from the stamp. Where the stamp is unreadable, every hold counts."""
+    versions = held_versions(lease, slot)
+    if not versions:
+        return False
+    if stamp_version == "writing":
+        return False  # an interrupted write: the slot holds no version anyone could read
+    if isinstance(stamp_version, int) and not isinstance(stamp_version, bool):
+        return any(v == stamp_version or not isinstance(v, int) or isinstance(v, bool)
+                   for v in versions)
+    return True
+
+
 def lease_timeout_of(lease: dict[str, Any], default: float) -> float:
     value = lease.get("lease_timeout")
     if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
@@ -142,9 +173,12 @@ class LeaseMonitor:
         return live, dead
 
     def holders(self, slot: str) -> list[str]:
-        """Reader ids whose live lease holds ``slot`` right now."""
+        """Reader ids whose live lease holds the version ``slot`` holds, right now."""
         live, _ = self.scan()
-        return sorted(r for r, lease in live.items() if slot in held_slots(lease))
+        if not any(slot in held_slots(lease) for lease in live.values()):
+            return []
+        stamp_version, _ = self.store.read_stamp(slot)
+        return sorted(r for r, lease in live.items() if blocks(lease, slot, stamp_version))
 
     def wait_until_free(self, slot: str, sleep: Callable[[float], None] = time.sleep,
                         interval: float = 0.02) -> float:

@@ -11,7 +11,14 @@ import time
 from typing import Any
 
 from .errors import DBSyncError, ReceiverRefusedError
-from .leases import DEFAULT_LEASE_TIMEOUT, READING, held_slots, lease_timeout_of
+from .leases import (
+    DEFAULT_LEASE_TIMEOUT,
+    READING,
+    held_slots,
+    lease_timeout_of,
+    pid_alive,
+    same_pid_namespace,
+)
 from .store import Store
 
 LIVE, IDLE, DEAD, REFUSED = "live", "idle", "dead", "refused"
@@ -33,9 +40,15 @@ def refusal_of(lease: dict[str, Any]) -> tuple[int, str] | None:
 
 
 def state_of(lease: dict[str, Any], now: float | None = None) -> str:
-    """live (holding a slot), idle, refused, or dead (not refreshed for longer than its own
-    lease timeout: judged by wall clocks, so only for display; the writer never uses this)."""
+    """live (holding a slot), idle, refused, or dead: its process is gone (checked only where
+    its pid means something here: same host, boot and PID namespace), or it was not
+    refreshed for twice its own lease timeout (judged by wall clocks, so only for display;
+    the writer never uses this)."""
     now = time.time() if now is None else now
+    pid = lease.get("pid")
+    if same_pid_namespace(lease) and isinstance(pid, int) and not isinstance(pid, bool) and (
+            pid > 0 and not pid_alive(pid)):
+        return DEAD
     updated = lease.get("updated_at")
     if isinstance(updated, int | float) and now - updated > 2 * lease_timeout_of(
             lease, DEFAULT_LEASE_TIMEOUT):

@@ -447,6 +447,8 @@ def test_dead_reader_on_another_host_costs_one_timeout(root, tmp_path):
         (far_id,) = [r for r, lease in leases.items() if lease.get("host") == "far-host"]
         first = json.loads(cli("status", root, "--json").stdout)
         assert _state(first, idle_id) == "dead", first["receivers"]
+        library = dbsync.status.store_status(Store(root))  # the same, for library users
+        assert _state(library, idle_id) == "dead", library["receivers"]
 
         stalls = []
         for version in range(2, 12):
@@ -577,6 +579,14 @@ def test_dropped_or_failed_senders_release_the_lock(root, tmp_path, monkeypatch)
     with dbsync.Sender(root) as sender:
         assert sender.push({"w": torch.full((2,), 3.0)}) == 3
     assert failed.value.errno == errno.EIO
+
+    dropped = dbsync.Receiver(root)  # dropped without close(): its lease goes with it
+    lease_file = os.path.join(root, "readers", f"{dropped.reader_id}.json")
+    assert os.path.exists(lease_file)
+    del dropped
+    gc.collect()
+    assert not os.path.exists(lease_file)
+    assert not [t for t in threading.enumerate() if t.name == "dbsync-lease"]
 
     typo = str(tmp_path / "stroe")
     with pytest.raises(dbsync.StoreNotFoundError, match="does not exist"):

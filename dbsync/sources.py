@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from . import fileio
 from .errors import InvalidWeightsError
 from .format import describe_name, is_supported_dtype, name_problem
 
@@ -242,8 +244,17 @@ def _read_tensordict_level(directory: str, prefix: str, pairs: Pairs, problems: 
         problems.append(f"{directory}: nested more than 32 levels deep")
         return
     try:
-        with open(meta_path, "rb") as f:
-            raw = f.read(64 << 20)
+        # O_NONBLOCK: a FIFO in place of meta.json is refused, never waited on
+        fd = os.open(meta_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_META_BYTES:
+                problems.append(f"{meta_path} is not a regular file of at most "
+                                f"{_MAX_META_BYTES >> 20} MiB; save the tensordict again")
+                return
+            raw = fileio.read_exact(fd, st.st_size, 0)
+        finally:
+            os.close(fd)
         meta = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         problems.append(f"{meta_path} is not readable JSON ({type(exc).__name__}: {exc})")
@@ -279,6 +290,7 @@ def _read_tensordict_level(directory: str, prefix: str, pairs: Pairs, problems: 
                             "unpickles: drop it from the tensordict before saving")
 
 
+_MAX_META_BYTES = 64 << 20
 _TD_META_KEYS = {"shape", "device", "_type", "_format_version", "_class", "names",
                  "batch_size", "_non_tensor", "leaves", "is_nested", "meta", "_metadata"}
 
@@ -300,9 +312,12 @@ def _tensordict_leaf(directory: str, key: str, name: str, value: dict[str, Any]
         numel *= d
     nbytes = numel * dtype.itemsize
     try:
-        size = os.stat(file).st_size
+        st = os.stat(file)
     except FileNotFoundError:
         return f"{name}: {file} is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{name}: {file} is not a regular file (a FIFO, device or directory)"
+    size = st.st_size
     if size != nbytes:
         return (f"{name}: {file} holds {size} bytes but its metadata says {nbytes} "
                 f"({dtype_text} {shape}); the directory is truncated or damaged")

@@ -528,6 +528,23 @@ def test_truncated_tensordict_source_is_refused_naming_the_file(root, tmp_path):
         assert rx.latest_version() == 1
 
 
+@pytest.mark.parametrize("fifo", ["meta.json", "w.memmap", "layer/meta.json"])
+def test_tensordict_source_fifos_never_block(root, tmp_path, fifos, fifo):
+    from tensordict import TensorDict
+
+    publish(root, V1)
+    src = str(tmp_path / "td")
+    TensorDict({"w": torch.ones(10), "layer": {"b": torch.ones(10)}}, batch_size=[]).memmap(src)
+    path = os.path.join(src, fifo)
+    os.unlink(path)
+    os.mkfifo(path)
+    fifos.append(path)
+    with dbsync.Sender(root) as sender:
+        exc = refused(lambda: sender.push(src), InvalidWeightsError)
+        assert path in str(exc) or os.path.dirname(path) in str(exc), exc
+        assert sender.latest_version() == 1
+
+
 def test_every_bad_key_is_listed_whatever_its_encoding(root):
     publish(root, V1)
     bad = {"ok": torch.ones(1), "lone\udc80surrogate": torch.ones(1), "": torch.ones(1),

@@ -196,7 +196,17 @@ def test_lease_write_failures_never_wedge_a_receiver(tmp_path):
             sender.push(weights_for(1))
             receiver = dbsync.Receiver(root, lease_timeout=1.0)
             assert load(receiver) == (1, [1.0])
-            filler = fill(small)
+            fillers: list[str] = []
+
+            def fill_then_stall(pairs: Any) -> None:  # the disk fills during a leased load,
+                list(pairs)                            # which then outlasts its lease
+                fillers.append(fill(small))
+                time.sleep(1.2)
+
+            with pytest.raises(dbsync.LeaseExpiredError, match="could not renew"):
+                bounded(lambda: receiver.load(fill_then_stall), 20)
+            assert receiver.loaded_version == 1
+            filler = fillers[0]
             for _ in range(3):  # the first failed lease write used to wedge every later load
                 assert load(receiver) == (1, [1.0])
             snap = bounded(receiver.open, 10)

@@ -206,8 +206,15 @@ def _receiver(rank: int, args: argparse.Namespace, root: str, commands: Any,
     params: dict[str, torch.Tensor] = {}
 
     def load_weights(pairs: Any) -> None:
-        for name, t in pairs:
-            params[name].copy_(t)
+        if args.receiver_load == "iterate":  # diagnosis: take the stream, copy nothing
+            for _name, _t in pairs:
+                pass
+        elif args.receiver_load == "keep":  # as vLLM staging: keep what whole_version hands out
+            for name, t in pairs:
+                params[name] = t
+        else:
+            for name, t in pairs:
+                params[name].copy_(t)
         torch.cuda.synchronize()
 
     def dying(pairs: Any) -> None:
@@ -317,7 +324,8 @@ def measure_size(d: Driver, args: argparse.Namespace, gb: float, seed: int) -> d
         push = d.collect([0], 600)[0]
         take = d.collect(receivers, 600)
         for r in receivers:
-            exact &= take[r]["fingerprints"] == push["fingerprints"]
+            if args.receiver_load != "iterate":
+                exact &= take[r]["fingerprints"] == push["fingerprints"]
             take[r].pop("fingerprints")
         push.pop("fingerprints")
         pushes.append(push)
@@ -438,6 +446,10 @@ def main() -> int:
     ap.add_argument("--code", default=REPO, help="directory to import dbsync from")
     ap.add_argument("--sender-kwargs", default="{}")
     ap.add_argument("--receiver-kwargs", default="{}")
+    ap.add_argument("--receiver-load", choices=("copy", "keep", "iterate"), default="copy",
+                    help="copy: into own parameters; keep: keep the tensors handed out (with "
+                         "receiver whole_version, as vLLM staging does); iterate: copy "
+                         "nothing (diagnosis; not bit-checked)")
     ap.add_argument("--faults", action="store_true")
     ap.add_argument("--profile", default="", help="write kernel traces of the last push here")
     ap.add_argument("--label", default="")
@@ -454,7 +466,8 @@ def main() -> int:
         "code": os.path.relpath(os.path.abspath(args.code), REPO),
         "sender_kwargs": json.loads(args.sender_kwargs),
         "receiver_kwargs": json.loads(args.receiver_kwargs),
-        "bucket_mib": args.bucket_mib, "iters": args.iters, "sizes": []}
+        "bucket_mib": args.bucket_mib, "iters": args.iters,
+        "receiver_load": args.receiver_load, "sizes": []}
     d = Driver(args, world)
     try:
         for i, gb in enumerate(args.gb):

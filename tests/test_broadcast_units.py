@@ -238,3 +238,35 @@ def test_version_republished_after_a_failed_publish_replaces_the_broadcast_copy(
         thread.join(20)
         assert second["version"] == 1, second
         assert torch.equal(second["got"]["x"], torch.full((4,), 2.0))
+
+
+def test_whole_version_receiver_hands_out_tensors_that_stay_valid(tmp_path: Any) -> None:
+    """``whole_version=True`` (vLLM staging): what ``receive`` handed out is its own memory,
+    still exact after a later version arrived; nothing is copied out."""
+    root = str(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    first = {f"w{i}": torch.randn(40, 13, generator=gen) for i in range(6)}
+    second = {k: v * 3 for k, v in first.items()}
+    with Sender(root, durable=False) as sender, BroadcastSender(
+            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT, join_timeout=10,
+            bucket_bytes=1024) as bs, BroadcastReceiver(
+            root, reader_id="w", timeout=TIMEOUT, address="127.0.0.1",
+            whole_version=True) as rx:
+        kept: list[dict[str, torch.Tensor]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            for _ in range(2):
+                rx.receive(lambda pairs: kept.append(dict(pairs)), timeout=30)
+            done.set()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        assert bs.wait_for_joins(1, 10)
+        assert bs.push(first) == 1
+        assert bs.push(second) == 2
+        assert done.wait(30)
+        assert rx.last_source == "broadcast" and rx.last_stats["verified_buckets"] > 3
+        for got, want in zip(kept, (first, second), strict=True):
+            assert list(got) == list(want)
+            assert all(torch.equal(got[k], v) for k, v in want.items())

@@ -69,7 +69,10 @@ class BroadcastReceiver:
     bound of every collective and handshake step. ``fallback_timeout``: how long to wait for an
     announced version to appear on the filesystem. ``address``: this host's address for the
     group (default: the one that routes to the sender). ``depth``: bucket buffers (default 3 on
-    GPUs, 2 on CPU; each the sender's bucket size)."""
+    GPUs, 2 on CPU; each the sender's bucket size). ``whole_version``: receive each version
+    into its own fresh allocation of the whole version instead (every bucket posted at once);
+    the tensors handed out then stay valid after ``receive`` returns, for as long as they are
+    referenced (a staged copy without a second copy)."""
 
     def __init__(
         self,
@@ -86,6 +89,7 @@ class BroadcastReceiver:
         report_loaded: bool = True,
         fs_verify: bool | None = None,
         depth: int | None = None,
+        whole_version: bool = False,
     ):
         # report_loaded=False: loads are not reported in the lease (helper readers).
         # fs_verify: checksum verification of filesystem loads (default: ``verify``).
@@ -101,6 +105,7 @@ class BroadcastReceiver:
         self.address = address
         self.depth = max(2, depth if depth is not None else
                          (3 if self.device.type == "cuda" else 2))
+        self.whole_version = whole_version
         #: test hook: run on each received bucket before its checksum is checked
         self.before_verify: BeforeVerify | None = None
         #: "broadcast" or "filesystem": how the last returned version arrived
@@ -337,8 +342,9 @@ class BroadcastReceiver:
         # A verifying receiver takes only sealed pushes; an unsealed one is drained.
         usable = wanted and (header.has_checksums or not self.verify)
         incoming = IncomingVersion(
-            self._group, header, self._bucket_buffers(header), verify=self.verify,
-            views=self._views, cancelled=cancelled, plan=cache["plan"],
+            self._group, header, self._receive_buffers(header), verify=self.verify,
+            views=None if self.whole_version else self._views, cancelled=cancelled,
+            plan=cache["plan"],
             before_verify=self.before_verify)
         try:
             if header.epoch != epoch:
@@ -384,6 +390,21 @@ class BroadcastReceiver:
         self._applied_push = (epoch, seq, header.version)
         self.last_source, self.last_error = "broadcast", None
         return header.version
+
+    def _receive_buffers(self, header: Header) -> list[torch.Tensor]:
+        if not self.whole_version:
+            return self._bucket_buffers(header)
+        # One fresh allocation per version, one region per bucket: nothing is reused, so
+        # what is handed out stays valid; the bucket buffers are not needed meanwhile.
+        self._buffers, self._views = [], {}
+        wire = [checksum.wire_bytes(hi - lo, header.has_checksums)
+                for lo, hi in header.buckets()]
+        flat = torch.empty(max(sum(wire), 1), dtype=torch.uint8, device=self.device)
+        regions, at = [], 0
+        for n in wire:
+            regions.append(flat[at:at + n])
+            at += n
+        return regions or [flat]
 
     def _bucket_buffers(self, header: Header) -> list[torch.Tensor]:
         size = checksum.buffer_bytes(min(header.bucket_bytes, max(header.total_bytes, 1)))

@@ -16,12 +16,13 @@ no host hashing. A push the sender did not seal is not staged (the apply reads t
 How the bucket checksums relate to the manifest's: see docs/BROADCAST.md.
 
 Hazards, stated plainly:
-- Each version is staged into freshly allocated tensors on the receiving device: the FULL
-  model (not this rank's shard), so a worker briefly holds one extra copy of the model (two
-  while a newer version arrives during an apply), plus the receiver's bucket buffers (three
-  of the sender's bucket size on GPUs). On GPUs that memory must be free besides vLLM's own
-  (lower ``gpu_memory_utilization``). The copy is released once it is applied (or replaced by
-  the next version; a refused or never-applied version stays staged until then).
+- Each version is received straight into one fresh allocation on the receiving device (the
+  staged copy itself: no bucket buffers, no second copy, nothing copied out while the stream
+  runs): the FULL model (not this rank's shard), so a worker briefly holds one extra copy of
+  the model (two while a newer version arrives during an apply). On GPUs that memory must be
+  free besides vLLM's own (lower ``gpu_memory_utilization``). The copy is released once it is
+  applied (or replaced by the next version; a refused or never-applied version stays staged
+  until then).
 - While staging, this worker is a group member: its thread must keep receiving, and it does,
   but a worker process that stalls (e.g. swapped out) longer than the step timeout is dropped
   from the group; it then reads that version from the filesystem and re-joins.
@@ -110,7 +111,10 @@ class StagingReceiver:
                                      # never counted as an engine that loaded a version; no
                                      # hashing of filesystem deliveries (refused at their first
                                      # tensor anyway)
-                                     report_loaded=False, fs_verify=False)
+                                     report_loaded=False, fs_verify=False,
+                                     # received straight into the staged copy: no bucket
+                                     # buffers, no second copy on the device
+                                     whole_version=True)
         self._cond = threading.Condition()
         self._staged: Staged | None = None
         self._receiving: int | None = None
@@ -132,9 +136,9 @@ class StagingReceiver:
             raise _NotBroadcast
         with self._cond:
             self._receiving = pairs.header.version
-        # clones on the device: bucket views are reused by the next buckets
-        copy: Pairs = [(name, tensor.detach().clone()) for name, tensor in pairs]
-        self._incoming = (pairs.header.version, copy)
+        # views of this version's own receive allocation (``whole_version``): kept as they are
+        kept: Pairs = [(name, tensor.detach()) for name, tensor in pairs]
+        self._incoming = (pairs.header.version, kept)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -174,9 +174,12 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
         click.echo(version)
         _interrupted(f"interrupted too late: version {version} was already published in "
                      f"{store.root} ({len(pairs)} tensors, {human_bytes(nbytes)})")
-    click.echo(f"published version {version} in {store.root}: {len(pairs)} tensors, "
-               f"{human_bytes(nbytes)}, {time.monotonic() - started:.2f} s", err=True)
-    click.echo(version)
+    try:
+        click.echo(f"published version {version} in {store.root}: {len(pairs)} tensors, "
+                   f"{human_bytes(nbytes)}, {time.monotonic() - started:.2f} s", err=True)
+        click.echo(version)
+    except KeyboardInterrupt:
+        _interrupted(f"\ninterrupted; version {version} is published in {store.root}")
     if wait_for is not None:
         _wait_for(store, root, version, wait_for, timeout)
 
@@ -203,8 +206,8 @@ def _wait_for(store: Store, root: str, version: int, count: int,
               timeout: float | None) -> None:
     from dbsync.status import receivers_at, wait_for_receivers
 
-    click.echo(f"waiting for {count} receiver(s) to load version {version} ...", err=True)
-    try:
+    try:  # the Ctrl-C a reader of this line sends may arrive while it is being printed
+        click.echo(f"waiting for {count} receiver(s) to load version {version} ...", err=True)
         done = wait_for_receivers(store, version, count, timeout)
     except KeyboardInterrupt:
         _interrupted(f"\ninterrupted while waiting for receivers; version {version} is "

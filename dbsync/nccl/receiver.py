@@ -1,21 +1,25 @@
 """BroadcastReceiver: take versions from the sender's broadcast group when it is reachable, and
 from the filesystem otherwise, through one call: ``receive(load_weights)``.
 
-receive = (re)connect to the rendezvous named by ``ROOT/broadcast.json`` and ask to join ->
-follow the epoch (create the group when this receiver is a member) -> wait for a push header
-or a newer manifest -> acknowledge, take the bucket stream, verify, call ``load_weights`` once
-with (name, tensor) pairs in manifest order -> record the loaded version in the reader lease
-(so ``Sender.wait_for_receivers`` and ``dbsync status`` count it).
+receive = follow the sender (``member.MemberLink``: connect to the rendezvous named by
+``ROOT/broadcast.json``, ask to join, follow its epochs) -> wait for a push header or a newer
+manifest -> post the first bucket receives, acknowledge, take the bucket stream
+(``stream.IncomingVersion``: each bucket verified on this device before its tensors are handed
+out), calling ``load_weights`` once with (name, tensor) pairs in manifest order -> record the
+loaded version in the reader lease (so ``Sender.wait_for_receivers`` and ``dbsync status``
+count it).
 
-On any broadcast failure (timeout, dead peer, checksum mismatch, sender gone) it leaves the
-group, asks to re-join for the next epoch, and loads the same version (or newer) from the
-filesystem, which is always the source of truth.
+On a broadcast failure (timeout, dead peer, sender gone) it leaves the group, asks to re-join
+for the next epoch, and loads the same version (or newer) from the filesystem, which is always
+the source of truth. A damaged bucket costs only that version: the stream is drained, the
+group stays, the version is read from the filesystem.
 
 Hazards, stated plainly:
 - ``load_weights`` may see part of a version over the broadcast before a failure; the fallback
   then calls it again with the complete version from the filesystem. The final state is always
   one complete, verified version, but ``load_weights`` must accept being called again.
-- Tensors handed to ``load_weights`` are views of reused buffers: copy what you keep.
+- Tensors handed to ``load_weights`` are views of reused buffers: copy what you keep (with
+  ``whole_version=True`` they are views of that version's own allocation instead).
 - With ``verify=True`` (the default) every bucket is checked on this receiver's device before
   its tensors are handed out; a push the sender did not seal (``checksums=False``) is then not
   taken from the broadcast: it is drained and the version is read from the filesystem.
@@ -25,40 +29,24 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..leases import DEFAULT_LEASE_TIMEOUT
 from ..receiver import Receiver
 from . import checksum
 from . import rendezvous as rv
-from .errors import BroadcastError, BroadcastTimeoutError, RendezvousError
-from .group import Group
+from .errors import BroadcastError, BroadcastTimeoutError
 from .layout import Header, bucket_plan
+from .member import MEMBER_FS_CHECK_SECONDS, MemberLink
 from .stream import BeforeVerify, DamagedBucketError, IncomingVersion
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
-RETRY_SECONDS = 5.0
-FS_CHECK_SECONDS = 0.05
-MEMBER_FS_CHECK_SECONDS = 1.0
-EPOCH_CHECK_SECONDS = 0.005
-
-
-@dataclass
-class _Connection:
-    record: rv.RendezvousRecord
-    store: Any
-    local_address: str
-
 
 class BroadcastReceiver:
     """Receives versions of the store at ``root``.
@@ -113,15 +101,9 @@ class BroadcastReceiver:
         #: why the last broadcast was not used (None when it was)
         self.last_error: str | None = None
         self.last_stats: dict[str, Any] = {}
-        self.epoch: int | None = None
-        self._conn: _Connection | None = None
-        self._retry_after: dict[str, float] = {}
-        self._file_checked = 0.0
-        self._epoch_checked = 0.0
-        self._header_cache: dict[str, Any] = {}
+        self.link = MemberLink(self.fs.store, self.reader_id, self.device, self.timeout,
+                               address, on_error=self._note_error)
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._group: Group | None = None
-        self._seq = 0
         #: (epoch, seq, version) of the last push applied from the broadcast
         self._applied_push: tuple[int, int, int] | None = None
         self._buffers: list[torch.Tensor] = []
@@ -134,131 +116,15 @@ class BroadcastReceiver:
     @property
     def is_member(self) -> bool:
         """True while this receiver belongs to the sender's current broadcast group."""
-        return self._group is not None
+        return self.link.group is not None
 
-    # ---- connection and epochs ---------------------------------------------------------
-    def _backend_ok(self, record: rv.RendezvousRecord) -> bool:
-        want = "nccl" if self.device.type == "cuda" else "gloo"
-        if record.backend != want:
-            self.last_error = (f"the sender broadcasts with {record.backend} but this receiver "
-                               f"is on {self.device}; reading from the filesystem (pass a "
-                               f"device that matches, e.g. device='cuda:0' for nccl)")
-            return False
-        return True
+    @property
+    def epoch(self) -> int | None:
+        """The sender's epoch this receiver follows (None when not connected)."""
+        return self.link.epoch
 
-    def _connect(self) -> None:
-        try:
-            record = rv.read_record(self.fs.store)
-        except RendezvousError as exc:
-            self.last_error, record = str(exc), None
-        if record is None:
-            self._disconnect()
-            return
-        if self._conn is not None and self._conn.record.sender_id == record.sender_id:
-            return
-        self._disconnect()
-        if self._retry_after.get(record.sender_id, 0.0) > time.monotonic():
-            return
-        if not self._backend_ok(record):
-            self._retry_after[record.sender_id] = float("inf")
-            return
-        try:
-            store = dist.TCPStore(record.address, record.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=min(self.timeout, 5.0)))
-        except Exception as exc:  # noqa: BLE001 - unreachable: use the filesystem
-            self._retry_after[record.sender_id] = time.monotonic() + RETRY_SECONDS
-            self.last_error = (f"cannot reach the broadcast sender at {record.address}:"
-                               f"{record.port} ({str(exc).splitlines()[0] if str(exc) else exc})"
-                               "; reading from the filesystem")
-            return
-        local = self.address or rv.local_address_towards(record.address)
-        self._conn = _Connection(record, store, local)
-        self.epoch = None
-        self._send("join")
-
-    def _send(self, action: str) -> None:
-        assert self._conn is not None
-        store = self._conn.store
-        n = int(store.add(rv.K_JOINS, 1))
-        store.set(rv.join_key(n), json.dumps({
-            "reader_id": self.reader_id, "action": action, "pid": os.getpid(),
-            "host": os.uname().nodename, "device": str(self.device)}))
-
-    def _disconnect(self) -> None:
-        self._close_group()
-        self._conn = None
-        self.epoch = None
-
-    def _close_group(self) -> None:
-        if self._group is not None:
-            self._group.close()
-            self._group = None
-
-    def _leave_group(self, why: str) -> None:
-        """Drop out of the current group after a failure and ask to join the next epoch."""
+    def _note_error(self, why: str) -> None:
         self.last_error = why
-        self._close_group()
-        if self._conn is not None:
-            try:
-                self._send("join")
-            except Exception:  # noqa: BLE001 - sender gone: the next _connect sorts it out
-                self._disconnect()
-
-    def _maintain(self) -> None:
-        now = time.monotonic()
-        every = FS_CHECK_SECONDS if self._conn is None else MEMBER_FS_CHECK_SECONDS
-        if now - self._file_checked >= every:
-            self._file_checked = now
-            self._connect()
-        if self._conn is None:
-            return
-        if self._group is not None and now - self._epoch_checked < EPOCH_CHECK_SECONDS:
-            return  # a member polls the push key tightly and the epoch less often
-        self._epoch_checked = now
-        conn = self._conn
-        try:
-            record = json.loads(conn.store.get(rv.K_EPOCH))
-            epoch, members = int(record["epoch"]), [str(m) for m in record["members"]]
-        except Exception as exc:  # noqa: BLE001 - the sender died or closed
-            self._retry_after[conn.record.sender_id] = time.monotonic() + RETRY_SECONDS
-            self._disconnect()
-            self.last_error = f"lost the broadcast sender ({exc}); reading from the filesystem"
-            return
-        if record.get("closed"):
-            self._retry_after[conn.record.sender_id] = float("inf")
-            self._disconnect()
-            return
-        if epoch == self.epoch:
-            return
-        first_look = self.epoch is None
-        self._close_group()
-        self.epoch, self._seq = epoch, 0
-        if self.reader_id in members:
-            conn.store.set(rv.ready_key(epoch, self.reader_id), "1")
-            try:
-                setup = float(record.get("setup_timeout", self.timeout))
-                self._group = Group.create(
-                    conn.store, rv.pg_prefix(epoch), members.index(self.reader_id) + 1,
-                    len(members) + 1, conn.record.backend, self.device, self.timeout,
-                    conn.local_address, setup_timeout=max(setup, self.timeout))
-            except BroadcastError as exc:
-                self._leave_group(f"could not join epoch {epoch}: {exc}")
-        elif not first_look:
-            self._send("join")  # a new epoch formed without us: ask for the next one
-
-    def _poll_push(self) -> Header | None:
-        if self._group is None or self._conn is None or self.epoch is None:
-            return None
-        key = rv.push_key(self.epoch, self._seq + 1)
-        try:
-            if not self._conn.store.check([key]):
-                return None
-            raw = self._conn.store.get(key)
-        except Exception as exc:  # noqa: BLE001
-            self._disconnect()
-            self.last_error = f"lost the broadcast sender ({exc}); reading from the filesystem"
-            return None
-        return Header.loads(raw, self._header_cache)
 
     # ---- receiving ---------------------------------------------------------------------
     def receive(self, load_weights: LoadWeights, newer_than: int | None = None,
@@ -277,10 +143,10 @@ class BroadcastReceiver:
             fs_checked = 0.0
             while True:
                 try:
-                    self._maintain()
-                    header = self._poll_push()
+                    self.link.maintain()
+                    header = self.link.poll_push()
                 except BroadcastError as exc:
-                    self._leave_group(str(exc))
+                    self.link.leave_group(str(exc))
                     header = None
                 if header is not None:
                     version = self._take(header, load_weights, floor)
@@ -292,29 +158,30 @@ class BroadcastReceiver:
                 # be large and on NFS) it reads only now and then: for a member it is only the
                 # guard against a version published without a broadcast.
                 latest = None
-                if self._group is None or now - fs_checked >= MEMBER_FS_CHECK_SECONDS:
+                if self.link.group is None or now - fs_checked >= MEMBER_FS_CHECK_SECONDS:
                     latest, fs_checked = self.fs.latest_version(), now
                 if latest is not None and latest > floor:
-                    if self._group is None:
+                    if self.link.group is None:
                         return self._load_fs(load_weights, latest)
                     if newer_seen_at is None:
                         newer_seen_at = now
                     elif now - newer_seen_at > self.timeout:
-                        self._leave_group(f"version {latest} was published without a "
+                        self.link.leave_group(f"version {latest} was published without a "
                                           "broadcast to this member")
                         return self._load_fs(load_weights, latest)
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 time.sleep(pause)
-                pause = min(max(pause, 0.005) * 1.5, 0.05) if self._group is None else (
+                pause = min(max(pause, 0.005) * 1.5, 0.05) if self.link.group is None else (
                     self.poll_interval)
 
     def _take(self, header: Header, load_weights: LoadWeights, floor: int) -> int | None:
         """Take one announced push. Returns the version applied, or None when it was not newer
         than ``floor`` (its bytes are drained: every member must take part)."""
-        assert self._conn is not None and self._group is not None and self.epoch is not None
-        store, epoch, seq = self._conn.store, self.epoch, header.seq
-        self._seq = seq
+        link = self.link
+        assert link.conn is not None and link.group is not None and link.epoch is not None
+        store, epoch, seq = link.conn.store, link.epoch, header.seq
+        self.link.seq = seq
         t0 = time.perf_counter()
         # A second push announcing the version applied last (epoch, seq differ) means the
         # sender's filesystem publish of the first one failed and it published other bytes
@@ -336,13 +203,13 @@ class BroadcastReceiver:
                         "after a member did not acknowledge or a collective failed)")
             return None
 
-        cache = self._header_cache
+        cache = self.link.header_cache
         if "plan" not in cache or cache.get("plan_for") is not cache.get("raw"):  # new layout
             cache.update(plan=bucket_plan(header), plan_for=cache.get("raw"))
         # A verifying receiver takes only sealed pushes; an unsealed one is drained.
         usable = wanted and (header.has_checksums or not self.verify)
         incoming = IncomingVersion(
-            self._group, header, self._receive_buffers(header), verify=self.verify,
+            self.link.group, header, self._receive_buffers(header), verify=self.verify,
             views=None if self.whole_version else self._views, cancelled=cancelled,
             plan=cache["plan"],
             before_verify=self.before_verify)
@@ -352,11 +219,11 @@ class BroadcastReceiver:
             incoming.start()  # the sender streams at once: post the first receives first
             store.set(rv.ack_key(epoch, seq, self.reader_id), "1")  # names who held it up
         except BroadcastError as exc:
-            self._leave_group(str(exc))
+            self.link.leave_group(str(exc))
             return fall_back()
         except Exception as exc:  # noqa: BLE001 - the store connection broke
-            self._close_group()  # receives may be posted: the group is unusable
-            self._disconnect()
+            self.link.close_group()  # receives may be posted: the group is unusable
+            self.link.disconnect()
             self.last_error = f"lost the broadcast sender ({exc})"
             return fall_back()
         try:
@@ -368,10 +235,10 @@ class BroadcastReceiver:
             self.last_error = str(exc)
             return fall_back()
         except BroadcastError as exc:
-            self._leave_group(str(exc))
+            self.link.leave_group(str(exc))
             return fall_back()
         except BaseException:
-            self._leave_group("load_weights raised during a broadcast")
+            self.link.leave_group("load_weights raised during a broadcast")
             raise
         self.last_stats = {"version": header.version, "bytes": header.total_bytes,
                            "seconds": time.perf_counter() - t0,
@@ -421,31 +288,10 @@ class BroadcastReceiver:
         the sender's confirmation up to ``timeout`` seconds. Raises ``BroadcastError`` when
         none was taken, the publish failed, or no confirmation came."""
         with self._lock:
-            pushed, conn = self._applied_push, self._conn
-            if pushed is None or conn is None:
+            if self._applied_push is None:
                 raise BroadcastError("no broadcast version to confirm")
-            epoch, seq, version = pushed
-            key = rv.published_key(epoch, seq)
-            deadline = time.monotonic() + timeout
-            pause = 0.001
-            try:
-                while not conn.store.check([key]):
-                    if time.monotonic() >= deadline:
-                        raise BroadcastTimeoutError(
-                            f"the sender did not confirm publishing version {version} within "
-                            f"{timeout:.0f} s")
-                    time.sleep(pause)
-                    pause = min(pause * 1.5, 0.01)
-                record = json.loads(conn.store.get(key))
-            except BroadcastError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the sender went away
-                raise BroadcastError(f"lost the broadcast sender before it confirmed version "
-                                     f"{version} ({exc})") from None
-            if record.get("version") != version or "manifest" not in record:
-                raise BroadcastError(f"the sender could not publish version {version}: "
-                                     f"{record.get('error', 'no manifest digest')}")
-            return str(record["manifest"])
+            epoch, seq, version = self._applied_push
+            return self.link.published(epoch, seq, version, timeout)
 
     def _wait_published(self, version: int) -> int:
         deadline = time.monotonic() + self.fallback_timeout
@@ -471,12 +317,12 @@ class BroadcastReceiver:
     def close(self) -> None:
         """Leave the group (the sender forms a new epoch without us) and drop the lease."""
         with self._lock:
-            if self._conn is not None:
+            if self.link.conn is not None:
                 try:
-                    self._send("leave")
+                    self.link.send("leave")
                 except Exception:  # noqa: BLE001 - sender gone
                     pass
-            self._disconnect()
+            self.link.disconnect()
             self.fs.close()
 
     def __enter__(self) -> BroadcastReceiver:

@@ -1,0 +1,219 @@
+"""A receiver's side of membership: the connection to the sender named by
+``ROOT/broadcast.json``, join and leave requests, following the sender's epochs (creating the
+group when this receiver is a member), and spotting announced pushes.
+
+Every failure here ends in "not a member" (the caller reads from the filesystem) and is
+reported through ``on_error``; a sender that is unreachable is retried after
+``RETRY_SECONDS``; a sender that closed is not retried.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..store import Store
+from . import rendezvous as rv
+from .errors import BroadcastError, RendezvousError
+from .group import Group
+from .layout import Header
+
+RETRY_SECONDS = 5.0
+FS_CHECK_SECONDS = 0.05
+MEMBER_FS_CHECK_SECONDS = 1.0
+EPOCH_CHECK_SECONDS = 0.005
+
+
+@dataclass
+class _Connection:
+    record: rv.RendezvousRecord
+    store: Any
+    local_address: str
+
+
+class MemberLink:
+    """One receiver's link to the broadcast sender of the store ``fs_store``."""
+
+    def __init__(self, fs_store: Store, reader_id: str, device: torch.device, timeout: float,
+                 address: str | None, on_error: Callable[[str], None]):
+        self.fs_store = fs_store
+        self.reader_id = reader_id
+        self.device = device
+        self.timeout = timeout
+        self.address = address
+        self.on_error = on_error
+        self.epoch: int | None = None
+        self.seq = 0
+        self.group: Group | None = None
+        self.conn: _Connection | None = None
+        self.header_cache: dict[str, Any] = {}
+        self._retry_after: dict[str, float] = {}
+        self._file_checked = 0.0
+        self._epoch_checked = 0.0
+
+    def backend_ok(self, record: rv.RendezvousRecord) -> bool:
+        """Whether this receiver's device can join the backend ``record`` offers."""
+        want = "nccl" if self.device.type == "cuda" else "gloo"
+        if record.backend != want:
+            self.on_error(f"the sender broadcasts with {record.backend} but this receiver "
+                          f"is on {self.device}; reading from the filesystem (pass a device "
+                          "that matches, e.g. device='cuda:0' for nccl)")
+            return False
+        return True
+
+    def connect(self) -> None:
+        """Connect to the sender ``ROOT/broadcast.json`` names (and ask to join), unless
+        already connected to it or told to wait before retrying it."""
+        try:
+            record = rv.read_record(self.fs_store)
+        except RendezvousError as exc:
+            self.on_error(str(exc))
+            record = None
+        if record is None:
+            self.disconnect()
+            return
+        if self.conn is not None and self.conn.record.sender_id == record.sender_id:
+            return
+        self.disconnect()
+        if self._retry_after.get(record.sender_id, 0.0) > time.monotonic():
+            return
+        if not self.backend_ok(record):
+            self._retry_after[record.sender_id] = float("inf")
+            return
+        try:
+            store = dist.TCPStore(record.address, record.port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=min(self.timeout, 5.0)))
+        except Exception as exc:  # noqa: BLE001 - unreachable: use the filesystem
+            self._retry_after[record.sender_id] = time.monotonic() + RETRY_SECONDS
+            self.on_error(f"cannot reach the broadcast sender at {record.address}:"
+                          f"{record.port} ({str(exc).splitlines()[0] if str(exc) else exc})"
+                          "; reading from the filesystem")
+            return
+        local = self.address or rv.local_address_towards(record.address)
+        self.conn = _Connection(record, store, local)
+        self.epoch = None
+        self.send("join")
+
+    def send(self, action: str) -> None:
+        assert self.conn is not None
+        store = self.conn.store
+        n = int(store.add(rv.K_JOINS, 1))
+        store.set(rv.join_key(n), json.dumps({
+            "reader_id": self.reader_id, "action": action, "pid": os.getpid(),
+            "host": os.uname().nodename, "device": str(self.device)}))
+
+    def disconnect(self) -> None:
+        self.close_group()
+        self.conn = None
+        self.epoch = None
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def leave_group(self, why: str) -> None:
+        """Drop out of the current group after a failure and ask to join the next epoch."""
+        self.on_error(why)
+        self.close_group()
+        if self.conn is not None:
+            try:
+                self.send("join")
+            except Exception:  # noqa: BLE001 - sender gone: the next connect sorts it out
+                self.disconnect()
+
+    def maintain(self) -> None:
+        """Re-read the rendezvous file now and then, and follow the sender's epoch: create the
+        group when this receiver is a member of a new one, ask to join when it is not."""
+        now = time.monotonic()
+        every = FS_CHECK_SECONDS if self.conn is None else MEMBER_FS_CHECK_SECONDS
+        if now - self._file_checked >= every:
+            self._file_checked = now
+            self.connect()
+        if self.conn is None:
+            return
+        if self.group is not None and now - self._epoch_checked < EPOCH_CHECK_SECONDS:
+            return  # a member polls the push key tightly and the epoch less often
+        self._epoch_checked = now
+        conn = self.conn
+        try:
+            record = json.loads(conn.store.get(rv.K_EPOCH))
+            epoch, members = int(record["epoch"]), [str(m) for m in record["members"]]
+        except Exception as exc:  # noqa: BLE001 - the sender died or closed
+            self._retry_after[conn.record.sender_id] = time.monotonic() + RETRY_SECONDS
+            self.disconnect()
+            self.on_error(f"lost the broadcast sender ({exc}); reading from the filesystem")
+            return
+        if record.get("closed"):
+            self._retry_after[conn.record.sender_id] = float("inf")
+            self.disconnect()
+            return
+        if epoch == self.epoch:
+            return
+        first_look = self.epoch is None
+        self.close_group()
+        self.epoch, self.seq = epoch, 0
+        if self.reader_id in members:
+            conn.store.set(rv.ready_key(epoch, self.reader_id), "1")
+            try:
+                setup = float(record.get("setup_timeout", self.timeout))
+                self.group = Group.create(
+                    conn.store, rv.pg_prefix(epoch), members.index(self.reader_id) + 1,
+                    len(members) + 1, conn.record.backend, self.device, self.timeout,
+                    conn.local_address, setup_timeout=max(setup, self.timeout))
+            except BroadcastError as exc:
+                self.leave_group(f"could not join epoch {epoch}: {exc}")
+        elif not first_look:
+            self.send("join")  # a new epoch formed without us: ask for the next one
+
+    def poll_push(self) -> Header | None:
+        """The header of the next push of this epoch, if the sender announced it."""
+        if self.group is None or self.conn is None or self.epoch is None:
+            return None
+        key = rv.push_key(self.epoch, self.seq + 1)
+        try:
+            if not self.conn.store.check([key]):
+                return None
+            raw = self.conn.store.get(key)
+        except Exception as exc:  # noqa: BLE001
+            self.disconnect()
+            self.on_error(f"lost the broadcast sender ({exc}); reading from the filesystem")
+            return None
+        return Header.loads(raw, self.header_cache)
+
+    def published(self, epoch: int, seq: int, version: int, timeout: float) -> str:
+        """The manifest digest the sender confirmed for push (``epoch``, ``seq``) of
+        ``version``, waiting up to ``timeout`` seconds. Raises ``BroadcastError``."""
+        conn = self.conn
+        if conn is None:
+            raise BroadcastError(f"lost the broadcast sender before it confirmed version "
+                                 f"{version}")
+        key = rv.published_key(epoch, seq)
+        deadline = time.monotonic() + timeout
+        pause = 0.001
+        try:
+            while not conn.store.check([key]):
+                if time.monotonic() >= deadline:
+                    raise BroadcastError(
+                        f"the sender did not confirm publishing version {version} within "
+                        f"{timeout:.0f} s")
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.01)
+            record = json.loads(conn.store.get(key))
+        except BroadcastError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the sender went away
+            raise BroadcastError(f"lost the broadcast sender before it confirmed version "
+                                 f"{version} ({exc})") from None
+        if record.get("version") != version or "manifest" not in record:
+            raise BroadcastError(f"the sender could not publish version {version}: "
+                                 f"{record.get('error', 'no manifest digest')}")
+        return str(record["manifest"])

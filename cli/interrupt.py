@@ -1,9 +1,11 @@
 """Ctrl-C during ``dbsync push``: stop before the flip, or say what was published.
 
-While a ``SigintFlag`` is active, the first SIGINT only sets a flag (the push checks it at
-every progress step and stops before publishing); the second raises ``KeyboardInterrupt`` as
-usual. Only the main thread can install signal handlers; elsewhere the flag is inert and
-Ctrl-C behaves as Python's default.
+While a ``SigintFlag`` is active, Ctrl-C prints ``notice`` once, sets a flag and raises
+``KeyboardInterrupt`` as usual. The flag lets the push's writer threads stop at their next
+progress step (``check``), so an interrupted push stops writing at once; the
+``KeyboardInterrupt`` reaches ``Sender.push``, which then never flips (it raises
+``PushInterrupted`` saying whether the flip had already happened). Only the main thread can
+install signal handlers; elsewhere the flag stays unset and Ctrl-C behaves as Python's default.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from typing import Any
 import click
 
 
-class PushInterrupted(Exception):
+class StopRequested(Exception):
     """Raised from the push's progress callback once Ctrl-C was pressed."""
 
 
 class SigintFlag:
-    """Context manager: the first Ctrl-C sets ``is_set()`` and prints ``notice`` on stderr."""
+    """Context manager; see the module docstring."""
 
     def __init__(self, notice: str):
         self.notice = notice
@@ -33,15 +35,15 @@ class SigintFlag:
         return self._event.is_set()
 
     def check(self) -> None:
-        """Raise ``PushInterrupted`` if Ctrl-C was pressed."""
+        """Raise ``StopRequested`` if Ctrl-C was pressed."""
         if self._event.is_set():
-            raise PushInterrupted()
+            raise StopRequested("interrupted (Ctrl-C)")
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._event.is_set():
-            raise KeyboardInterrupt
-        self._event.set()
-        click.echo(self.notice, err=True)
+        if not self._event.is_set():
+            self._event.set()
+            click.echo(self.notice, err=True)
+        raise KeyboardInterrupt
 
     def __enter__(self) -> SigintFlag:
         if threading.current_thread() is threading.main_thread():

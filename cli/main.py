@@ -160,7 +160,6 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
             click.echo(f"publishing {len(pairs)} tensors ({human_bytes(nbytes)}) from {src} "
                        f"as the next version of {os.path.abspath(root)}", err=True)
             with Sender(root, num_threads=threads) as sender:
-                stop.check()
                 try:
                     version = sender.push(dict(pairs), progress=progress)
                 finally:
@@ -168,12 +167,8 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
                 store = sender.store
     except BaseException as exc:
         if stop.is_set() or isinstance(exc, KeyboardInterrupt):
-            _report_interrupted_push(root, before)
+            _report_interrupted_push(root, before, getattr(exc, "published_version", None))
         raise
-    if stop.is_set():  # Ctrl-C came after the last byte was written: the flip happened
-        click.echo(version)
-        _interrupted(f"interrupted too late: version {version} was already published in "
-                     f"{store.root} ({len(pairs)} tensors, {human_bytes(nbytes)})")
     try:
         click.echo(f"published version {version} in {store.root}: {len(pairs)} tensors, "
                    f"{human_bytes(nbytes)}, {time.monotonic() - started:.2f} s", err=True)
@@ -192,14 +187,16 @@ def _torch_dtype(name: str | None) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _report_interrupted_push(root: str, before: int | None) -> NoReturn:
-    """Say truthfully what ROOT holds after an interrupted push, then exit 130."""
-    now = _current_version(root)
+def _report_interrupted_push(root: str, before: int | None,
+                             published: int | None) -> NoReturn:
+    """Say truthfully what ROOT holds after an interrupted push, then exit 130.
+    ``published``: the version the Sender says it published anyway (its flip came first)."""
+    now = _current_version(root) if published is None else published
     if now == before:
         held = "no version" if now is None else f"version {now}"
         _interrupted(f"interrupted: nothing was published; {root} still serves {held}")
     click.echo(now)
-    _interrupted(f"interrupted, but version {now} had already been published in {root}")
+    _interrupted(f"interrupted too late: version {now} had already been published in {root}")
 
 
 def _wait_for(store: Store, root: str, version: int, count: int,
@@ -226,12 +223,12 @@ def _wait_for(store: Store, root: str, version: int, count: int,
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(root: str, as_json: bool) -> None:
     """Show ROOT's current version and its receivers: host, loaded version, lag, last seen,
-    state (live, idle, refused with the reason, dead). Exits 1 if the current version's files
-    are missing or the wrong size (contents are checked by `dbsync verify`)."""
+    state (live: reading now, idle, refused with the reason, dead). Exits 1 if the current
+    version's files are missing or the wrong size (contents are checked by `dbsync verify`)."""
     from dbsync.status import store_status
 
     from .checks import current_problems
-    from .fleet import fleet
+    from .fleet import with_reasons
 
     store = _existing_store(root)
     manifest, problems = current_problems(store)
@@ -239,7 +236,7 @@ def status(root: str, as_json: bool) -> None:
     if manifest is not None and info.get("version") != manifest.version:
         manifest, problems = current_problems(store)  # published meanwhile: look again
     info["problems"] = problems
-    info["receivers"] = fleet(info["receivers"], store.read_leases())
+    info["receivers"] = with_reasons(info["receivers"])
     if as_json:
         click.echo(json.dumps(info, indent=1, sort_keys=True))
     else:

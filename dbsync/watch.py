@@ -3,11 +3,11 @@ cannot, chosen from the mount type. An idle watcher costs (almost) nothing.
 
 How a look at the store works (``Watcher._check``):
 
-1. *Probe*: open the manifest afresh, ``fstat`` it and read at most ``PROBE_BYTES`` of it. The
-   fingerprint (inode, size, times, those bytes) is compared with the last one seen; when
-   nothing changed, that is the end of it: no parse.
-2. *Head*: only when the fingerprint changed, read the (run id, version) pair
-   (``read_head``, the one function that knows how; it parses the manifest).
+1. *Probe*: read the head (``dbsync.json``, a small record) afresh with
+   ``Store.read_head_bytes`` (no symlink followed, no FIFO waited on, size bounded) and
+   compare its bytes with the last ones seen; when nothing changed, that is the end of it.
+2. *Parse*: only when the bytes changed, parse those same bytes into (run id, version)
+   (``read_head``, the one function that knows how).
 3. *Decide*: a higher version of the same run, or any version of a different run (a new
    training run at the same path starts again at 1), is reported to the callback.
 
@@ -40,15 +40,13 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DBSyncError, FormatError
-from .format import MANIFEST_FILE
+from .format import MANIFEST_FILE, Head
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -57,7 +55,6 @@ DEFAULT_POLL_INTERVAL = 1.0
 SAFETY_POLL_INTERVAL = 5.0
 MIN_CHECK_INTERVAL = 0.01
 ERROR_LOG_INTERVAL = 30.0
-PROBE_BYTES = 64 * 1024
 
 _REMOTE_TYPES = {
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "9p",
@@ -93,49 +90,19 @@ def needs_polling(path: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Head:
+class RunVersion:
     """What the watcher follows: which training run, which version of it."""
 
     run_id: str | None
     version: int
 
 
-def read_head(store: Store) -> Head | None:
-    """The current (run id, version) of ``store``; None when nothing is published.
-
-    The only place the watcher learns a version: it parses the whole manifest today, and is
-    meant to become ``store.read_head()`` (a small pointer record) once the store has it."""
-    manifest = store.read_manifest()
-    if manifest is None:
-        return None
-    return Head(getattr(manifest, "run_id", None), manifest.version)
-
-
-def probe_manifest(path: str, limit: int = PROBE_BYTES) -> bytes | None:
-    """A cheap fingerprint of the file at ``path``: its identity, size and times, and at most
-    ``limit`` of its first bytes. None when it does not exist.
-
-    Opens afresh (NFS close-to-open revalidation), never follows a symlink and never blocks
-    on a FIFO; anything but a regular file raises ``FormatError``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if os.path.islink(path):
-            raise FormatError(f"{path} is a symbolic link; a store's manifest must be a "
-                              "regular file (publish again with a Sender)") from None
-        raise exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path} is not a regular file; a store's manifest must be one "
-                              "(remove it and publish again with a Sender)")
-        data = os.pread(fd, limit, 0)
-    finally:
-        os.close(fd)
-    ident = f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}\n"
-    return ident.encode() + data
+def read_head(store: Store, raw: bytes) -> RunVersion:
+    """(run id, version) of the head bytes ``raw`` (what ``store.read_head_bytes()`` returned,
+    so the bytes compared are the bytes parsed). The only place the watcher learns a version.
+    Raises ``FormatError`` for a head that is not dbsync's."""
+    head = Head.loads(raw, store.manifest_path)
+    return RunVersion(head.run_id, head.version)
 
 
 class Watcher:
@@ -144,7 +111,7 @@ class Watcher:
 
     ``use_polling``: None = decide from the mount type. ``poll_interval``: seconds between
     polls (default 1.0; at least ``MIN_CHECK_INTERVAL``). ``probe`` and ``head``: injectable
-    for tests (defaults: ``probe_manifest`` of the manifest path, ``read_head`` of the store).
+    for tests (defaults: ``store.read_head_bytes`` and ``read_head``).
 
     ``reads`` and ``parses`` count the probes and the head reads made so far.
 
@@ -160,7 +127,7 @@ class Watcher:
         skip_current: bool = False,
         *,
         probe: Callable[[], bytes | None] | None = None,
-        head: Callable[[], Head | None] | None = None,
+        head: Callable[[bytes], RunVersion] | None = None,
         safety_interval: float = SAFETY_POLL_INTERVAL,
     ):
         self.root = os.path.abspath(os.fspath(root))
@@ -171,14 +138,13 @@ class Watcher:
         self.polling = needs_polling(self.root) if use_polling is None else use_polling
         self.skip_current = skip_current
         store = Store(self.root, create=False)
-        manifest_path = os.path.join(self.root, MANIFEST_FILE)
-        self._probe = probe or (lambda: probe_manifest(manifest_path))
-        self._read_head = head or (lambda: read_head(store))
+        self._probe = probe or store.read_head_bytes
+        self._read_head = head or (lambda raw: read_head(store, raw))
         self.last_error: BaseException | None = None
         self.reads = 0
         self.parses = 0
-        self._head: Head | None = None
-        self._seen: bytes | None = None  # fingerprint of the content last parsed (or refused)
+        self._head: RunVersion | None = None
+        self._seen: bytes | None = None  # the head bytes last parsed (or refused)
         self._read_failing = False
         self._logged_key: object = None
         self._logged_at = float("-inf")
@@ -207,7 +173,7 @@ class Watcher:
         if it is newer (how a caller asks for a failed version to be retried; that look is
         the next event or poll, at the latest after ``safety_interval``)."""
         run = None if self._head is None else self._head.run_id
-        self._head = None if value is None else Head(run, value)
+        self._head = None if value is None else RunVersion(run, value)
         self._seen = None
 
     @property
@@ -258,27 +224,26 @@ class Watcher:
                 self._stop.wait(remaining)
 
     def _check(self, notify: bool = True) -> None:
-        """One look: probe, and read the head only when the probe changed."""
+        """One look: read the head's bytes; parse them only when they changed."""
         self._log_pending()
         self.reads += 1
         try:
-            fingerprint = self._probe()
+            raw = self._probe()
         except Exception as exc:  # noqa: BLE001 - reported once, retried at the next look
             self._read_failed(("probe", type(exc).__name__, str(exc)), exc)
             return
-        if fingerprint is not None and fingerprint == self._seen:
+        if raw is not None and raw == self._seen:
             return
-        self.parses += 1
-        try:
-            head = None if fingerprint is None else self._read_head()
-        except DBSyncError as exc:
-            self._seen = fingerprint  # the content is bad: look again once it changes
-            self._read_failed(fingerprint, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - an I/O hiccup: retried at the next look
-            self._read_failed(("head", type(exc).__name__, str(exc)), exc)
-            return
-        self._seen = fingerprint
+        head: RunVersion | None = None
+        if raw is not None:
+            self.parses += 1
+            try:
+                head = self._read_head(raw)
+            except Exception as exc:  # noqa: BLE001 - bad content: look again once it changes
+                self._seen = raw
+                self._read_failed(raw, exc)
+                return
+        self._seen = raw
         if self._read_failing:
             self._read_failing = False
             self.last_error = None
@@ -287,7 +252,7 @@ class Watcher:
         if head is not None:
             self._consider(head, notify)
 
-    def _consider(self, head: Head, notify: bool) -> None:
+    def _consider(self, head: RunVersion, notify: bool) -> None:
         last = self._head
         if last is not None and head.run_id != last.run_id:
             log.info("dbsync watcher: a new training run (%s, was %s) publishes in %s; "

@@ -14,19 +14,20 @@ import torch
 
 import dbsync
 from dbsync.format import MANIFEST_FILE
-from dbsync.watch import MIN_CHECK_INTERVAL, Head, Watcher, probe_manifest
+from dbsync.store import Store
+from dbsync.watch import MIN_CHECK_INTERVAL, RunVersion, Watcher, read_head
 
 
 class Counting:
-    """The real manifest probe, counting its calls (each one is an open + read)."""
+    """The real head read, counting its calls (each one is an open + read)."""
 
     def __init__(self, root: str):
-        self.path = os.path.join(root, MANIFEST_FILE)
+        self.store = Store(root)
         self.calls = 0
 
     def __call__(self) -> bytes | None:
         self.calls += 1
-        return probe_manifest(self.path)
+        return self.store.read_head_bytes()
 
 
 class Seen:
@@ -88,11 +89,10 @@ def test_idle_inotify_watcher_reads_a_handful_of_times_and_notices_a_flip_fast(s
 
 
 def test_unchanged_manifest_is_not_parsed_again(store):
-    heads: list[Head | None] = []
+    heads: list[RunVersion] = []
 
-    def head() -> Head | None:
-        manifest = dbsync.Receiver(store).manifest()
-        heads.append(Head(None, manifest.version))
+    def head(raw: bytes) -> RunVersion:
+        heads.append(read_head(Store(store), raw))
         return heads[-1]
 
     seen = Seen()
@@ -149,17 +149,17 @@ def test_polling_is_bounded_and_stop_is_immediate(store):
 def test_a_new_run_is_followed_even_with_a_lower_version(store, caplog):
     """The head is (run id, version): a different run id restarts the count."""
     caplog.set_level(logging.INFO, logger="dbsync")
-    state: dict[str, object] = {"bytes": b"1", "head": Head("run-a", 5)}
+    state: dict[str, object] = {"bytes": b"1", "head": RunVersion("run-a", 5)}
     seen = Seen()
     with Watcher(store, seen, use_polling=True, poll_interval=0.01,
-                 probe=lambda: state["bytes"], head=lambda: state["head"]) as watcher:
+                 probe=lambda: state["bytes"], head=lambda raw: state["head"]) as watcher:
         assert seen.until(5)
-        state.update(bytes=b"2", head=Head("run-a", 6))
+        state.update(bytes=b"2", head=RunVersion("run-a", 6))
         assert seen.until(6)
-        state.update(bytes=b"3", head=Head("run-b", 1))
+        state.update(bytes=b"3", head=RunVersion("run-b", 1))
         assert seen.until(1)
         assert watcher.run_id == "run-b" and watcher.last_version == 1
-        state.update(bytes=b"4", head=Head("run-b", 2))
+        state.update(bytes=b"4", head=RunVersion("run-b", 2))
         assert seen.until(2)
     assert seen.versions == [5, 6, 1, 2]
     assert sum("new training run" in r.getMessage() for r in caplog.records) == 1

@@ -225,14 +225,23 @@ def test_senders_restarting_while_receivers_loop_never_hang(root, tmp_path):
     no receiver hangs, every load applies exactly one whole version."""
     with dbsync.Sender(root) as sender:
         sender.push(weights_for(1))
+    # A receiver's lease write caught in flight (its temp file, before the rename): a Sender
+    # starting now must leave it alone, or the receiver's rename fails.
+    in_flight = os.path.join(root, "readers", f".tmp-r1.json-{os.getpid()}-0a1b2c3d")
+    open(in_flight, "w").close()
+    dbsync.Sender(root).close()
+    assert os.path.exists(in_flight), "a Sender removed a live receiver's temp file"
+    os.unlink(in_flight)
+
     stop = str(tmp_path / "stop")
     outs = [str(tmp_path / f"reader{i}.json") for i in range(2)]
     readers = [spawn("reader_loop", root, out, stop, "1.0", "10") for out in outs]
     try:
         version = 1
-        for _ in range(20):
+        for i in range(100):  # a Sender per checkpoint, and others that only start (re-runs)
             with dbsync.Sender(root, lease_timeout=1.0) as sender:
-                version = sender.push(weights_for(version + 1))
+                if i % 10 == 0:
+                    version = sender.push(weights_for(version + 1))
         open(stop, "w").close()
         for reader in readers:
             assert reader.wait(timeout=30) == 0, "a receiver failed"
@@ -244,7 +253,7 @@ def test_senders_restarting_while_receivers_loop_never_hang(root, tmp_path):
         assert len(loads) >= 10
         for record in loads:
             assert record["values"] == [float(record["version"])], record  # one version only
-    assert version == 21
+    assert version == 11
 
 
 # ---- 2. a full disk ------------------------------------------------------------------------
@@ -389,7 +398,7 @@ def test_live_reader_in_another_namespace_keeps_its_slot(root, tmp_path, where):
     with dbsync.Sender(root, lease_timeout=0.5) as sender:
         sender.push(weights_for(1))
         ready, out = tmp_path / "ready.json", tmp_path / "out.json"
-        reader = in_namespace(hostname, pid, "hold", root, str(ready), str(out), "2.0", "1.5")
+        reader = in_namespace(hostname, pid, "hold", root, str(ready), str(out), "4.0", "1.5")
         try:
             info = wait_json(ready, reader)
             assert info["version"] == 1 and info["leased"]

@@ -52,6 +52,9 @@ from .membership import Membership, wait_for_keys
 from .outgoing import OutgoingStream
 
 DEFAULT_TIMEOUT = 30.0
+#: the first buckets of every push: 1/16 and 1/4 of a full bucket, so the stream starts after
+#: packing 16 MiB rather than 256 MiB
+RAMP = (16, 4)
 
 __all__ = ["DEFAULT_TIMEOUT", "BroadcastSender", "wait_for_keys"]
 
@@ -223,12 +226,13 @@ class BroadcastSender:
         checksum algorithm) is reused while it stays the same, as it does push after push."""
         dtype = self.sender.dtype
         algorithm = checksum.ALGORITHM if self.outgoing.checksums else None
-        signature = (algorithm, tuple((n, sources.target_dtype(t, dtype), t.shape)
-                                      for n, t in pairs))
+        signature = (algorithm, dtype, [n for n, _ in pairs], [t.dtype for _, t in pairs],
+                     [t.shape for _, t in pairs])
         cached = self._header_cache
         if cached is None or cached[0] != signature:
-            header = Header.build(version, epoch, seq, self.bucket_bytes,
-                                  [(n, d, tuple(s)) for n, d, s in signature[1]], algorithm)
+            specs = [(n, sources.target_dtype(t, dtype), tuple(t.shape)) for n, t in pairs]
+            header = Header.build(version, epoch, seq, self.bucket_bytes, specs, algorithm,
+                                  RAMP)
             header.layout_bytes  # noqa: B018 - built once here, reused by every later push
             cached = self._header_cache = (signature, header)
         return cached[1].for_push(version, epoch, seq)

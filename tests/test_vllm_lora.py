@@ -1,0 +1,328 @@
+"""LoRA adapter sync on a real vLLM CPU engine (issue 13).
+
+One module, two engines started side by side: ``dbsync serve-vllm ROOT --model A --lora
+policy --max-loras 2`` (the subject, a child process) and an offline ``vllm.LLM`` with LoRA
+enabled and the same engine settings (the reference: a fresh engine given each adapter
+directory directly through a ``LoRARequest``; it also hosts ``attach(llm, ROOT, lora=...)``).
+Adapters are written with safetensors (PEFT key names), pushed with ``Sender.push(dir)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dbsync import Sender
+from dbsync.errors import ReceiverRefusedError
+
+vllm = pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")
+
+from tests.vllm_helpers import (  # noqa: E402
+    KV_CACHE_BYTES,
+    PROMPTS,
+    Server,
+    engine_kwargs,
+    tiny_model,
+    wait_until,
+)
+
+NAME = "policy"
+MAX_RANK = 8
+MAX_TOKENS = 12
+STREAM_TOKENS = 160
+MODULES = ("q_proj", "v_proj", "down_proj")
+
+
+def layer_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """Module name -> (out, in) of the checkpoint's linear layers, from its header."""
+    from dbsync.vllm.checkpoint import read_safetensors_header
+
+    header = read_safetensors_header(str(model_dir / "model.safetensors"))
+    return {n[: -len(".weight")]: (s[0], s[1]) for n, (s, _) in header.items()
+            if n.endswith(".weight") and len(s) == 2}
+
+
+def write_adapter(path: Path, seed: int, shapes: dict[str, tuple[int, int]], rank: int = 4,
+                  modules: tuple[str, ...] = MODULES, target_modules: list[str] | None = None,
+                  ) -> Path:
+    """A random PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors),
+    written with safetensors directly (PEFT key names)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (out_f, in_f) in shapes.items():
+        if module.rsplit(".", 1)[-1] not in modules:
+            continue
+        key = f"base_model.model.{module}"
+        tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * 0.5
+        tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * 0.5
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+              "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "tiny-A",
+              "target_modules": target_modules or list(modules)}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+class Stack:
+    """The module's two engines and stores."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.model = tiny_model("A")
+        self.shapes = layer_shapes(self.model)
+        self.root = tmp / "store"
+        self.sender = Sender(self.root, durable=False)
+        self.server = Server(self.root, self.model, tmp / "server.log", "--lora", NAME,
+                             "--max-loras", "2", "--poll-interval", "0.2", "--",
+                             "--dtype", "float32", "--max-model-len", "256",
+                             "--max-num-seqs", "8", "--kv-cache-memory-bytes",
+                             str(KV_CACHE_BYTES), "--max-lora-rank", str(MAX_RANK),
+                             "--seed", "0", plain=True)
+        from vllm import LLM
+
+        self.llm = LLM(model=str(self.model), **engine_kwargs(
+            enable_lora=True, max_lora_rank=MAX_RANK, max_loras=2))
+        self.server.wait_ready()
+        self.seeds = iter(range(100, 10_000))
+        self.ref_ids = iter(range(1, 1_000_000))
+
+    def adapter(self, **kwargs: Any) -> Path:
+        seed = next(self.seeds)
+        return write_adapter(self.tmp / f"adapter-{seed}", seed,
+                             kwargs.pop("shapes", self.shapes), **kwargs)
+
+    def reference(self, adapter_dir: Path | None, prompts: list[str] = PROMPTS,
+                  max_tokens: int = MAX_TOKENS) -> list[str]:
+        """Greedy completions of the reference engine given ``adapter_dir`` directly."""
+        from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+
+        request = None if adapter_dir is None else LoRARequest(
+            f"direct-{adapter_dir.name}", next(self.ref_ids), str(adapter_dir))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = self.llm.generate(prompts, params, lora_request=request, use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+
+    def served(self, prompts: list[str] = PROMPTS, model: str = NAME) -> list[str]:
+        return [complete(self.server.base, model, p) for p in prompts]
+
+    def push_and_wait(self, adapter_dir: Path) -> tuple[int, dict[str, Any]]:
+        version = self.sender.push(adapter_dir)
+        status = wait_until(
+            lambda: (s := self.server.status())["version"] == version and s, 60, 0.05,
+            f"adapter version {version} to be served")
+        return version, status
+
+    def close(self) -> None:
+        self.server.stop()
+        self.sender.close()
+
+
+def complete(base: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps({
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    s = Stack(tmp_path_factory.mktemp("lora"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_served_versions_equal_a_fresh_engine_given_the_adapter(stack: Stack) -> None:
+    base = stack.reference(None)
+    previous = base
+    ids = set()
+    for _ in range(3):
+        adapter = stack.adapter()
+        version, status = stack.push_and_wait(adapter)
+        expected = stack.reference(adapter)
+        assert expected != previous  # each version changes what is generated
+        assert stack.served() == expected, f"version {version}"
+        assert stack.served(model=str(stack.model)) == base  # the base model is untouched
+        ids.add(status["lora_int_id"])
+        assert len(status["kept"]) <= 2 and status["kept"][-1]["version"] == version
+        previous = expected
+    assert len(ids) == 3  # a distinct lora_int_id per version: no prefix cache is shared
+    assert stack.sender.wait_for_receivers(version, count=1, timeout=10)
+
+
+class Stream:
+    """A streaming completion read in a thread, with each chunk's arrival time."""
+
+    def __init__(self, base: str, prompt: str, max_tokens: int):
+        self.times: list[float] = []
+        self.texts: list[str] = []
+        self.counts: list[int] = []  # tokens per chunk
+        self.first = threading.Event()
+        self.error: BaseException | None = None
+        self.tokens: int | None = None  # completion tokens, from the usage chunk
+        body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0.0, "ignore_eos": True, "stream": True,
+                           "logprobs": 0, "stream_options": {"include_usage": True}}).encode()
+        self._req = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                           headers={"Content-Type": "application/json"})
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            with urllib.request.urlopen(self._req, timeout=300) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        self.tokens = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices"):
+                        self.times.append(time.monotonic())
+                        self.texts.append(chunk["choices"][0]["text"])
+                        self.counts.append(len(chunk["choices"][0]["logprobs"]["tokens"]))
+                        self.first.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+        finally:
+            self.first.set()
+
+
+def test_a_stream_in_flight_during_three_swaps_never_pauses_and_stays_on_its_version(
+        stack: Stack) -> None:
+    start = stack.adapter()
+    stack.push_and_wait(start)
+    prompt = PROMPTS[0]
+    expected = stack.reference(start, [prompt], STREAM_TOKENS)[0]
+    stream = Stream(stack.server.base, prompt, STREAM_TOKENS)
+    assert stream.first.wait(120) and stream.error is None
+    wait_until(lambda: len(stream.times) >= 20, 60, 0.01, "20 tokens before the first swap")
+    windows = []
+    newer = []
+    for _ in range(3):
+        adapter = stack.adapter()
+        t0 = time.monotonic()
+        version = stack.sender.push(adapter)
+        # the server acknowledges in its lease once NAME points at the new version (read from
+        # the store, so that no status request adds work to the server meanwhile)
+        assert stack.sender.wait_for_receivers(version, count=1, timeout=60)
+        windows.append((t0, time.monotonic()))
+        newer.append((version, adapter))
+    swaps_done_at = len(stream.times)
+    stream.thread.join(300)
+    assert stream.error is None
+    assert swaps_done_at < STREAM_TOKENS, "the stream ended before the three swaps"
+    # every token arrived (a chunk may carry several when the client reads late), and the
+    # request finished on the version it started on
+    assert "".join(stream.texts) == expected
+    assert stream.tokens == STREAM_TOKENS
+    normal: list[float] = []
+    during: list[float] = []
+    for a, b in zip(stream.times, stream.times[1:], strict=False):
+        overlaps = any(w0 - 0.05 <= b and a <= w1 + 0.05 for w0, w1 in windows)
+        (during if overlaps else normal).append(b - a)
+    median = statistics.median(normal)
+    worst_normal = max(normal)
+    worst_during = max(during) if during else 0.0
+    print(f"\nstream gaps: median {1e3 * median:.1f} ms, worst outside swaps "
+          f"{1e3 * worst_normal:.1f} ms, worst during swaps {1e3 * worst_during:.1f} ms "
+          f"({len(during)} gaps during {len(windows)} swaps of "
+          f"{', '.join(f'{1e3 * (b - a):.0f}' for a, b in windows)} ms)")
+    assert during, "no token arrived during the swaps"
+    assert worst_during <= max(worst_normal, 4 * median), (
+        f"a gap of {worst_during:.3f} s during a swap (normal steps: median {median:.3f} s, "
+        f"worst {worst_normal:.3f} s)")
+    # requests admitted after the swaps get the newest version
+    last_version, last_dir = newer[-1]
+    assert stack.served(PROMPTS[:2]) == stack.reference(last_dir, PROMPTS[:2])
+    status = stack.server.status()
+    assert status["version"] == last_version
+    assert [k["version"] for k in status["kept"]] == [v for v, _ in newer[-2:]]
+
+
+def test_unfit_adapters_are_refused_and_the_previous_one_keeps_serving(stack: Stack) -> None:
+    good = stack.adapter()
+    good_version, _ = stack.push_and_wait(good)
+    expected = stack.reference(good)
+    other_base = {m: (o * 3 // 4, i * 3 // 4) for m, (o, i) in stack.shapes.items()}
+    unfit = {
+        "rank": (stack.adapter(rank=16), "above the engine's max_lora_rank 8"),
+        "module": (stack.adapter(target_modules=[*MODULES, "foo_proj"]),
+                   "'foo_proj'"),
+        "base": (stack.adapter(shapes=other_base), "another base model"),
+    }
+    for what, (adapter, reason) in unfit.items():
+        version = stack.sender.push(adapter)
+        status = wait_until(
+            lambda v=version: (s := stack.server.status())["refused"] and
+            s["refused"]["version"] == v and s, 60, 0.05, f"version {version} refused")
+        assert reason in status["refused"]["reason"], (what, status["refused"])
+        assert status["version"] == good_version
+        assert stack.served() == expected, what
+        with pytest.raises(ReceiverRefusedError):
+            stack.sender.wait_for_receivers(version, count=1, timeout=10)
+    assert status["refusals"] >= 3
+    fixed = stack.adapter()
+    version, status = stack.push_and_wait(fixed)
+    assert status["refused"] is None
+    assert stack.served() == stack.reference(fixed)
+
+
+def test_attach_lora_returns_the_newest_versions_request(stack: Stack, tmp_path: Path) -> None:
+    from dbsync.errors import NothingPublishedError
+    from dbsync.vllm import attach
+    from dbsync.vllm.lora import AdapterRefusedError
+
+    root = tmp_path / "offline"
+    with Sender(root, durable=False) as sender:
+        sender.push(stack.adapter(rank=16))  # refused, and nothing served yet: raises
+        adapter = attach(stack.llm, root, lora="offline")
+        try:
+            with pytest.raises(AdapterRefusedError, match="max_lora_rank"):
+                adapter.latest()
+            seen = set()
+            for _ in range(3):
+                source = stack.adapter()
+                version = sender.push(source)
+                request = adapter.latest()
+                assert adapter.version == version and request.lora_int_id not in seen
+                seen.add(request.lora_int_id)
+                assert adapter.latest() is request  # nothing new: the same request
+                from vllm import SamplingParams
+
+                params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                        ignore_eos=True)
+                got = [o.outputs[0].text for o in stack.llm.generate(
+                    PROMPTS, params, lora_request=request, use_tqdm=False)]
+                # the same engine given the same adapter directly, under another id
+                assert got == stack.reference(source)
+            sender.push(stack.adapter(shapes={m: (o + 8, i) for m, (o, i)
+                                              in stack.shapes.items()}))
+            assert adapter.latest() is request  # refused: the previous one keeps serving
+            status = adapter.status()
+            assert status["refused"]["version"] == version + 1
+            assert len(status["kept"]) == 2
+        finally:
+            adapter.detach()
+        assert not os.path.exists(adapter.versions.workdir)
+    with Sender(tmp_path / "empty") as empty:
+        nothing = attach(stack.llm, empty.root, lora="x")
+        with pytest.raises(NothingPublishedError):
+            nothing.latest()
+        nothing.detach()

@@ -34,7 +34,8 @@ def _wait_for_version(receiver: object) -> None:
 def namespaced(hostname: str, pid: str, *worker: str) -> None:
     """Run as PID 1 of a fresh PID namespace (``unshare --pid --fork``): set the hostname
     ('-' keeps the writer's), make the worker's pid ``pid`` (a pid that does not exist in the
-    writer's namespace, as a container's pids do not), run it and exit with its status."""
+    writer's namespace, as a container's pids do not), run it and exit with its status.
+    ``exec CMD...`` as the worker runs CMD instead."""
     if hostname != "-":
         socket.sethostname(hostname)
     if pid != "-":
@@ -45,6 +46,8 @@ def namespaced(hostname: str, pid: str, *worker: str) -> None:
             print(f"cannot choose the pid ({exc}); using the next free one", file=sys.stderr)
     child = os.fork()
     if child == 0:
+        if worker[0] == "exec":  # any command (a server), not one of the workers here
+            os.execvp(worker[1], list(worker[1:]))
         os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *worker])
     _, status = os.waitpid(child, 0)
     sys.exit(os.waitstatus_to_exitcode(status))

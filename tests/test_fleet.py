@@ -21,12 +21,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from _workers import weights_for
+from fleet_mounts import needs_root, read_only_view, tmpfs
 
 import dbsync
 from dbsync.format import MANIFEST_FILE
@@ -36,47 +37,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "fleet_workers.py")
 ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None,
-    reason="needs root and util-linux (unshare, mount) to make namespaces and mounts; CI runs "
-           "as root",
-)
-
 
 # ---- helpers -------------------------------------------------------------------------------
-@contextlib.contextmanager
-def tmpfs(path: Any, size: str) -> Iterator[str]:
-    """A small filesystem of its own (``size`` like "4m"): a disk that can fill up."""
-    path = str(path)
-    os.makedirs(path, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", path],
-                   check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", path], check=False)
-
-
-@contextlib.contextmanager
-def read_only_view(base: Any, view: Any, how: str = "bind") -> Iterator[str]:
-    """What a pod given the store read-only sees: ``mount --bind`` + ``remount,ro`` (a
-    read-only volume), or ``bindfs -o ro`` (a FUSE view: no inotify events for changes made
-    in ``base``, as on NFS from another host)."""
-    os.makedirs(view, exist_ok=True)
-    if how == "bindfs":
-        if shutil.which("bindfs") is None or not os.path.exists("/dev/fuse"):
-            pytest.skip("bindfs/FUSE not available here (.ci/run installs it)")
-        subprocess.run(["bindfs", "-o", "ro", str(base), str(view)], check=True)
-    else:
-        subprocess.run(["mount", "--bind", str(base), str(view)], check=True)
-    try:
-        if how != "bindfs":
-            subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True)
-        yield str(view)
-    finally:
-        subprocess.run(["umount", "-l", str(view)], check=False)
-
-
 def fill(directory: str, name: str = "filler") -> str:
     """Write a file until the filesystem says ENOSPC; returns its path."""
     path = os.path.join(directory, name)

@@ -23,7 +23,7 @@ import torch
 
 from . import fileio
 from .errors import InvalidWeightsError
-from .format import describe_name, is_supported_dtype, name_problem
+from .format import is_supported_dtype, name_problem
 
 Pairs = list[tuple[str, torch.Tensor]]
 
@@ -107,7 +107,7 @@ def _validate(pairs: list[tuple[Any, Any]]) -> None:
         elif value.device.type == "meta":
             why = why or "is on the meta device and has no data"
         if why:
-            problems.append(f"{describe_name(name)}: {why}")
+            problems.append(f"{name!r}: {why}")
     if problems:
         raise InvalidWeightsError(
             f"{len(problems)} entr{'y' if len(problems) == 1 else 'ies'} cannot be published; "
@@ -158,11 +158,24 @@ def load_path(path: str) -> Pairs:
     )
 
 
+def _require_regular(path: str) -> None:
+    """Refuse a source file that is not a regular file (a FIFO would block the read forever,
+    a device would never end). Symlinks are followed: checkpoint caches link to blobs."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise InvalidWeightsError(f"{path} cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise InvalidWeightsError(f"{path} is not a regular file (a FIFO, device or "
+                                  "directory); point at the weights file itself")
+
+
 def _load_safetensors_file(path: str) -> Pairs:
     """Tensors in the order their bytes lie in the file (the order they were saved in, which
     groups a checkpoint by layer); ``safe_open().keys()`` would give alphabetical order."""
     from safetensors import safe_open
 
+    _require_regular(path)
     try:
         with safe_open(path, framework="pt") as f:
             return [(key, f.get_tensor(key)) for key in f.offset_keys()]
@@ -175,6 +188,7 @@ def _load_safetensors_file(path: str) -> Pairs:
 def _load_safetensors_dir(path: str) -> Pairs:
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index_path):
+        _require_regular(index_path)
         try:
             with open(index_path, encoding="utf-8") as f:
                 weight_map: dict[str, str] = json.load(f)["weight_map"]
@@ -207,6 +221,7 @@ def _load_safetensors_dir(path: str) -> Pairs:
 
 
 def _load_torch_file(path: str) -> Pairs:
+    _require_regular(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:

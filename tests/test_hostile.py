@@ -545,6 +545,25 @@ def test_tensordict_source_fifos_never_block(root, tmp_path, fifos, fifo):
         assert sender.latest_version() == 1
 
 
+@pytest.mark.parametrize("source", ["w.safetensors", "w.pt", "ckpt/model.safetensors.index.json",
+                                    "ckpt/b.safetensors"])
+def test_checkpoint_fifos_never_block(root, tmp_path, fifos, source):
+    from safetensors.torch import save_file
+
+    publish(root, V1)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"a": torch.ones(2)}, str(ckpt / "a.safetensors"))
+    path = str(tmp_path / source)
+    os.mkfifo(path)
+    fifos.append(path)
+    pushed = path if not source.startswith("ckpt/") else str(ckpt)
+    with dbsync.Sender(root) as sender:
+        exc = refused(lambda: sender.push(pushed), InvalidWeightsError)
+        assert path in str(exc) and "regular file" in str(exc), exc
+        assert sender.latest_version() == 1
+
+
 def test_every_bad_key_is_listed_whatever_its_encoding(root):
     publish(root, V1)
     bad = {"ok": torch.ones(1), "lone\udc80surrogate": torch.ones(1), "": torch.ones(1),

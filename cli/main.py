@@ -161,7 +161,8 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
                        f"as the next version of {os.path.abspath(root)}", err=True)
             with Sender(root, num_threads=threads) as sender:
                 try:
-                    version = sender.push(dict(pairs), progress=progress)
+                    version = sender.push(dict(pairs), progress=progress,
+                                          adapter_config=sources.adapter_config_of(src))
                 finally:
                     bar.finish()
                 store = sender.store

@@ -320,6 +320,36 @@ def test_fifos_never_block(root, fifos, target):
         assert_serving(rx, serving, versions[-1], V2, received=2 * len(V1))
 
 
+def test_hostile_lease_files_never_block_the_writer(root, tmp_path, fifos):
+    """Anything in readers/ (a FIFO, a link to /dev/zero or to a lease outside, a huge file,
+    garbage) is skipped by the writer and by `dbsync status`: pushes into both slots go on."""
+    publish(root, V1)
+    readers = os.path.join(root, "readers")
+    os.mkfifo(os.path.join(readers, "fifo.json"))
+    fifos.append(os.path.join(readers, "fifo.json"))
+    os.symlink("/dev/zero", os.path.join(readers, "zero.json"))
+    outside = str(tmp_path / "outside-lease.json")  # a live reader holding both slots
+    write_bytes(outside, json.dumps({"reader_id": "outside", "held": [["a", 1], ["b", 2]],
+                                     "pid": os.getpid(), "beat": 1}).encode())
+    os.symlink(outside, os.path.join(readers, "outside.json"))
+    with open(os.path.join(readers, "huge.json"), "wb") as f:
+        f.truncate(1 << 30)
+    write_bytes(os.path.join(readers, "garbage.json"), b"[" * 100_000)
+    spy = OpenSpy(outside)
+    try:
+        def push_twice() -> list[int]:
+            with dbsync.Sender(root, lease_timeout=60.0) as sender:
+                return [sender.push(V2), sender.push(V1)]
+
+        versions, exc = bounded(push_twice)
+        assert exc is None and versions == [2, 3], (versions, exc)
+        result = run_cli("status", root)
+        assert result.exit_code == 0 and "version    3" in result.output, result.output
+        assert spy.events() == 0, "a lease symlink was followed"
+    finally:
+        spy.close()
+
+
 # ---- oversized records -----------------------------------------------------------------------
 def test_oversized_records_are_refused(root, tmp_path):
     with loaded_v1_then_v2(root) as (rx, serving):

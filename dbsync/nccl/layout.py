@@ -54,9 +54,6 @@ class Header:
     entries: tuple[Entry, ...]
     #: the bucket checksum algorithm (``checksum.ALGORITHM``), or None: buckets unsealed
     checksum: str | None = None
-    #: the first buckets are ``bucket_bytes // r`` for each ``r`` here (then full buckets): the
-    #: stream starts after packing a small bucket, not a full one
-    ramp: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -71,16 +68,9 @@ class Header:
         return self.checksum is not None
 
     def buckets(self) -> list[tuple[int, int]]:
-        """The (start, end) byte ranges of the buckets: the ramp's, then full ones."""
         total = self.total_bytes
-        sizes = [max(ALIGN, self.bucket_bytes // r // ALIGN * ALIGN) for r in self.ramp]
-        out: list[tuple[int, int]] = []
-        lo = 0
-        while lo < total:
-            size = sizes[len(out)] if len(out) < len(sizes) else self.bucket_bytes
-            out.append((lo, min(lo + size, total)))
-            lo = out[-1][1]
-        return out
+        return [(lo, min(lo + self.bucket_bytes, total))
+                for lo in range(0, total, self.bucket_bytes)]
 
     def dumps(self, layout: bytes | None = None) -> bytes:
         """``{"version", "epoch", "seq"}`` JSON, a newline, then the layout JSON (tensors and
@@ -100,7 +90,6 @@ class Header:
     def layout_bytes(self) -> bytes:
         return json.dumps({
             "bucket_bytes": self.bucket_bytes, "checksum": self.checksum,
-            "ramp": list(self.ramp),
             "tensors": [[e.name, e.dtype, list(e.shape)] for e in self.entries],
         }, separators=(",", ":")).encode()
 
@@ -130,11 +119,6 @@ class Header:
             bucket_bytes = int(data["bucket_bytes"])
             tensors = data["tensors"]
             algorithm = data["checksum"]
-            ramp = data.get("ramp", [])
-            if not isinstance(ramp, list) or len(ramp) > 8 or not all(
-                    isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= 1024
-                    for r in ramp):
-                raise ValueError(f"bad bucket ramp {ramp!r}")
             if not isinstance(tensors, list) or bucket_bytes <= 0 or bucket_bytes % ALIGN:
                 raise ValueError("bad tensors list or bucket size")
             if algorithm not in (None, _checksum.ALGORITHM):
@@ -153,21 +137,20 @@ class Header:
                                  "runs an incompatible dbsync: upgrade both sides") from None
         except Exception as exc:  # dtype_from_name raises FormatError
             raise BroadcastError(f"received an unusable broadcast header ({exc})") from None
-        return cls.build(0, 0, 0, bucket_bytes, specs, algorithm, tuple(ramp))
+        return cls.build(0, 0, 0, bucket_bytes, specs, algorithm)
 
     @classmethod
     def build(cls, version: int, epoch: int, seq: int, bucket_bytes: int,
               specs: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
-              checksum: str | None = None, ramp: Sequence[int] = ()) -> Header:
-        """``checksum``: the bucket checksum algorithm, or None for unsealed buckets;
-        ``ramp``: see ``Header.ramp``."""
+              checksum: str | None = None) -> Header:
+        """``checksum``: the bucket checksum algorithm, or None for unsealed buckets."""
         entries = []
         offset = 0
         for name, dtype, shape in specs:
             nbytes = nbytes_of(dtype, shape)
             entries.append(Entry(name, dtype_name(dtype), shape, nbytes, offset))
             offset = aligned(offset + nbytes)
-        return cls(version, epoch, seq, bucket_bytes, tuple(entries), checksum, tuple(ramp))
+        return cls(version, epoch, seq, bucket_bytes, tuple(entries), checksum)
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -185,15 +168,13 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def bucket_plan(header: Header) -> list[list[tuple[int, int, int]]]:
     """For each bucket, the (entry index, start, end) byte ranges, relative to each tensor,
     that lie in it. One pass over the entries."""
-    buckets = header.buckets()
-    plan: list[list[tuple[int, int, int]]] = [[] for _ in buckets]
-    b = 0
+    plan: list[list[tuple[int, int, int]]] = [[] for _ in header.buckets()]
+    size = header.bucket_bytes
     for i, e in enumerate(header.entries):
         pos, end = e.offset, e.offset + e.nbytes
         while pos < end:
-            while buckets[b][1] <= pos:
-                b += 1
-            stop = min(end, buckets[b][1])
+            b = pos // size
+            stop = min(end, (b + 1) * size)
             plan[b].append((i, pos - e.offset, stop - e.offset))
             pos = stop
     return plan

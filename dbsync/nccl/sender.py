@@ -52,9 +52,6 @@ from .membership import Membership, wait_for_keys
 from .outgoing import OutgoingStream
 
 DEFAULT_TIMEOUT = 30.0
-#: the first buckets of every push: 1/16 and 1/4 of a full bucket, so the stream starts after
-#: packing 16 MiB rather than 256 MiB
-RAMP = (16, 4)
 
 __all__ = ["DEFAULT_TIMEOUT", "BroadcastSender", "wait_for_keys"]
 
@@ -231,8 +228,7 @@ class BroadcastSender:
         cached = self._header_cache
         if cached is None or cached[0] != signature:
             specs = [(n, sources.target_dtype(t, dtype), tuple(t.shape)) for n, t in pairs]
-            header = Header.build(version, epoch, seq, self.bucket_bytes, specs, algorithm,
-                                  RAMP)
+            header = Header.build(version, epoch, seq, self.bucket_bytes, specs, algorithm)
             header.layout_bytes  # noqa: B018 - built once here, reused by every later push
             cached = self._header_cache = (signature, header)
         return cached[1].for_push(version, epoch, seq)

@@ -179,6 +179,7 @@ def test_membership_tracks_joins_and_leaves(tmp_path: Any) -> None:
 def test_the_controller_side_imports_no_broadcast_machinery() -> None:
     """The driver (controller, server) never loads the receiving machinery: no group, no
     key-value store client, no bucket stream (those live in worker processes)."""
+    pytest.importorskip("vllm")  # dbsync.vllm imports it
     code = ("import sys, dbsync.vllm.transport, dbsync.vllm.broadcast; "
             "print(sorted(m for m in sys.modules if m.startswith('dbsync.nccl')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

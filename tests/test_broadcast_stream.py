@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -185,3 +186,39 @@ def test_the_controller_side_imports_no_broadcast_machinery() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_staging_receiver_stages_verified_versions_under_the_confirmed_manifest(
+        tmp_path: Any) -> None:
+    """The vLLM worker's staging receiver (no engine needed): each broadcast version is staged
+    verified, bound to the digest of the manifest the sender confirmed; a manifest with other
+    checksums under the same version number is refused."""
+    pytest.importorskip("vllm")  # dbsync.vllm imports it
+    from dbsync.nccl import BroadcastSender
+    from dbsync.vllm.staging import Staged, StagingReceiver
+
+    root = str(tmp_path)
+    gen = torch.Generator().manual_seed(9)
+    weights = {f"w{i}": torch.randn(64, 9, generator=gen) for i in range(5)}
+    with Sender(root, durable=False) as sender, BroadcastSender(
+            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT, join_timeout=10,
+            bucket_bytes=1024) as bs:
+        staging = StagingReceiver(root, reader_id="stage", device="cpu", step_timeout=TIMEOUT)
+        try:
+            assert bs.wait_for_joins(1, 20)
+            assert bs.push(weights) == 1
+            staged = staging.take(1, wait=20)
+            deadline = time.monotonic() + 20
+            while staged is None and time.monotonic() < deadline:
+                time.sleep(0.05)  # the confirmation follows the publish
+                staged = staging.take(1)
+            assert staged is not None and staging.last_error is None
+            assert [n for n, _ in staged.pairs] == list(weights)
+            assert all(torch.equal(t, weights[n]) for n, t in staged.pairs)
+            assert staged.matches(root) is None
+            manifest = sender.store.require_manifest()
+            assert staged.manifest_digest == rv.manifest_digest(manifest)
+            forged = Staged(1, staged.pairs, "0" * 64)
+            assert "not the one" in (forged.matches(root) or "")
+        finally:
+            staging.close()

@@ -323,25 +323,22 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
 
 
 def _version_line(store: Store, version: int, as_json: bool) -> str:
+    """One line about ``version``, from the head alone (the tensor list is never read)."""
     try:
-        manifest = store.read_manifest()
+        head = store.read_head()
     except DBSyncError:
-        manifest = None
+        head = None
     record: dict[str, Any] = {"version": version}
-    if manifest is not None and manifest.version == version:
-        record.update(slot=manifest.slot, tensors=len(manifest.tensors),
-                      bytes=manifest.total_bytes, published_at=manifest.created_at)
-        run_id = getattr(manifest, "run_id", None)
-        if run_id is not None:
-            record["run_id"] = run_id
+    if head is not None and head.version == version:
+        record.update(slot=head.slot, tensors=head.tensor_count, bytes=head.total_bytes,
+                      published_at=head.created_at, run_id=head.run_id)
     if as_json:
         return json.dumps(record, sort_keys=True)
     if "slot" not in record:
         return f"version {version}"
-    run = f"  run {record['run_id']}" if "run_id" in record else ""
     return (f"version {version}  slot {record['slot']}  {record['tensors']} tensors  "
             f"{human_bytes(record['bytes'])}  published {human_time(record['published_at'])}"
-            f"{run}")
+            f"  run {record['run_id']}")
 
 
 # ---- verify --------------------------------------------------------------------------------

@@ -279,7 +279,13 @@ class ShardView:
                 raise OSError(f"has {size} bytes, expected {nbytes}")
             self._buf: Any = b""
             if nbytes and private_copy:
-                self._buf = bytearray(nbytes)
+                try:
+                    self._buf = bytearray(nbytes)
+                except MemoryError:
+                    raise OSError(
+                        f"a private copy of {nbytes} bytes does not fit in memory (readers "
+                        "without a lease copy each shard; give this receiver write access to "
+                        "the store's readers/ so it can lease and map instead)") from None
                 view = memoryview(self._buf)
                 for start in range(0, nbytes, CHUNK_BYTES):
                     piece = view[start:start + CHUNK_BYTES]

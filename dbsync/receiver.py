@@ -213,9 +213,11 @@ class Snapshot:
         if damaged:
             names = ", ".join(describe_name(n) for n in list(damaged)[:10])
             more = " ..." if len(damaged) > 10 else ""
+            shards = "; ".join(sorted(set(self._missing.values())))[:500]
             raise DamagedVersionError(
                 f"version {self.version} in {self.receiver.store.slot_dir(self.manifest.slot)} "
-                f"is damaged ({len(damaged)} tensor(s): {names}{more}); nothing was applied. "
+                f"is damaged ({len(damaged)} tensor(s): {names}{more})"
+                + (f" [{shards}]" if shards else "") + "; nothing was applied. "
                 "Run `dbsync verify ROOT` and publish again from the trainer",
                 damaged,
             )

@@ -35,8 +35,11 @@ def namespaced(hostname: str, pid: str, *worker: str) -> None:
     """Run as PID 1 of a fresh PID namespace (``unshare --pid --fork``): set the hostname
     ('-' keeps the writer's), make the worker's pid ``pid`` (a pid that does not exist in the
     writer's namespace, as a container's pids do not), run it and exit with its status.
-    ``exec CMD...`` as the worker runs CMD instead."""
+    ``exec CMD...`` as the worker runs CMD instead. The starter's UTS namespace inode is in
+    ``FLEET_HOST_UTS``: the host is never renamed by mistake."""
     if hostname != "-":
+        if str(os.stat("/proc/self/ns/uts").st_ino) == os.environ.get("FLEET_HOST_UTS", ""):
+            raise SystemExit("refusing to rename the host: not in a UTS namespace of its own")
         socket.sethostname(hostname)
     if pid != "-":
         try:

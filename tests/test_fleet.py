@@ -35,7 +35,8 @@ from dbsync.store import Store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "fleet_workers.py")
-ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "FLEET_HOST_UTS": str(os.stat("/proc/self/ns/uts").st_ino)}
 
 
 # ---- helpers -------------------------------------------------------------------------------

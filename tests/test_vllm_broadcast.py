@@ -90,6 +90,7 @@ def test_broadcast_over_gloo_then_filesystem(llm: Any, tmp_path: Path) -> None:
     from dbsync import vllm as dbsync_vllm
 
     store = tmp_path / "store"
+    store.mkdir()  # readers never create a store; the trainer's Sender fills it
     fresh_b = greedy(llm)
     with dbsync_vllm.attach(llm, store, watch=False, transport="auto") as att:
         trainer = Trainer(store)

@@ -39,7 +39,8 @@ def sender(store: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def server(store: Path, sender: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # the sender creates the (empty) store: a reader given a missing ROOT fails at once
     reference("B")  # start the reference engine now: it overlaps the server's start-up
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     with running_server(store, tiny_model("A"), log) as srv:

@@ -35,7 +35,7 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-LONG = 400  # tokens: a request that lasts seconds on this machine
+LONG = 300  # tokens: a request that lasts seconds on this machine
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +50,9 @@ def sender(store: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def server(store: Path, sender: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # the sender creates the (empty) store: a reader given a missing ROOT fails at once
     reference("B", "bfloat16")  # started now: overlaps the server's start-up
-    store.mkdir(parents=True, exist_ok=True)
     log = tmp_path_factory.mktemp("serving-log") / "server.log"
     srv = Server(store, tiny_model("A-sharded"), log, plain=True)
     try:
@@ -142,33 +142,47 @@ def test_chat_completion_names_its_version(server: Server, client: Any) -> None:
 
 def test_request_held_across_a_swap_reports_both_versions(
         server: Server, sender: Any, client: Any) -> None:
-    """Pause mode keep: requests in flight finish on the new version and say so."""
+    """Pause mode keep: requests in flight finish on the new version and say so. Two clients
+    (one streaming) send long requests back to back, so each has one in flight at the swap."""
     old = server.status()["version"]
-    results: dict[str, Any] = {}
-    first = threading.Event()
+    plain: list[tuple[str, Any]] = []
+    streamed: list[list[Any]] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
 
-    def plain() -> None:
-        results["plain"] = complete(client, server, PROMPTS[1], LONG)
+    def loop(results: list[Any], call: Any) -> None:
+        try:
+            while not stop.is_set():
+                results.append(call())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
 
-    def streamed() -> None:
-        results["stream"] = stream(client, server, PROMPTS[2], LONG, first)
-
-    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    threads = [
+        threading.Thread(target=loop, args=(plain, lambda: complete(
+            client, server, PROMPTS[1], LONG))),
+        threading.Thread(target=loop, args=(streamed, lambda: stream(
+            client, server, PROMPTS[2], LONG)))]
     for t in threads:
         t.start()
-    assert first.wait(60)
-    wait_until(lambda: sum(scrape_metrics(server.base, "vllm:num_requests_running").values())
-               >= 2, 30, 0.05, "both requests to run")
-    new = sender.push(str(tiny_model("A")))
-    server.wait_version(new, timeout=60)
-    for t in threads:
-        t.join(120)
-    text, headers = results["plain"]
-    assert headers["x-dbsync-version"] == str(old)
-    assert headers["x-dbsync-versions"] == f"{old},{new}"
-    chunks = results["stream"]
-    assert chunks[-1].dbsync_version == old and chunks[-1].dbsync_versions == [old, new]
-    assert chunks[-1].usage.completion_tokens == LONG  # held, not cut short
+    try:
+        wait_until(lambda: sum(scrape_metrics(
+            server.base, "vllm:num_requests_running").values()) >= 2, 60, 0.05,
+            "both clients to have a request running")
+        new = sender.push(str(tiny_model("A")))
+        server.wait_version(new, timeout=60)
+        counts = (len(plain), len(streamed))
+        wait_until(lambda: len(plain) > counts[0] and len(streamed) > counts[1] or errors,
+                   120, 0.1, "one more response from each client")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    spanning = [h for _, h in plain if h["x-dbsync-versions"] == f"{old},{new}"]
+    assert spanning and all(h["x-dbsync-version"] == str(old) for h in spanning)
+    finals = [chunks[-1] for chunks in streamed]
+    assert any(c.dbsync_version == old and c.dbsync_versions == [old, new] for c in finals)
+    assert all(c.usage.completion_tokens == LONG for c in finals)  # held, not cut short
 
 
 def test_metrics_follow_each_swap(server: Server, sender: Any) -> None:
@@ -220,3 +234,16 @@ def test_mistyped_model_path_fails_at_once(tmp_path: Path) -> None:
     assert "no such directory on this host" in proc.stderr
     assert "huggingface" not in (proc.stdout + proc.stderr).lower()
     assert time.monotonic() - started < 60
+
+
+def test_missing_store_fails_at_once(tmp_path: Path) -> None:
+    """A mistyped ROOT is an error before the engine starts, not a store created and waited
+    on."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve-vllm", str(tmp_path / "stroe"),
+         "--model", str(tiny_model("A"))], cwd=REPO, env=child_env(),
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "does not exist or is not a directory" in proc.stderr
+    assert "Initializing a V1 LLM engine" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "stroe").exists()

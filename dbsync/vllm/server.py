@@ -85,6 +85,10 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
     check_transport(transport)
     check_pause_mode(pause_mode)
     check_model(model)
+    if not os.path.isdir(root):  # before the engine's minute of start-up, not after it
+        raise DBSyncError(f"{root} does not exist or is not a directory; check the path and "
+                          "that the volume is mounted (a Sender creates the store; serve-vllm "
+                          "never does)")
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup

@@ -390,14 +390,37 @@ class AdapterVersions:
 
 
 def _write_peft_dir(snap: Snapshot, config: dict[str, Any], directory: str) -> None:
-    """Write the verified version as ``adapter_config.json`` + ``adapter_model.safetensors``
-    (private copies: the snapshot's views die with it)."""
-    from safetensors.torch import save_file
-
-    tensors = {name: t.clone() for name, t in snap.tensors()}
-    save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS))
+    """Write the verified version as ``adapter_config.json`` + ``adapter_model.safetensors``,
+    straight from the snapshot's views (no intermediate copy)."""
+    _write_safetensors(os.path.join(directory, ADAPTER_WEIGHTS), list(snap.tensors()))
     with open(os.path.join(directory, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(config, f)
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3",
+              torch.float8_e5m2: "F8_E5M2"}
+
+
+def _write_safetensors(path: str, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file (8-byte header length, JSON header, raw bytes) written from
+    ``pairs`` in order. ``safetensors.torch.save_file`` would refuse views that share one
+    mapping and build the whole file in memory first."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in pairs:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, t in pairs:
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 # ---- engine facts ---------------------------------------------------------------------------
@@ -446,7 +469,8 @@ class LoRAAttachment:
         self.versions = AdapterVersions(root, name, expected_of(vllm_config, model_dir),
                                         max_rank, keep=keep or max(2, max_loras),
                                         reader_id=reader_id, verify=verify)
-        self.last_error: str | None = None
+        #: the last new version's ``prepare_s`` (open, verify, check, write) and ``add_lora_s``
+        self.timings: dict[str, float] = {}
 
     @property
     def version(self) -> int | None:
@@ -455,6 +479,7 @@ class LoRAAttachment:
 
     def latest(self) -> Any:
         """The ``LoRARequest`` of the newest version (applying a newer published one first)."""
+        t0 = time.perf_counter()
         try:
             prepared = self.versions.prepare()
         except AdapterRefusedError:
@@ -462,6 +487,7 @@ class LoRAAttachment:
                 raise
             prepared = None
         if prepared is not None:
+            t1 = time.perf_counter()
             if self._sync_engine is not None:
                 try:
                     self._sync_engine.add_lora(prepared.request)
@@ -471,6 +497,7 @@ class LoRAAttachment:
                         raise error from exc
                     prepared = None
             if prepared is not None:
+                self.timings = {"prepare_s": t1 - t0, "add_lora_s": time.perf_counter() - t1}
                 for old in self.versions.commit(prepared):
                     if self._sync_engine is not None:
                         with contextlib.suppress(Exception):

@@ -26,6 +26,7 @@ from dbsync.errors import ReceiverRefusedError
 
 vllm = pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")
 
+from dbsync.vllm.versions import FIELD_ALL  # noqa: E402
 from tests.vllm_helpers import (  # noqa: E402
     KV_CACHE_BYTES,
     PROMPTS,
@@ -38,7 +39,8 @@ from tests.vllm_helpers import (  # noqa: E402
 NAME = "policy"
 MAX_RANK = 8
 MAX_TOKENS = 12
-STREAM_TOKENS = 160
+STREAM_TOKENS = 480
+MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
 MODULES = ("q_proj", "v_proj", "down_proj")
 
 
@@ -86,14 +88,15 @@ class Stack:
         self.sender = Sender(self.root, durable=False)
         self.server = Server(self.root, self.model, tmp / "server.log", "--lora", NAME,
                              "--max-loras", "2", "--poll-interval", "0.2", "--",
-                             "--dtype", "float32", "--max-model-len", "256",
+                             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                              "--max-num-seqs", "8", "--kv-cache-memory-bytes",
                              str(KV_CACHE_BYTES), "--max-lora-rank", str(MAX_RANK),
                              "--seed", "0", plain=True)
         from vllm import LLM
 
         self.llm = LLM(model=str(self.model), **engine_kwargs(
-            enable_lora=True, max_lora_rank=MAX_RANK, max_loras=2))
+            enable_lora=True, max_lora_rank=MAX_RANK, max_loras=2,
+            max_model_len=MAX_MODEL_LEN))
         self.server.wait_ready()
         self.seeds = iter(range(100, 10_000))
         self.ref_ids = iter(range(1, 1_000_000))
@@ -131,11 +134,18 @@ class Stack:
 
 
 def complete(base: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    return complete_with_version(base, model, prompt, max_tokens)[0]
+
+
+def complete_with_version(base: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS,
+                          ) -> tuple[str, str | None]:
+    """The completion and its ``x-dbsync-version`` header (the adapter version it ran on)."""
     req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps({
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True}).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())["choices"][0]["text"]
+        return (json.loads(resp.read())["choices"][0]["text"],
+                resp.headers.get("x-dbsync-version"))
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +167,7 @@ def test_served_versions_equal_a_fresh_engine_given_the_adapter(stack: Stack) ->
         expected = stack.reference(adapter)
         assert expected != previous  # each version changes what is generated
         assert stack.served() == expected, f"version {version}"
+        assert complete_with_version(stack.server.base, NAME, PROMPTS[0])[1] == str(version)
         assert stack.served(model=str(stack.model)) == base  # the base model is untouched
         ids.add(status["lora_int_id"])
         assert len(status["kept"]) <= 2 and status["kept"][-1]["version"] == version
@@ -175,6 +186,7 @@ class Stream:
         self.first = threading.Event()
         self.error: BaseException | None = None
         self.tokens: int | None = None  # completion tokens, from the usage chunk
+        self.versions: list[int] = []  # dbsync_versions of the last chunks
         body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
                            "temperature": 0.0, "ignore_eos": True, "stream": True,
                            "logprobs": 0, "stream_options": {"include_usage": True}}).encode()
@@ -191,6 +203,8 @@ class Stream:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    if FIELD_ALL in chunk:
+                        self.versions = chunk[FIELD_ALL]
                     if chunk.get("usage"):
                         self.tokens = chunk["usage"]["completion_tokens"]
                     if chunk.get("choices"):
@@ -207,12 +221,12 @@ class Stream:
 def test_a_stream_in_flight_during_three_swaps_never_pauses_and_stays_on_its_version(
         stack: Stack) -> None:
     start = stack.adapter()
-    stack.push_and_wait(start)
+    start_version, _ = stack.push_and_wait(start)
     prompt = PROMPTS[0]
     expected = stack.reference(start, [prompt], STREAM_TOKENS)[0]
     stream = Stream(stack.server.base, prompt, STREAM_TOKENS)
     assert stream.first.wait(120) and stream.error is None
-    wait_until(lambda: len(stream.times) >= 20, 60, 0.01, "20 tokens before the first swap")
+    wait_until(lambda: len(stream.times) >= 10, 60, 0.01, "10 tokens before the first swap")
     windows = []
     newer = []
     for _ in range(3):
@@ -232,6 +246,7 @@ def test_a_stream_in_flight_during_three_swaps_never_pauses_and_stays_on_its_ver
     # request finished on the version it started on
     assert "".join(stream.texts) == expected
     assert stream.tokens == STREAM_TOKENS
+    assert stream.versions == [start_version]
     normal: list[float] = []
     during: list[float] = []
     for a, b in zip(stream.times, stream.times[1:], strict=False):
@@ -245,7 +260,10 @@ def test_a_stream_in_flight_during_three_swaps_never_pauses_and_stays_on_its_ver
           f"({len(during)} gaps during {len(windows)} swaps of "
           f"{', '.join(f'{1e3 * (b - a):.0f}' for a, b in windows)} ms)")
     assert during, "no token arrived during the swaps"
-    assert worst_during <= max(worst_normal, 4 * median), (
+    # A normal step: the longest gap outside the swaps (at least 4 median steps). The 1.5
+    # margin absorbs scheduling noise on a shared 2-core machine; a pause for a swap costs
+    # tens to hundreds of milliseconds and is caught.
+    assert worst_during <= 1.5 * max(worst_normal, 4 * median), (
         f"a gap of {worst_during:.3f} s during a swap (normal steps: median {median:.3f} s, "
         f"worst {worst_normal:.3f} s)")
     # requests admitted after the swaps get the newest version

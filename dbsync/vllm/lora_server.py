@@ -156,19 +156,35 @@ class LoRAServing:
     # ---- requests in flight ------------------------------------------------------------
     def wrap_generate(self, engine_client: Any) -> None:
         """Count the requests running on each adapter version, so a dropped version's
-        directory stays until its last request ends."""
+        directory stays until its last request ends; and label each HTTP request with the
+        adapter version it ran on (``x-dbsync-version`` / ``dbsync_version``, see
+        ``dbsync.vllm.versions``)."""
+        from .versions import _current as current_request
+
         original = engine_client.generate
         versions = self.versions
 
         async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
             request = kwargs.get("lora_request")
             lora_id = None if request is None else getattr(request, "lora_int_id", None)
+            adapter = None if lora_id is None else versions.by_id(lora_id)
+            record = current_request.get() if adapter is not None else None
             if lora_id is not None:
                 versions.acquire(lora_id)
+            if record is not None:
+                record.active += 1
             try:
                 async for out in original(*args, **kwargs):
+                    if record is not None and getattr(out, "finished", False):
+                        label = str(adapter.version)  # type: ignore[union-attr]
+                        if label not in record.versions:
+                            record.versions.append(label)
+                        record.active -= 1  # before the caller turns it into the last chunk
+                        record = None
                     yield out
             finally:
+                if record is not None:
+                    record.active -= 1
                 if lora_id is not None:
                     versions.release(lora_id)
 

@@ -136,6 +136,7 @@ class LeaseMonitor:
         self.clock = clock
         # reader_id -> (beat last seen, when this writer first saw that beat)
         self._seen: dict[str, tuple[Any, float]] = {}
+        self._timeouts: dict[str, float] = {}  # reader_id -> its lease's own timeout
 
     def _dead_for(self, reader_id: str, lease: dict[str, Any], now: float) -> float | None:
         """Seconds past death (>= 0) if the lease is dead, else None."""
@@ -144,11 +145,21 @@ class LeaseMonitor:
             return float("inf")
         beat = (lease.get("beat"), lease.get("held"), lease.get("version"))
         first = self._seen.get(reader_id)
+        timeout = lease_timeout_of(lease, self.timeout)
+        self._timeouts[reader_id] = timeout
         if first is None or first[0] != beat:
             self._seen[reader_id] = (beat, now)
             return None
-        overdue = now - first[1] - lease_timeout_of(lease, self.timeout)
+        overdue = now - first[1] - timeout
         return overdue if overdue >= 0 else None
+
+    def expires_in(self, reader_ids: list[str]) -> float | None:
+        """Seconds until the first of these leases would be dead if its beat stays as last
+        seen (None if unknown): a waiting writer looks again then, not a poll later."""
+        now = self.clock()
+        due = [self._seen[r][1] + self._timeouts[r] - now for r in reader_ids
+               if r in self._seen and r in self._timeouts]
+        return max(0.0, min(due)) if due else None
 
     def scan(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
         """(live reader id -> its lease record, dead reader ids). Removes leases that have
@@ -170,6 +181,8 @@ class LeaseMonitor:
                 self._seen.pop(reader_id, None)
         for gone in set(self._seen) - set(leases):
             del self._seen[gone]
+        for gone in set(self._timeouts) - set(leases):
+            del self._timeouts[gone]
         return live, dead
 
     def holders(self, slot: str) -> list[str]:
@@ -190,6 +203,8 @@ class LeaseMonitor:
             if not logged and self.clock() - start > 1.0:
                 log.info("waiting for reader(s) %s to release slot %s", ", ".join(holding), slot)
                 logged = True
-            sleep(interval)
+            due = self.expires_in(holding)
+            # a small margin past the expiry, so the look that follows finds it dead
+            sleep(interval if due is None else min(interval, due + 0.005))
             interval = min(interval * 1.5, 0.25)
         return self.clock() - start

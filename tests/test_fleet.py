@@ -93,8 +93,11 @@ def wait_json(path: Any, proc: subprocess.Popen | None = None, timeout: float = 
 
 
 def pid_free_here() -> int:
-    """A pid that no process has in this (the writer's) PID namespace."""
-    for pid in range(30011, 1000, -1):
+    """A pid that no process has in this (the writer's) PID namespace (near pid_max, where
+    this namespace's own pids are unlikely to reach during the test)."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        top = int(f.read()) - 1
+    for pid in range(top, 1000, -1):
         if not os.path.exists(f"/proc/{pid}"):
             return pid
     raise AssertionError("no free pid")

@@ -183,6 +183,10 @@ def test_lease_write_failures_never_wedge_a_receiver(tmp_path):
             assert load(receiver) == (2, [2.0])
             lease = Store(root).read_leases()[receiver.reader_id]
             assert lease["loaded_version"] == 2, "acknowledgements resume once leases fit"
+            deadline = time.monotonic() + 5  # and the heartbeat survived the failed writes
+            while Store(root).read_leases()[receiver.reader_id]["beat"] == lease["beat"]:
+                assert time.monotonic() < deadline, "the heartbeat stopped"
+                time.sleep(0.05)
             receiver.close()
 
 

@@ -7,6 +7,8 @@ children) over ``--seconds``, each against a baseline measured in the same run:
 
 - ``Receiver.watch``: one process; its own CPU while it only waits (baseline window), then
   while a watcher follows the store (same length).
+- ``Receiver.watch polling``: the same with polling forced (what NFS/FUSE mounts get), at the
+  default interval (1 s).
 - ``Receiver.wait``: the same, blocked in ``receiver.wait(...)``.
 - ``dbsync watch``: the command; baseline: a process with the same imports, sleeping.
 - ``serve-vllm`` (with ``--serve-vllm``): the server with a tiny model (CPU engine) after it
@@ -15,8 +17,8 @@ children) over ``--seconds``, each against a baseline measured in the same run:
 
 Flip latency: after the idle windows, ``--flips`` versions are pushed by this process; each
 follower reports when it noticed (``time.time()``). The flip's moment is taken as the earlier
-of ``push`` returning and the raw limit noticing it: a bare watchdog inotify observer of the
-same directory, in the same run (``over_raw`` is the difference to that observer).
+of ``push`` returning and the raw limit noticing it: a blocking read on a bare inotify
+instance watching the same directory, in the same run (``over_raw`` is the difference to it).
 
 Hazards: the CPU numbers are per process (other load on the machine does not count), the
 latencies are not (a busy machine delays wake-ups). /proc accounting ticks are 10 ms.
@@ -57,8 +59,9 @@ def child_receiver(root: str, mode: str) -> None:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
-    if mode == "watch":
-        watcher = receiver.watch(lambda v: print(f"noticed {v} {time.time()!r}", flush=True))
+    if mode in ("watch", "poll"):
+        watcher = receiver.watch(lambda v: print(f"noticed {v} {time.time()!r}", flush=True),
+                                 use_polling=mode == "poll")
         sys.stdin.readline()
         watcher.stop()
         reads, parses = getattr(watcher, "reads", -1), getattr(watcher, "parses", -1)
@@ -76,20 +79,30 @@ def child_receiver(root: str, mode: str) -> None:
 
 
 def child_raw(root: str) -> None:
-    """A bare watchdog observer of the manifest: the latency limit."""
-    from watchdog.events import FileMovedEvent, FileSystemEventHandler
-    from watchdog.observers import Observer
+    """The latency limit: a blocking read on a bare inotify instance (IN_MOVED_TO only)."""
+    import ctypes
+    import ctypes.util
 
     from dbsync.format import MANIFEST_FILE
 
-    class Handler(FileSystemEventHandler):
-        def on_any_event(self, event: Any) -> None:
-            if os.path.basename(os.fsdecode(event.dest_path or "")) == MANIFEST_FILE:
-                print(f"noticed ? {time.time()!r}", flush=True)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC)
+    if fd < 0 or libc.inotify_add_watch(fd, os.fsencode(root), 0x80) < 0:  # IN_MOVED_TO
+        raise OSError(ctypes.get_errno(), "inotify")
 
-    observer = Observer()
-    observer.schedule(Handler(), root, recursive=False, event_filter=[FileMovedEvent])
-    observer.start()
+    def read_forever() -> None:
+        while True:
+            data = os.read(fd, 4096)
+            at = time.time()
+            offset = 0
+            while offset + 16 <= len(data):
+                length = int.from_bytes(data[offset + 12: offset + 16], sys.byteorder)
+                name = data[offset + 16: offset + 16 + length].rstrip(b"\0")
+                offset += 16 + length
+                if name == MANIFEST_FILE.encode():
+                    print(f"noticed ? {at!r}", flush=True)
+
+    threading.Thread(target=read_forever, daemon=True).start()
     print("ready", flush=True)
     sys.stdin.readline()
 
@@ -251,7 +264,10 @@ def serve_vllm_idle(work: Path, seconds: float) -> dict[str, Any]:
                                     cwd=REPO, start_new_session=True)
             try:
                 started = time.monotonic()
-                _wait_http(f"http://127.0.0.1:{port}/v1/models", proc, timeout=600)
+                try:
+                    _wait_http(f"http://127.0.0.1:{port}/v1/models", proc, timeout=600)
+                except RuntimeError as exc:
+                    raise RuntimeError(f"{name}: {exc}; see {log_path}") from None
                 ready = time.monotonic() - started
                 threading.Event().wait(5)  # let start-up work settle
                 t0, c0 = time.monotonic(), cpu_seconds(proc.pid)
@@ -314,20 +330,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         rx_watch = Child("Receiver.watch", [*this_file(), "--child", "watch", root])
         rx_wait = Child("Receiver.wait", [*this_file(), "--child", "wait", root])
+        rx_poll = Child("Receiver.watch polling", [*this_file(), "--child", "poll", root])
         control = Child("sleeping CLI imports", [*this_file(), "--child", "sleep"])
         raw = Child("raw inotify", [*this_file(), "--child", "raw", root])
-        for c in (rx_watch, rx_wait, control, raw):
+        for c in (rx_watch, rx_wait, rx_poll, control, raw):
             c.expect("ready")
         print(f"baseline window ({args.seconds:g} s) ...", flush=True)
-        base = window([rx_watch, rx_wait], args.seconds)
+        base = window([rx_watch, rx_wait, rx_poll], args.seconds)
         cli_watch = Child("dbsync watch", [sys.executable, "-m", "cli.main", "watch", root,
                                            "--json"])
         cli_watch.expect("{")
-        for c in (rx_watch, rx_wait):
+        for c in (rx_watch, rx_wait, rx_poll):
             c.send("go")
             c.expect("noticed")
         print(f"idle window ({args.seconds:g} s) ...", flush=True)
-        idle = window([rx_watch, rx_wait, cli_watch, control, raw], args.seconds)
+        idle = window([rx_watch, rx_wait, rx_poll, cli_watch, control, raw], args.seconds)
 
         pushed: dict[int, float] = {}
         for _ in range(args.flips):
@@ -337,10 +354,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         threading.Event().wait(1.0)
         rx_watch.send("quit")
         reads_line, _ = rx_watch.expect("reads")
-        for c in (rx_watch, rx_wait, cli_watch, raw):
+        rx_poll.send("quit")
+        poll_line, _ = rx_poll.expect("reads")
+        for c in (rx_watch, rx_wait, rx_poll, cli_watch, raw):
             c.drain()
         cli_watch.proc.send_signal(signal.SIGINT)
-        for c in (rx_wait, cli_watch, control, raw, rx_watch):
+        for c in (rx_wait, rx_poll, cli_watch, control, raw, rx_watch):
             c.stop()
     finally:
         sender.close()
@@ -373,20 +392,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "baseline_percent": round(base[rx_watch.name], 3),
                            "manifest_reads": int(reads), "manifest_parses": int(parses),
                            **latencies(rx_watch)},
+        "Receiver.watch polling": {"cpu_percent": round(idle[rx_poll.name], 3),
+                                   "baseline_percent": round(base[rx_poll.name], 3),
+                                   "manifest_reads": int(poll_line.split()[1]),
+                                   "manifest_parses": int(poll_line.split()[3]),
+                                   **latencies(rx_poll)},
         "Receiver.wait": {"cpu_percent": round(idle[rx_wait.name], 3),
                           "baseline_percent": round(base[rx_wait.name], 3),
                           **latencies(rx_wait)},
         "dbsync watch": {"cpu_percent": round(idle[cli_watch.name], 3),
                          "baseline_percent": round(idle[control.name], 3),
                          **latencies(cli_watch)},
-        "raw inotify observer": {"cpu_percent": round(idle[raw.name], 3), **latencies(raw)},
+        "raw inotify read": {"cpu_percent": round(idle[raw.name], 3), **latencies(raw)},
     }
-    for name in ("Receiver.watch", "Receiver.wait", "dbsync watch"):
+    for name in ("Receiver.watch", "Receiver.watch polling", "Receiver.wait", "dbsync watch"):
         r = results[name]
         r["above_baseline_percent"] = round(r["cpu_percent"] - r["baseline_percent"], 3)
     if args.serve_vllm:
         print(f"serve-vllm vs vLLM's own server ({args.seconds:g} s each) ...", flush=True)
-        results["serve-vllm"] = serve_vllm_idle(work, args.seconds)
+        try:
+            results["serve-vllm"] = serve_vllm_idle(work, args.seconds)
+        except RuntimeError as exc:  # recorded, and the other numbers still written
+            results["serve-vllm"] = {"error": str(exc)}
+            return results  # keep ``work``: the server's log is in it
     shutil.rmtree(work, ignore_errors=True)
     return results
 
@@ -394,7 +422,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         kind = sys.argv[2]
-        if kind in ("watch", "wait"):
+        if kind in ("watch", "poll", "wait"):
             child_receiver(sys.argv[3], kind)
         elif kind == "raw":
             child_raw(sys.argv[3])
@@ -404,7 +432,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=60.0, help="length of each CPU window")
     p.add_argument("--flips", type=int, default=20)
-    p.add_argument("--flip-gap", type=float, default=0.25, help="seconds between flips")
+    p.add_argument("--flip-gap", type=float, default=1.1,
+                   help="seconds between flips (above the 1 s poll interval)")
     p.add_argument("--serve-vllm", action="store_true", help="also measure serve-vllm")
     p.add_argument("--dir", default=None, help="where the store lives (default: tmp)")
     p.add_argument("--json", default=str(REPO / "bench/results/idle_cpu2.json"))

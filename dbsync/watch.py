@@ -1,4 +1,4 @@
-"""Notice new versions: inotify (watchdog's observer) where events arrive, polling where they
+"""Notice new versions: inotify (``dbsync.inotify``) where events arrive, polling where they
 cannot, chosen from the mount type. An idle watcher costs (almost) nothing.
 
 How a look at the store works (``Watcher._check``):
@@ -15,7 +15,8 @@ When it looks:
 
 - inotify mode: on events for the manifest file only: moved to, created, closed after a
   write, modified. Opens, reads and closes without a write are not even asked of the kernel,
-  so the watcher's own reads never wake it (they once did: 100,000 reads in 10 idle seconds).
+  so the watcher's own reads never wake it (they once did: 100,000 reads in 10 idle seconds),
+  and no event is held back (watchdog's observer, used before, held renames up to 0.5 s).
   A burst of events costs one look; two looks are never closer than ``MIN_CHECK_INTERVAL``.
   A safety look every ``SAFETY_POLL_INTERVAL`` seconds catches anything the events missed,
   and a deleted or replaced store directory is watched again once it is back.
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .format import MANIFEST_FILE, Head
+from .inotify import DirectoryWatch
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,7 @@ class Watcher:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._observer: Any = None
+        self._observer: DirectoryWatch | None = None
         self._watched: tuple[int, int] | None = None  # (st_dev, st_ino) of the watched root
         self._rewatch = threading.Event()
 
@@ -303,49 +305,30 @@ class Watcher:
 
     # ---- inotify ------------------------------------------------------------------------
     def _start_observer(self) -> None:
-        from watchdog.events import (
-            DirDeletedEvent,
-            FileClosedEvent,
-            FileCreatedEvent,
-            FileModifiedEvent,
-            FileMovedEvent,
-            FileSystemEventHandler,
-        )
-        from watchdog.observers import Observer
+        wake, rewatch = self._wake, self._rewatch
 
-        wake, rewatch, root = self._wake, self._rewatch, self.root
-
-        class _OnManifest(FileSystemEventHandler):
-            def on_any_event(self, event: Any) -> None:
-                if isinstance(event, DirDeletedEvent):
-                    if os.fsdecode(event.src_path) == root:
-                        rewatch.set()
-                        wake.set()
-                    return
-                paths = (getattr(event, "src_path", ""), getattr(event, "dest_path", ""))
-                if any(os.path.basename(os.fsdecode(p)) == MANIFEST_FILE for p in paths if p):
-                    wake.set()
+        def on_event(name: str | None) -> None:
+            if name is None:  # the directory went away (or events were lost): look again
+                rewatch.set()
+                wake.set()
+            elif name == MANIFEST_FILE:
+                wake.set()
 
         try:
             st = os.stat(self.root)
-            observer = Observer()
-            observer.schedule(_OnManifest(), self.root, recursive=False, event_filter=[
-                FileMovedEvent, FileCreatedEvent, FileClosedEvent, FileModifiedEvent,
-                DirDeletedEvent])
-            observer.start()
-        except OSError as exc:  # no inotify instances/watches left, or the root is gone
+            watch = DirectoryWatch(self.root, on_event).start()
+        except OSError as exc:  # no inotify here, none left, or the root is gone
             if not self._rewatch.is_set():
                 log.warning("dbsync watcher: no inotify watch on %s (%s); polling every %g s "
                             "until one can be set", self.root, exc, self.poll_interval)
             self._rewatch.set()
             return
-        self._observer, self._watched = observer, (st.st_dev, st.st_ino)
+        self._observer, self._watched = watch, (st.st_dev, st.st_ino)
         self._rewatch.clear()
 
     def _stop_observer(self) -> None:
         if self._observer is not None:
             self._observer.stop()
-            self._observer.join()
             self._observer = None
 
     def _restart_observer(self) -> None:

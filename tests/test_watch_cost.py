@@ -227,3 +227,26 @@ def test_manifest_that_is_not_a_regular_file_never_blocks_the_watcher(store, tmp
         t0 = time.monotonic()
         watcher.stop()
         assert time.monotonic() - t0 < 1.0
+
+
+def test_starting_and_stopping_leaves_nothing_behind(store):
+    """Receiver.wait starts and stops a watcher per call: stop() must be quick and every
+    thread and file descriptor must go."""
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def inotify_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "dbsync-inotify"]
+
+    before = fds()
+    took = []
+    for _ in range(20):
+        watcher = Watcher(store, Seen(), use_polling=False).start()
+        t0 = time.monotonic()
+        watcher.stop()
+        took.append(time.monotonic() - t0)
+    for thread in inotify_threads():
+        thread.join(timeout=5)
+    assert not inotify_threads()
+    assert fds() == before
+    assert max(took) < 0.1, took

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -23,6 +24,7 @@ import torch
 
 from dbsync import Sender
 from dbsync.errors import ReceiverRefusedError
+from dbsync.status import wait_for_receivers
 
 vllm = pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")
 
@@ -39,8 +41,8 @@ from tests.vllm_helpers import (  # noqa: E402
 NAME = "policy"
 MAX_RANK = 8
 MAX_TOKENS = 12
-STREAM_TOKENS = 480
-MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
+STREAM_TOKENS = 1200
+MAX_MODEL_LEN = 2048
 MODULES = ("q_proj", "v_proj", "down_proj")
 
 
@@ -82,7 +84,12 @@ class Stack:
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
-        self.model = tiny_model("A")
+        # checkpoint A with room for a long stream (RoPE: the weights do not depend on it)
+        self.model = tmp / "A-long"
+        shutil.copytree(tiny_model("A"), self.model)
+        config = json.loads((self.model / "config.json").read_text())
+        config["max_position_embeddings"] = MAX_MODEL_LEN
+        (self.model / "config.json").write_text(json.dumps(config))
         self.shapes = layer_shapes(self.model)
         self.root = tmp / "store"
         self.sender = Sender(self.root, durable=False)
@@ -228,20 +235,26 @@ def test_a_stream_in_flight_during_three_swaps_never_pauses_and_stays_on_its_ver
     assert stream.first.wait(120) and stream.error is None
     wait_until(lambda: len(stream.times) >= 10, 60, 0.01, "10 tokens before the first swap")
     windows = []
+    steps: list[str] = []
     newer = []
     for _ in range(3):
         adapter = stack.adapter()
         t0 = time.monotonic()
         version = stack.sender.push(adapter)
+        pushed = time.monotonic()
         # the server acknowledges in its lease once NAME points at the new version (read from
         # the store, so that no status request adds work to the server meanwhile)
-        assert stack.sender.wait_for_receivers(version, count=1, timeout=60)
+        assert wait_for_receivers(stack.sender.store, version, 1, timeout=60, interval=0.01)
         windows.append((t0, time.monotonic()))
+        steps.append(f"push {1e3 * (pushed - t0):.0f} ms, served "
+                     f"{1e3 * (windows[-1][1] - pushed):.0f} ms later")
         newer.append((version, adapter))
     swaps_done_at = len(stream.times)
     stream.thread.join(300)
     assert stream.error is None
-    assert swaps_done_at < STREAM_TOKENS, "the stream ended before the three swaps"
+    assert swaps_done_at < STREAM_TOKENS, (
+        f"the stream ended before the three swaps ({steps}; the stream took "
+        f"{stream.times[-1] - stream.times[0]:.2f} s)")
     # every token arrived (a chunk may carry several when the client reads late), and the
     # request finished on the version it started on
     assert "".join(stream.texts) == expected

@@ -426,12 +426,16 @@ class Receiver:
     def manifest(self) -> Manifest:
         return self.store.require_manifest()
 
-    def open(self, version: int | None = None) -> Snapshot:
-        """Hold and open the current version (or ``version``, if this receiver opened it
-        before and its slot still holds it). Use ``with receiver.open() as snap:``.
+    def open(self, version: int | None = None, head: Head | None = None) -> Snapshot:
+        """Hold and open the current version, or ``version`` if this receiver opened it before,
+        or the version ``head`` names (a head record kept by another process, e.g. a rollback
+        target), provided its slot still holds it. Use ``with receiver.open() as snap:``.
 
         Raises ``StoreRewoundError`` if the head went backwards within one run (a restored
         older copy); a new run id is followed (logged) instead."""
+        if head is not None:
+            version = head.version
+            self._heads[head.version] = head
         for _ in range(100):
             head = self._target_head(version)
             token = next(self._tokens)

@@ -205,10 +205,59 @@ def test_unhealthy_until_a_complete_version_applies(setup: Any) -> None:
     status = controller.status()
     assert not status["healthy"] and status["paused"] and ops.paused
     assert "paused and unhealthy" in status["last_error"]
-    assert ops.calls[-1] == f"update:{v}"  # never resumed on a mix
+    # two tries of v, then a rollback to version 1 that failed too: never resumed on a mix
+    assert ops.calls[-6:] == ["start", f"update:{v}", "start", f"update:{v}", "start",
+                              "update:1"] and "resume" not in ops.calls[-6:]
     v2 = sender.push(weights(3))
     assert controller.apply_latest() == v2
     assert controller.status()["healthy"] and not ops.paused and ops.served == str(v2)
+
+
+def test_failed_apply_rolls_back_to_the_held_previous_version(setup: Any) -> None:
+    """A version that fails midway twice: the version served before is applied again from its
+    slot (held by the controller's lease meanwhile), generation resumes on it, and the trainer
+    sees the failure as a refusal naming this engine."""
+    from dbsync import ReceiverRefusedError
+    from dbsync.vllm.controller import RolledBackError
+
+    sender, controller, ops = setup
+    good = sender.push(weights(1))
+    controller.apply_latest()
+    held = Store(sender.root).read_leases()[controller.receiver.reader_id]["held"]
+    assert held == [["a", good]]  # the served version's slot stays leased
+    bad = sender.push(weights(2))
+    ops.calls.clear()
+    ops.failures = [f"{PARTIALLY_APPLIED} x"] * 2
+    with pytest.raises(RolledBackError):
+        controller.apply_latest()
+    assert ops.calls == ["pause", "start", f"update:{bad}", "start", f"update:{bad}",
+                         "start", f"update:{good}", f"finish:{good}", "reset", "resume"]
+    status = controller.status()
+    assert status["healthy"] and not status["paused"] and status["version"] == good
+    assert ops.served == str(good) and "rolled back to version 1" in status["last_error"]
+    with pytest.raises(ReceiverRefusedError, match=controller.receiver.reader_id):
+        sender.wait_for_receivers(bad, 1, timeout=5)
+    ops.calls.clear()
+    assert controller.apply_latest() == good and ops.calls == []  # not retried in a loop
+    newer = sender.push(weights(3))  # the slot of version 1 was released: the push goes on
+    assert controller.apply_latest() == newer and ops.served == str(newer)
+
+
+def test_refusal_reaches_the_trainer_at_once(setup: Any) -> None:
+    import time
+
+    from dbsync import ReceiverRefusedError
+
+    sender, controller, ops = setup
+    sender.push(weights(1))
+    controller.apply_latest()
+    bad = sender.push({**weights(2), "model.norm.weight": torch.ones(3)})
+    with pytest.raises(IncompatibleWeightsError):
+        controller.apply_latest()
+    start = time.monotonic()
+    with pytest.raises(ReceiverRefusedError, match="model.norm.weight"):
+        sender.wait_for_receivers(bad, 1, timeout=30)
+    assert time.monotonic() - start < 2.0
 
 
 def test_expected_from_checkpoint_reads_headers(tmp_path: Path) -> None:

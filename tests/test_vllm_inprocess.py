@@ -3,6 +3,8 @@ versions; completions equal a fresh engine's."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,12 @@ from tests.vllm_helpers import child_output_to, engine_kwargs, greedy, reference
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+from dbsync.vllm.plugin import FAULTS_ENV  # noqa: E402
+
+# Set before this module's engine spawns its workers (they read it at each update).
+FAULTS = Path(tempfile.gettempdir()) / f"dbsync-apply-faults-{os.getpid()}"
+os.environ[FAULTS_ENV] = str(FAULTS)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +114,32 @@ def test_superseded_apply_logs_info_and_keeps_weights(llm: Any, tmp_path: Path,
     race = [line for line in text.splitlines() if SUPERSEDED in line]
     assert len(race) == 2 and all(" INFO " in line for line in race), race  # worker, core
     assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+
+
+def test_failed_apply_rolls_back_to_the_previous_version(llm: Any, tmp_path: Path) -> None:
+    """A version that fails midway inside the engine's workers (after 3 tensors, every try):
+    the engine is back on the version it served before, token for token, within seconds."""
+    from dbsync import vllm as dbsync_vllm
+    from dbsync.vllm.controller import RolledBackError
+
+    store = tmp_path / "store"
+    with Sender(store) as sender, dbsync_vllm.attach(llm, store) as att:
+        good = sender.push(str(tiny_model("B")))
+        assert att.apply_latest() == good
+        served = greedy(llm)
+        bad = sender.push(str(tiny_model("A")))
+        FAULTS.write_text(f"{bad} 3\n")
+        try:
+            start = time.monotonic()
+            with pytest.raises(RolledBackError, match=f"rolled back to version {good}"):
+                att.apply_latest()
+            elapsed = time.monotonic() - start
+        finally:
+            FAULTS.unlink()
+        assert greedy(llm) == served == reference("B").result()
+        status = att.status()
+        assert status["healthy"] and status["version"] == good
+        assert llm.get_weight_version() == str(good)
+        assert elapsed < 30
+        newer = sender.push(str(tiny_model("A")))  # the next version applies normally
+        assert att.apply_latest() == newer and greedy(llm) != served

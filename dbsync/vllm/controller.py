@@ -33,8 +33,19 @@ Outcomes, stated plainly:
   newer version meanwhile). The previous version is intact; the controller tries the newest.
 - partially applied: some layers may hold the new version. The engine stays PAUSED (held
   requests wait, new ones are refused by the server) and the controller immediately applies the
-  newest complete version again; if that fails too, it reports unhealthy until a later version
-  applies completely. It never resumes generation on a mix of versions.
+  newest complete version again. If that fails too, it rolls back: the version served before
+  is applied again from its slot, which the controller holds (leased) for as long as it serves
+  that version, and generation resumes on it (``last_error`` and the ``rolled_back`` metric say
+  so; the failed version is reported to the trainer as refused and not retried until a newer
+  one is published). Only if the rollback fails too does it report unhealthy until a later
+  version applies completely. It never resumes generation on a mix of versions.
+- refusals and failed applies are written into this engine's lease (``refused``), so
+  ``Sender.wait_for_receivers`` and ``dbsync push --wait-for`` fail fast naming the engine.
+
+Hazard of the rollback hold: the writer cannot reuse the slot of the version an engine serves
+until that engine has applied a newer one, so a push can wait for the slowest engine's swap
+(a dead engine costs at most its lease timeout). Receivers on read-only views hold nothing and
+cannot roll back.
 
 Transport: with ``transport`` "auto" or "broadcast" the controller first asks the engine's
 workers (``init_weight_transfer_engine``) to stage the trainer's broadcasts (see
@@ -73,7 +84,7 @@ from ..errors import (
     LeaseExpiredError,
     NothingPublishedError,
 )
-from ..receiver import Receiver
+from ..receiver import Receiver, Snapshot
 from ..watch import Watcher
 from .broadcast import check_transport
 from .plugin import NOTHING_APPLIED, SUPERSEDED
@@ -107,6 +118,16 @@ def fit_expected(expected: Expected, published: Mapping[str, torch.dtype]) -> Ex
         got = published.get(name)
         out[name] = (shape, got if dtype in CASTABLE and got in CASTABLE else dtype)
     return out
+
+
+class RolledBackError(DBSyncError):
+    """Applying a version failed midway and the engine was rolled back to the version it served
+    before (which it serves again). The failed version is not retried until a newer one."""
+
+    def __init__(self, message: str, version: int, served: int):
+        super().__init__(message)
+        self.version = version
+        self.served = served
 
 
 class SwapError(DBSyncError):
@@ -217,6 +238,10 @@ class SwapController:
         self.receiver = Receiver(self.root, reader_id=reader_id, verify=verify,
                                  poll_interval=poll_interval)
         self.state = SwapState()
+        #: the snapshot of the version served, held (its slot leased) for a rollback
+        self._served: Snapshot | None = None
+        self._served_run: str | None = None
+        self._rolled_back: set[tuple[int, str | None]] = set()
         self._lock = threading.RLock()
         self._watcher: Watcher | None = None
         self._stopping = threading.Event()
@@ -265,11 +290,13 @@ class SwapController:
         with self._lock:
             self.init_transport()
             error: DBSyncError | None = None
-            for _ in range(MAX_ATTEMPTS):
+            for attempt in range(MAX_ATTEMPTS):
                 try:
                     done = self._attempt()
                 except SwapError as exc:
                     error = exc
+                    if exc.partial and attempt >= 1 and self._served is not None:
+                        self._roll_back(exc)  # raises RolledBackError, or the failure
                     if exc.partial or SUPERSEDED in str(exc) or self._newer_than(exc.version):
                         continue  # roll forward to the newest complete version
                     raise
@@ -329,6 +356,7 @@ class SwapController:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+        self._release_served()
         self.receiver.close()
         if self._report_dir is not None:
             shutil.rmtree(self._report_dir, ignore_errors=True)
@@ -349,8 +377,8 @@ class SwapController:
         while not self._stopping.is_set():
             try:
                 self.apply_latest()
-            except (IncompatibleWeightsError, DamagedVersionError):
-                break  # a refusal: recorded in the status and logged once already
+            except (IncompatibleWeightsError, DamagedVersionError, RolledBackError):
+                break  # a refusal or a rollback: recorded in the status and logged already
             except (OSError, DBSyncError) as exc:
                 if not isinstance(exc, SwapError):  # a SwapError is recorded by _fail
                     self._read_failed(exc, delay)
@@ -386,76 +414,86 @@ class SwapController:
 
     def _attempt(self) -> bool:
         """One try at the current version. True when nothing is left to do."""
+        snap = self.receiver.open()
+        try:
+            return self._attempt_on(snap)
+        finally:
+            if snap is not self._served:
+                snap.close()
+
+    def _attempt_on(self, snap: Snapshot) -> bool:
         s = self.state
-        with self.receiver.open() as snap:
-            version = snap.version
-            s.published_version = max(version, s.published_version or 0)
-            self.metrics.versions(s.version, s.published_version)
-            if version == s.version and s.healthy:
-                return True
-            t0 = time.perf_counter()
-            try:
-                if self.expected is not None:  # manifest only: cheap, so first
-                    published = {e.name: e.torch_dtype for e in snap.manifest.tensors}
-                    snap.check_compatible(fit_expected(self.expected, published),
-                                          self.allow_missing)
-                if self.verify:
-                    snap.verify()
-            except (DamagedVersionError, IncompatibleWeightsError) as exc:
-                self._refuse(version, exc)
-                raise
-            except LeaseExpiredError as exc:
-                log.info("dbsync: version %d was replaced while it was verified (%s); trying "
-                         "the newest", version, exc)
-                raise SwapError(f"version {version}: {exc}", version, partial=False) from exc
-            timings = SwapTimings(version, read_verify_s=time.perf_counter() - t0,
-                                  nbytes=snap.manifest.total_bytes)
-            report = self._clear_reports()
-            s.applying = version
-            t_pause = time.perf_counter()
-            started = False
-            try:
-                if not s.paused:
-                    timings.pause_mode = self.ops.pause(self.pause_mode, self.drain_timeout)
-                    s.paused = True
-                t_apply = time.perf_counter()
-                started = True
-                self.ops.start()
-                update: dict[str, Any] = {"root": self.root, "version": version}
-                if report is not None:
-                    update["report"] = report
-                self.ops.update(update)
-                self.ops.finish(str(version))
-                timings.apply_s = time.perf_counter() - t_apply
-                timings.source = self._read_reports(version)
-                snap.check_unchanged()  # our lease kept the slot; this catches an expired one
-                self.ops.reset_prefix_cache()
-            except Exception as exc:
-                s.applying = None
-                # With several workers one may report "nothing applied" while another
-                # applied everything: only a single worker's word is enough.
-                partial = not s.healthy or (started and (
-                    self.workers > 1 or NOTHING_APPLIED not in str(exc)))
-                self._fail(version, exc, partial)
-                raise SwapError(
-                    f"applying version {version} failed "
-                    f"({'engine may hold a mix; paused' if partial else 'nothing applied'}): "
-                    f"{exc}", version, partial) from exc
-            self._resume()
-            timings.pause_s = time.perf_counter() - t_pause
-            timings.push_to_served_s = time.time() - snap.manifest.created_at
-            self.receiver.mark_loaded(version)
-            s.version, s.loaded_at, s.healthy, s.applying = version, time.time(), True, None
-            s.swaps += 1
-            s.last_swap = timings
-            s.last_error = None
-            self.metrics.applied(pause_s=timings.pause_s, read_verify_s=timings.read_verify_s,
-                                 nbytes=timings.nbytes, source=timings.source)
-            self.metrics.versions(s.version, s.published_version)
-            log.info("dbsync: serving version %d from the %s (pause %.1f ms, apply %.1f ms, "
-                     "verify %.1f ms)", version, timings.source or "unreported source",
-                     timings.pause_s * 1e3, timings.apply_s * 1e3, timings.read_verify_s * 1e3)
+        version = snap.version
+        s.published_version = max(version, s.published_version or 0)
+        self.metrics.versions(s.version, s.published_version)
+        if version == s.version and snap.run_id == self._served_run and s.healthy:
             return True
+        if (version, snap.run_id) in self._rolled_back and s.healthy:
+            return True  # rolled back from already: wait for a newer version
+        t0 = time.perf_counter()
+        try:
+            if self.expected is not None:  # manifest only: cheap, so first
+                published = {e.name: e.torch_dtype for e in snap.manifest.tensors}
+                snap.check_compatible(fit_expected(self.expected, published),
+                                      self.allow_missing)
+            if self.verify:
+                snap.verify()
+        except (DamagedVersionError, IncompatibleWeightsError) as exc:
+            self._refuse(version, exc)
+            raise
+        except LeaseExpiredError as exc:
+            log.info("dbsync: version %d was replaced while it was verified (%s); trying "
+                     "the newest", version, exc)
+            raise SwapError(f"version {version}: {exc}", version, partial=False) from exc
+        timings = SwapTimings(version, read_verify_s=time.perf_counter() - t0,
+                              nbytes=snap.manifest.total_bytes)
+        report = self._clear_reports()
+        s.applying = version
+        t_pause = time.perf_counter()
+        started = False
+        try:
+            if not s.paused:
+                timings.pause_mode = self.ops.pause(self.pause_mode, self.drain_timeout)
+                s.paused = True
+            t_apply = time.perf_counter()
+            started = True
+            self.ops.start()
+            update: dict[str, Any] = {"root": self.root, "version": version}
+            if report is not None:
+                update["report"] = report
+            self.ops.update(update)
+            self.ops.finish(str(version))
+            timings.apply_s = time.perf_counter() - t_apply
+            timings.source = self._read_reports(version)
+            snap.check_unchanged()  # our lease kept the slot; this catches an expired one
+            self.ops.reset_prefix_cache()
+        except Exception as exc:
+            s.applying = None
+            # With several workers one may report "nothing applied" while another
+            # applied everything: only a single worker's word is enough.
+            partial = not s.healthy or (started and (
+                self.workers > 1 or NOTHING_APPLIED not in str(exc)))
+            self._fail(version, exc, partial)
+            raise SwapError(
+                f"applying version {version} failed "
+                f"({'engine may hold a mix; paused' if partial else 'nothing applied'}): "
+                f"{exc}", version, partial) from exc
+        self._resume()
+        timings.pause_s = time.perf_counter() - t_pause
+        timings.push_to_served_s = time.time() - snap.manifest.created_at
+        self.receiver.mark_loaded(version, snap.run_id)
+        self._keep_served(snap)
+        s.version, s.loaded_at, s.healthy, s.applying = version, time.time(), True, None
+        s.swaps += 1
+        s.last_swap = timings
+        s.last_error = None
+        self.metrics.applied(pause_s=timings.pause_s, read_verify_s=timings.read_verify_s,
+                             nbytes=timings.nbytes, source=timings.source)
+        self.metrics.versions(s.version, s.published_version)
+        log.info("dbsync: serving version %d from the %s (pause %.1f ms, apply %.1f ms, "
+                 "verify %.1f ms)", version, timings.source or "unreported source",
+                 timings.pause_s * 1e3, timings.apply_s * 1e3, timings.read_verify_s * 1e3)
+        return True
 
     def _clear_reports(self) -> str | None:
         """The directory the workers report their source into, emptied (broadcast transports
@@ -492,9 +530,65 @@ class SwapController:
             self.ops.resume()
             self.state.paused = False
 
+    def _keep_served(self, snap: Snapshot) -> None:
+        """Hold the snapshot of the version now served (leased: its slot stays intact for a
+        rollback) and release the one served before."""
+        old, self._served = self._served, (snap if snap.leased else None)
+        self._served_run = snap.run_id
+        if old is not None and old is not snap:
+            old.close()
+
+    def _release_served(self) -> None:
+        old, self._served = self._served, None
+        if old is not None:
+            old.close()
+
+    def _roll_back(self, failure: SwapError) -> None:
+        """Apply the held, previously served version again after ``failure`` left the engine
+        with a mix (paused). Raises ``RolledBackError`` when it is served again; re-raises
+        ``failure`` (unhealthy) if the rollback fails too."""
+        s, held = self.state, self._served
+        assert held is not None
+        try:
+            held.check_unchanged()
+            self.ops.start()
+            self.ops.update({"root": self.root, "version": held.version,
+                             "head": held.manifest.head.dumps().decode()})
+            self.ops.finish(str(held.version))
+            self.ops.reset_prefix_cache()
+            self._resume()
+        except Exception as exc:
+            log.error("dbsync: rolling back to version %d failed too (%s); the engine stays "
+                      "paused and unhealthy until a complete version is applied", held.version,
+                      exc)
+            self._release_served()
+            raise failure from exc
+        s.healthy, s.applying = True, None
+        s.version, s.loaded_at = held.version, time.time()
+        self._rolled_back.add((failure.version, self._served_run))
+        self._record(failure.version,
+                     f"applying version {failure.version} failed midway ({failure}); rolled "
+                     f"back to version {held.version}, which is served again")
+        self.metrics.outcome("rolled_back")
+        self.metrics.versions(s.version, s.published_version)
+        self._report_refusal(failure.version, s.last_error or str(failure))
+        log.error("dbsync: %s", s.last_error)
+        # The trainer must be able to reuse this slot for its next version: stop holding it.
+        self._release_served()
+        raise RolledBackError(s.last_error or str(failure), failure.version, held.version)
+
+    def _report_refusal(self, version: int, reason: str) -> None:
+        try:
+            self.receiver.report_refusal(version, reason)
+        except (OSError, DBSyncError) as exc:
+            log.warning("dbsync: could not record the refusal of version %d in the store: %s",
+                        version, exc)
+
     def _refuse(self, version: int, exc: DBSyncError) -> None:
         s = self.state
         self._record(version, f"version {version} refused: {exc}")
+        self._report_refusal(version, f"refused: {exc}")
+        self._release_served()  # the trainer may need this slot for a version that fits
         if version not in s.refused:
             s.refused.add(version)
             self.metrics.outcome("refused")
@@ -510,6 +604,7 @@ class SwapController:
             self._record(version, f"applying version {version} failed midway; the engine is "
                                   f"paused and unhealthy until a complete version is applied: "
                                   f"{exc}")
+            self._report_refusal(version, s.last_error or str(exc))
             log.error("dbsync: %s", s.last_error)
             return
         self._record(version, f"applying version {version} failed, nothing applied; still "

@@ -52,6 +52,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..errors import DBSyncError
 from ..fileio import write_atomic
+from ..format import Head
 from ..receiver import Receiver
 from .broadcast import TRANSPORTS, Staged, Stager
 
@@ -66,6 +67,24 @@ BACKEND = "dbsync"
 #: text, so the controller reads the outcome from these.
 NOTHING_APPLIED = "[dbsync: nothing applied]"
 PARTIALLY_APPLIED = "[dbsync: partially applied]"
+#: Test hook: a file naming "VERSION N" lines; applying VERSION then fails after N tensors
+#: (a failure midway, on a real engine). Read at each update; unset in production.
+FAULTS_ENV = "DBSYNC_TEST_APPLY_FAULTS"
+
+
+def _injected_failure(version: int) -> int | None:
+    path = os.environ.get(FAULTS_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) == 2 and fields[0] == str(version):
+                    return int(fields[1])
+    except (OSError, ValueError):
+        return None
+    return None
 #: In an apply error's message: the store moved on to a newer version (a normal race). vLLM's
 #: own ERROR lines for such an error are turned into one INFO line (``_RaceFilter``).
 SUPERSEDED = "[dbsync: superseded]"
@@ -136,6 +155,9 @@ class DBSyncUpdateInfo(WeightTransferUpdateInfo):
     version: int
     verify: bool = False
     report: str | None = None
+    #: the head record of ``version`` when it is no longer current (a rollback to the
+    #: version served before, whose slot the controller holds)
+    head: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, str) or not self.root:
@@ -210,22 +232,29 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         loaded = 0
         source = "filesystem"
 
+        fail_after = _injected_failure(update_info.version)
+
         def counted(pairs: Iterable[tuple[str, torch.Tensor]]
                     ) -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal loaded
             for pair in pairs:
+                if loaded == fail_after:
+                    raise RuntimeError(f"injected failure after {loaded} tensor(s) "
+                                       f"({FAULTS_ENV})")
                 loaded += 1
                 yield pair
 
         try:
-            staged = self._staged(update_info)
+            staged = None if update_info.head else self._staged(update_info)
             if staged is not None:
                 source = "broadcast"
                 with _no_mtp_check():
                     self.model.load_weights(counted(staged.pairs))
             else:
                 receiver = Receiver(update_info.root, reader_id=reader_id, verify=False)
-                with receiver.open() as snap:
+                head = None if update_info.head is None else Head.loads(
+                    update_info.head.encode(), "update_info.head")
+                with receiver.open(head=head) as snap:
                     if snap.version != update_info.version:
                         raise DBSyncError(
                             f"{SUPERSEDED} the store at {update_info.root} now holds version "

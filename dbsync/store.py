@@ -373,8 +373,17 @@ class Store:
     def lock_writer(self) -> int:
         """Take the writer lock (non-blocking). Returns the fd; pass it to ``unlock_writer``."""
         with self.dir_fd() as dfd:
-            fd = os.open(WRITER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
-                         os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
+            try:
+                fd = os.open(WRITER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
+                             os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
+                raise DBSyncError(
+                    f"{self.root} is not writable here ({exc.strerror}): a Sender publishes "
+                    "only where the store is writable (readers work on read-only views); "
+                    "publish from the trainer's read-write mount"
+                ) from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise self._not_regular((WRITER_LOCK_FILE,), "not a regular file")

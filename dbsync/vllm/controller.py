@@ -86,8 +86,8 @@ from ..errors import (
 )
 from ..receiver import Receiver, Snapshot
 from ..watch import Watcher
-from .broadcast import check_transport
 from .plugin import NOTHING_APPLIED, SUPERSEDED
+from .transport import check_transport
 
 if TYPE_CHECKING:
     from .metrics import SwapMetrics

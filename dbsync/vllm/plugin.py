@@ -54,7 +54,10 @@ from ..errors import DBSyncError
 from ..fileio import write_atomic
 from ..format import Head
 from ..receiver import Receiver
-from .broadcast import TRANSPORTS, Staged, Stager
+from .transport import TRANSPORTS
+
+if TYPE_CHECKING:
+    from .staging import Staged, Stager
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -191,6 +194,8 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         if init_info.transport != "filesystem":
             assert init_info.root is not None
             configure_logging()  # each apply says which source it used
+            from .staging import Stager  # worker side only: loaded when staging starts
+
             self._stager = Stager(os.path.abspath(init_info.root), init_info.transport,
                                   device=_device_name(self.device),
                                   step_timeout=init_info.step_timeout)

@@ -31,11 +31,11 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xxhash
+from bench_store import best_of  # bench/ is on sys.path when run as a script
 
 import dbsync
 from dbsync.fileio import tensor_bytes
@@ -50,15 +50,6 @@ def weights(total: int, count: int, seed: int = 0) -> dict[str, torch.Tensor]:
                          generator=g).view(torch.bfloat16)
     return {f"model.layers.{i // 64}.experts.{i % 64}.w": flat[i * numel:(i + 1) * numel]
             for i in range(count)}
-
-
-def best_of(n: int, fn: Callable[[], object]) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def raw_durable_write(path: str, data: memoryview) -> float:

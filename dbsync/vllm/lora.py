@@ -376,6 +376,8 @@ class AdapterVersions:
                 "loaded_at": None if cur is None else cur.loaded_at,
                 "kept": [dict(v.describe(), in_flight=self._in_flight[v.lora_int_id])
                          for v in self.kept],
+                "retiring": [dict(v.describe(), in_flight=self._in_flight[v.lora_int_id])
+                             for v in self._retiring.values()],
                 "keep": self.keep, "max_lora_rank": self.max_rank,
                 "refused": self.refused, "refusals": self.refusals,
             }

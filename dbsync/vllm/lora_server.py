@@ -12,7 +12,8 @@ from the engine, and its directory deleted once its last request ends.
 
 ``GET /dbsync/status``: ``mode: "lora"``, ``name``, ``version`` (newest served; null before
 the first), ``lora_int_id``, ``loaded_at``, ``kept`` (the loaded versions, each with its
-requests ``in_flight``), ``refused`` (the last refused version and why, until a newer one is
+requests ``in_flight``), ``retiring`` (versions dropped from the engine whose requests still
+run), ``refused`` (the last refused version and why, until a newer one is
 served), ``refusals``, ``published_version``, ``last_error`` (store errors, retried with
 backoff), ``healthy`` (always true: the base weights are never touched), ``timings`` of the
 last swap. Requests for ``NAME`` before a first version is served get vLLM's 404.

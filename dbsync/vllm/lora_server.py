@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ..errors import DBSyncError, NothingPublishedError
+from ..store import Store
 from ..watch import Watcher
 from .lora import AdapterRefusedError, AdapterVersion, AdapterVersions, expected_of
 
@@ -242,6 +243,7 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
     check_model(model)
     extra = list(extra_args)
     check_lora_args(name, max_loras, model, extra)
+    Store(root, create=False)  # a missing ROOT fails now, not after the engine started
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -324,7 +326,8 @@ async def _serve(args: Any, root: str, name: str, max_loras: int,
                 ssl_ciphers=args.ssl_ciphers,
                 h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                 h11_max_header_count=args.h11_max_header_count, **uvicorn_kwargs)
-            serving.stop()
+            # off the loop: the follower thread may be waiting for this loop
+            await asyncio.to_thread(serving.stop)
         await shutdown_task
     finally:
         if serving is not None:

@@ -459,7 +459,12 @@ class LoRAAttachment:
     refusal. For a ``vllm.LLM`` each new version is loaded into the engine at once and the one
     falling out of the last ``keep`` (default: the engine's ``max_loras``) is dropped; an
     ``AsyncLLM`` loads adapters on first use. Call ``latest()`` from the thread that calls
-    ``generate`` (vLLM's offline client is not thread-safe)."""
+    ``generate`` (vLLM's offline client is not thread-safe). A new version that cannot be
+    read (damaged, an I/O error) is logged and ``latest()`` keeps returning the current one
+    (``status()["last_error"]``).
+
+    Hazard (``AsyncLLM``): a dropped version's directory is deleted at once, so a request
+    must not still run when ``keep`` newer versions have been loaded since it started."""
 
     def __init__(self, engine: Any, root: str | os.PathLike[str], name: str, *,
                  keep: int | None = None, model_dir: str | None = None, verify: bool = True,
@@ -471,6 +476,8 @@ class LoRAAttachment:
         self.versions = AdapterVersions(root, name, expected_of(vllm_config, model_dir),
                                         max_rank, keep=keep or max(2, max_loras),
                                         reader_id=reader_id, verify=verify)
+        #: the last store error met by ``latest()`` (the current version kept serving)
+        self.last_error: str | None = None
         #: the last new version's ``prepare_s`` (open, verify, check, write) and ``add_lora_s``
         self.timings: dict[str, float] = {}
 
@@ -488,6 +495,16 @@ class LoRAAttachment:
             if self.versions.current is None:
                 raise
             prepared = None
+        except (DBSyncError, OSError) as exc:
+            # a damaged or unreadable new version: keep serving the current one, say so
+            if self.versions.current is None or isinstance(exc, NothingPublishedError):
+                raise
+            reason = f"{type(exc).__name__}: {exc}"
+            if reason != self.last_error:
+                log.warning("dbsync: adapter %s: %s; version %d keeps serving",
+                            self.versions.name, reason, self.versions.current.version)
+            self.last_error = reason
+            prepared = None
         if prepared is not None:
             t1 = time.perf_counter()
             if self._sync_engine is not None:
@@ -499,6 +516,7 @@ class LoRAAttachment:
                         raise error from exc
                     prepared = None
             if prepared is not None:
+                self.last_error = None
                 self.timings = {"prepare_s": t1 - t0, "add_lora_s": time.perf_counter() - t1}
                 for old in self.versions.commit(prepared):
                     if self._sync_engine is not None:
@@ -512,7 +530,8 @@ class LoRAAttachment:
         return cur.request
 
     def status(self) -> dict[str, Any]:
-        return self.versions.status()
+        return {**self.versions.status(), "last_error": self.last_error,
+                "timings": self.timings}
 
     def detach(self) -> None:
         """Unregister the reader and delete the materialised adapters (after the last

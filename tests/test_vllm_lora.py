@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -28,7 +30,6 @@ from dbsync.status import wait_for_receivers
 
 vllm = pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")
 
-from dbsync.vllm.versions import FIELD_ALL  # noqa: E402
 from tests.vllm_helpers import (  # noqa: E402
     KV_CACHE_BYTES,
     PROMPTS,
@@ -155,6 +156,21 @@ def complete_with_version(base: str, model: str, prompt: str, max_tokens: int = 
                 resp.headers.get("x-dbsync-version"))
 
 
+def flip_a_byte(root: Path) -> None:
+    """Damage the current version: flip one byte of its first tensor in its shard."""
+    from dbsync.store import Store
+
+    store = Store(root)
+    manifest = store.require_manifest()
+    entry = manifest.tensors[0]
+    shard = os.path.join(store.slot_dir(manifest.slot), f"shard-{entry.shard:05d}.bin")
+    with open(shard, "r+b") as f:
+        f.seek(entry.offset)
+        byte = f.read(1)
+        f.seek(entry.offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
     s = Stack(tmp_path_factory.mktemp("lora"))
@@ -183,44 +199,66 @@ def test_served_versions_equal_a_fresh_engine_given_the_adapter(stack: Stack) ->
     assert stack.sender.wait_for_receivers(version, count=1, timeout=10)
 
 
+_STREAM_CHILD = r"""
+import json, sys, time, urllib.request
+base, body = sys.argv[1], sys.argv[2].encode()
+req = urllib.request.Request(base + "/v1/completions", data=body,
+                             headers={"Content-Type": "application/json"})
+out = {"done": True, "tokens": None, "versions": []}
+with urllib.request.urlopen(req, timeout=300) as resp:
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "dbsync_versions" in chunk:
+            out["versions"] = chunk["dbsync_versions"]
+        if chunk.get("usage"):
+            out["tokens"] = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices"):
+            choice = chunk["choices"][0]
+            print(json.dumps({"t": time.monotonic(), "text": choice["text"],
+                              "n": len(choice["logprobs"]["tokens"])}), flush=True)
+print(json.dumps(out), flush=True)
+"""
+
+
 class Stream:
-    """A streaming completion read in a thread, with each chunk's arrival time."""
+    """A streaming completion read by a child process (so that the pushes this process makes
+    cannot delay the reading), with each chunk's arrival time (the monotonic clock is
+    system-wide)."""
 
     def __init__(self, base: str, prompt: str, max_tokens: int):
         self.times: list[float] = []
         self.texts: list[str] = []
         self.counts: list[int] = []  # tokens per chunk
         self.first = threading.Event()
-        self.error: BaseException | None = None
+        self.error: str | None = None
         self.tokens: int | None = None  # completion tokens, from the usage chunk
         self.versions: list[int] = []  # dbsync_versions of the last chunks
         body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
                            "temperature": 0.0, "ignore_eos": True, "stream": True,
-                           "logprobs": 0, "stream_options": {"include_usage": True}}).encode()
-        self._req = urllib.request.Request(f"{base}/v1/completions", data=body,
-                                           headers={"Content-Type": "application/json"})
+                           "logprobs": 0, "stream_options": {"include_usage": True}})
+        self._proc = subprocess.Popen([sys.executable, "-c", _STREAM_CHILD, base, body],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
+        assert self._proc.stdout is not None
         try:
-            with urllib.request.urlopen(self._req, timeout=300) as resp:
-                for raw in resp:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if FIELD_ALL in chunk:
-                        self.versions = chunk[FIELD_ALL]
-                    if chunk.get("usage"):
-                        self.tokens = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices"):
-                        self.times.append(time.monotonic())
-                        self.texts.append(chunk["choices"][0]["text"])
-                        self.counts.append(len(chunk["choices"][0]["logprobs"]["tokens"]))
-                        self.first.set()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
+            for line in self._proc.stdout:
+                record = json.loads(line)
+                if record.get("done"):
+                    self.tokens, self.versions = record["tokens"], record["versions"]
+                    continue
+                self.times.append(record["t"])
+                self.texts.append(record["text"])
+                self.counts.append(record["n"])
+                self.first.set()
+            if self._proc.wait(60) != 0:
+                self.error = self._proc.stderr.read()[-2000:] if self._proc.stderr else "?"
         finally:
             self.first.set()
 
@@ -254,7 +292,6 @@ def test_a_stream_in_flight_during_three_swaps_never_pauses_and_stays_on_its_ver
     asked = time.monotonic()
     retiring = stack.server.status()["retiring"]
     quiet = (asked, time.monotonic())
-    still_running = stream.tokens is None  # no usage chunk yet: running when status answered
     stream.thread.join(300)
     assert stream.error is None
     assert swaps_done_at < STREAM_TOKENS, (
@@ -265,7 +302,7 @@ def test_a_stream_in_flight_during_three_swaps_never_pauses_and_stays_on_its_ver
     assert "".join(stream.texts) == expected
     assert stream.tokens == STREAM_TOKENS
     assert stream.versions == [start_version]
-    if still_running:
+    if any(t > quiet[1] for t in stream.times):  # it still ran when status answered
         assert [(r["version"], r["in_flight"]) for r in retiring] == [(start_version, 1)]
     normal: list[float] = []
     during: list[float] = []
@@ -358,6 +395,14 @@ def test_attach_lora_returns_the_newest_versions_request(stack: Stack, tmp_path:
             status = adapter.status()
             assert status["refused"]["version"] == version + 1
             assert len(status["kept"]) == 2
+            damaged = sender.push(stack.adapter())
+            flip_a_byte(sender.root)
+            assert adapter.latest() is request  # damaged: the previous one keeps serving
+            assert "DamagedVersionError" in adapter.status()["last_error"]
+            assert adapter.version == version != damaged
+            fixed = stack.adapter()
+            sender.push(fixed)
+            assert adapter.latest() is not request and adapter.status()["last_error"] is None
         finally:
             adapter.detach()
         assert not os.path.exists(adapter.versions.workdir)

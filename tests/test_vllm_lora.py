@@ -411,3 +411,33 @@ def test_attach_lora_returns_the_newest_versions_request(stack: Stack, tmp_path:
         with pytest.raises(NothingPublishedError):
             nothing.latest()
         nothing.detach()
+
+
+@pytest.mark.parametrize("config, tensors, reason", [
+    (None, [], "holds full weights"),
+    ({"peft_type": "IA3", "r": 4}, [], "'IA3' adapters are not served"),
+    ({"r": 4, "use_dora": True}, [], "DoRA"),
+    ({"r": 4, "modules_to_save": ["lm_head"]}, [], "train whole modules"),
+    ({"r": 0}, [], "integer rank r >= 1"),
+    ({"r": 4}, [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (4, 128),
+                 torch.float32)], "without its pair"),
+    ({"r": 4}, [("model.layers.0.self_attn.q_proj.weight", (128, 128), torch.float32)],
+     "not a PEFT LoRA weight"),
+    ({"r": 4}, [("base_model.model.model.embed_tokens.lora_A.weight", (4, 512),
+                 torch.float32)], "embeddings and the LM head are not served"),
+    ({"r": 4}, [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (4, 128),
+                 torch.int8),
+                ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", (128, 4),
+                 torch.int8)], "not a floating dtype"),
+])
+def test_check_adapter_names_why_an_adapter_does_not_fit(config: Any, tensors: Any,
+                                                         reason: str) -> None:
+    from dbsync.vllm.checkpoint import read_safetensors_header
+    from dbsync.vllm.lora import check_adapter
+
+    expected = read_safetensors_header(str(tiny_model("A") / "model.safetensors"))
+    problems = check_adapter(config, tensors, expected, max_rank=8)
+    assert any(reason in why for why in problems.values()), problems
+    fits = [(f"base_model.model.model.layers.0.self_attn.q_proj.lora_{p}.weight", s,
+             torch.float32) for p, s in (("A", (4, 128)), ("B", (128, 4)))]
+    assert check_adapter({"r": 4, "target_modules": ["q_proj"]}, fits, expected, 8) == {}

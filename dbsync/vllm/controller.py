@@ -432,6 +432,11 @@ class SwapController:
             return True  # rolled back from already: wait for a newer version
         t0 = time.perf_counter()
         try:
+            if snap.manifest.kind != "weights":
+                raise IncompatibleWeightsError(
+                    f"{self.root} holds {snap.manifest.kind} versions (LoRA), not full weights: "
+                    "serve them with `dbsync serve-vllm ROOT --model BASE --lora NAME` (or "
+                    "attach(llm, ROOT, lora=NAME))")
             if self.expected is not None:  # manifest only: cheap, so first
                 published = {e.name: e.torch_dtype for e in snap.manifest.tensors}
                 snap.check_compatible(fit_expected(self.expected, published),

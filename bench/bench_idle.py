@@ -231,7 +231,7 @@ def serve_vllm_idle(work: Path, seconds: float) -> dict[str, Any]:
     from dbsync import demo_trainer
 
     model = work / "model"
-    demo_trainer.make_model(model, seed=0)
+    _tiny_model(model, demo_trainer)
     store = work / "vllm-store"
     from safetensors.torch import load_file
 
@@ -289,6 +289,23 @@ def serve_vllm_idle(work: Path, seconds: float) -> dict[str, Any]:
     out["above_baseline_percent"] = round(
         out["serve_vllm"]["cpu_percent"] - out["vllm_plain"]["cpu_percent"], 3)
     return out
+
+
+def _tiny_model(model_dir: Path, demo_trainer: Any) -> None:
+    """The demo's tiny Qwen2 and tokenizer, with the vocabulary rounded up to 512 rows (vLLM
+    pads a vocabulary to a multiple of 64; an unpadded one currently crashes the worker's
+    apply, which is not what this bench measures)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    demo_trainer.build_tokenizer(model_dir)
+    config = Qwen2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        tie_word_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(model_dir, safe_serialization=True)
 
 
 def _free_port() -> int:

@@ -1,0 +1,65 @@
+"""Bounded staleness and refusals the trainer can see: ``Sender(max_lag=K)`` blocks while a
+live receiver is more than K versions behind and goes on as it catches up; a receiver's
+refusal makes ``wait_for_receivers`` and ``dbsync push --wait-for`` fail at once."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dbsync
+
+
+def test_max_lag_blocks_until_receivers_catch_up(root):
+    with dbsync.Sender(root, max_lag=1, max_lag_timeout=60) as sender:
+        sender.push({"w": torch.full((4,), 1.0)})
+        with dbsync.Receiver(root, reader_id="engine") as engine:
+            assert engine.load(lambda pairs: None) == 1
+            assert sender.push({"w": torch.full((4,), 2.0)}) == 2  # engine 0 behind
+            assert sender.push({"w": torch.full((4,), 3.0)}) == 3  # engine 1 behind: allowed
+            fourth = sender.push({"w": torch.full((4,), 4.0)}, blocking=False)
+            with pytest.raises(concurrent.futures.TimeoutError):
+                fourth.result(timeout=1.0)  # engine 2 behind, more than 1: the push waits
+            with dbsync.Receiver(root) as probe:
+                assert probe.latest_version() == 3  # nothing published meanwhile
+            assert engine.load(lambda pairs: None) == 3  # it catches up ...
+            assert fourth.result(timeout=30) == 4  # ... and the push goes on
+            assert sender.last_push_seconds["wait_for_lag"] >= 1.0
+
+
+def test_max_lag_timeout_names_the_receivers_behind(root):
+    with dbsync.Sender(root, max_lag=0, max_lag_timeout=0.5) as sender:
+        sender.push({"w": torch.ones(2)})
+        with dbsync.Receiver(root, reader_id="slow-engine") as engine:
+            engine.load(lambda pairs: None)
+            sender.push({"w": torch.ones(2)})
+            with pytest.raises(dbsync.StalenessError, match="slow-engine"):
+                sender.push({"w": torch.ones(2)})
+            assert sender.latest_version() == 2
+
+
+def test_refusal_makes_push_wait_for_fail_at_once(root, tmp_path, worker_env):
+    from safetensors.torch import save_file
+
+    src = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.ones(3)}, src)
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(3)})
+    with dbsync.Receiver(root, reader_id="engine-7") as engine:
+        engine.load(lambda pairs: None)
+        engine.report_refusal(2, "w: shape [3] != expected [4]")  # what the engine will say
+        start = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-m", "cli.main", "push", src, root, "--wait-for", "1",
+             "--timeout", "30"], capture_output=True, text=True, env=worker_env, timeout=60,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stderr
+    assert "engine-7" in out.stderr and "shape [3] != expected [4]" in out.stderr
+    assert elapsed < 15  # not the 30 s timeout (the command's own start-up included)

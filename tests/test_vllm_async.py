@@ -18,6 +18,9 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+BG_TOKENS = 200
+
+
 async def generate(engine: Any, prompt: str, tag: str, max_tokens: int = MAX_TOKENS) -> str:
     return (await generate_timed(engine, prompt, tag, max_tokens))[0]
 
@@ -47,7 +50,9 @@ async def scenario(store: Path) -> dict[str, Any]:
     try:
         with Sender(store) as sender, dbsync_vllm.attach(engine, store, poll_interval=0.1) as att:
             out["before"] = [await generate(engine, p, "a") for p in PROMPTS]
-            background = [asyncio.create_task(generate_timed(engine, p, "bg", 64)) for p in PROMPTS]
+            # long enough to outlast the push and the swap on a busy 2-core machine
+            background = [asyncio.create_task(generate_timed(engine, p, "bg", BG_TOKENS))
+                          for p in PROMPTS]
             await asyncio.sleep(0.2)
             version = await asyncio.to_thread(sender.push, str(tiny_model("B")))
             deadline = time.monotonic() + 60
@@ -81,7 +86,7 @@ def test_async_engine_follows_store(tmp_path: Path) -> None:
     assert out["weight_version"] == str(out["pushed"])
     assert out["on_demand"] == out["pushed"]
     # every request held across the swap ran to its full length, and some did span it
-    assert all(tokens == 64 for _, tokens, _, _ in out["background"])
+    assert all(tokens == BG_TOKENS for _, tokens, _, _ in out["background"])
     loaded_at = out["status"]["loaded_at"]
     assert any(start < loaded_at < end for _, _, start, end in out["background"])
     assert out["after"] == expected.result()

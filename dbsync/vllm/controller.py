@@ -591,15 +591,16 @@ class SwapController:
 
     def _refuse(self, version: int, exc: DBSyncError) -> None:
         s = self.state
+        first = version not in s.refused
+        s.refused.add(version)  # before the error is visible: status readers see both
         self._record(version, f"version {version} refused: {exc}")
-        self._report_refusal(version, f"refused: {exc}")
-        self._release_served()  # the trainer may need this slot for a version that fits
-        if version not in s.refused:
-            s.refused.add(version)
+        if first:
             self.metrics.outcome("refused")
             log.error("dbsync: %s; still serving version %s", s.last_error, s.version)
         if s.paused and s.healthy:
             self._resume()
+        self._report_refusal(version, f"refused: {exc}")
+        self._release_served()  # the trainer may need this slot for a version that fits
 
     def _fail(self, version: int, exc: BaseException, partial: bool) -> None:
         s = self.state

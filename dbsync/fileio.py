@@ -33,6 +33,7 @@ _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
 _memory_view.restype = ctypes.py_object
 _memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 _PYBUF_READ = 0x100
+_PYBUF_WRITE = 0x200
 
 CHUNK_BYTES = 64 * 2**20
 #: Small tensors are written together, up to this many bytes or iovecs per ``pwritev``.
@@ -41,7 +42,7 @@ GROUP_IOVECS = 500
 _ZEROS = memoryview(bytes(ALIGN))
 
 
-def tensor_bytes(tensor: Any) -> memoryview:
+def tensor_bytes(tensor: Any, writable: bool = False) -> memoryview:
     """A flat byte view of a contiguous CPU tensor (no copy). Works for 0-d, empty, bf16, fp8.
 
     Hazard: the view does not keep the tensor alive; the caller must hold the tensor for as
@@ -52,7 +53,7 @@ def tensor_bytes(tensor: Any) -> memoryview:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(b"")
-    return _memory_view(tensor.data_ptr(), nbytes, _PYBUF_READ)
+    return _memory_view(tensor.data_ptr(), nbytes, _PYBUF_WRITE if writable else _PYBUF_READ)
 
 
 def checksum(data: Any) -> str:

@@ -36,6 +36,7 @@ from typing import Any
 from ..errors import DBSyncError, NothingPublishedError
 from ..store import Store
 from ..watch import Watcher
+from .http import serve_app
 from .lora import AdapterRefusedError, AdapterVersion, AdapterVersions, expected_of
 
 log = logging.getLogger(__name__)
@@ -277,12 +278,10 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
 
 async def _serve(args: Any, root: str, name: str, max_loras: int,
                  poll_interval: float | None) -> None:
-    from vllm import envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
-    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+    from vllm.entrypoints.launchers.launcher import setup_server
 
     from .server import _quiet_shutdown, install_routes
 
@@ -311,21 +310,9 @@ async def _serve(args: Any, root: str, name: str, max_loras: int,
             except (DBSyncError, OSError):
                 pass  # recorded and logged; the follower retries what is not a refusal
             serving.start_watching()
-            uvicorn_kwargs: dict[str, Any] = {}
-            if (log_config := get_uvicorn_log_config(args)) is not None:
-                uvicorn_kwargs["log_config"] = log_config
             log.info("dbsync: serving %s with adapter %s on %s (store %s, version %s)",
                      args.model, name, listen_address, root, serving.version)
-            shutdown_task = await serve_http(
-                app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
-                host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                access_log=not args.disable_uvicorn_access_log,
-                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
-                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-                ssl_ciphers=args.ssl_ciphers,
-                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
-                h11_max_header_count=args.h11_max_header_count, **uvicorn_kwargs)
+            shutdown_task = await serve_app(app, sock, args)
             # off the loop: the follower thread may be waiting for this loop
             await asyncio.to_thread(serving.stop)
         await shutdown_task

@@ -54,6 +54,7 @@ from .broadcast import TRANSPORTS, check_transport
 from .checkpoint import check_model, expected_from_checkpoint, resolve_model_dir
 from .controller import DEFAULT_DRAIN_TIMEOUT, PAUSE_MODES, SwapController, check_pause_mode
 from .engine import AsyncEngineOps, engine_args
+from .http import serve_app
 from .plugin import configure_logging
 from .versions import VersionStamp, wrap_generate
 
@@ -166,12 +167,10 @@ def _add_dbsync_engine_args(args: argparse.Namespace) -> None:
 
 async def _serve(args: argparse.Namespace, root: str, poll_interval: float | None,
                  transport: str, pause_mode: str, drain_timeout: float) -> None:
-    from vllm import envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
-    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+    from vllm.entrypoints.launchers.launcher import setup_server
 
     listen_address, sock = setup_server(args, reuse_port=False)
     controller: SwapController | None = None
@@ -202,21 +201,9 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
             except (DBSyncError, OSError):
                 pass  # recorded and logged; the watcher retries what is not a refusal
             controller.start_watching()
-            uvicorn_kwargs: dict[str, Any] = {}
-            if (log_config := get_uvicorn_log_config(args)) is not None:
-                uvicorn_kwargs["log_config"] = log_config
             log.info("dbsync: serving %s on %s (store %s, version %s)", args.model,
                      listen_address, root, controller.version)
-            shutdown_task = await serve_http(
-                app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
-                host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                access_log=not args.disable_uvicorn_access_log,
-                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
-                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-                ssl_ciphers=args.ssl_ciphers,
-                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
-                h11_max_header_count=args.h11_max_header_count, **uvicorn_kwargs)
+            shutdown_task = await serve_app(app, sock, args)
             controller.stop()
         await shutdown_task
     finally:

@@ -272,8 +272,8 @@ class Snapshot:
                                                 entry.nbytes)
 
     def tensordict(self) -> Any:
-        """The version as a ``TensorDict`` of views (keys are the tensor names, nested at '.'
-        only when that is unambiguous is NOT attempted: keys are flat strings)."""
+        """The version as a flat ``TensorDict`` of views, keyed by tensor name (names are not
+        split at '.'). Valid only while the snapshot is open, like ``tensors()``."""
         from tensordict import TensorDict
 
         return TensorDict(dict(self.tensors()), batch_size=[])

@@ -48,7 +48,7 @@ def tensor_bytes(tensor: Any, writable: bool = False) -> memoryview:
     Hazard: the view does not keep the tensor alive; the caller must hold the tensor for as
     long as it uses the view (a few calls instead of four torch ops per tensor: this runs once
     per tensor of every push)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    if not tensor.is_cpu or not tensor.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:

@@ -123,8 +123,14 @@ def cli() -> None:
               help="After publishing, wait until N receivers report this version loaded.")
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None, metavar="S",
               help="With --wait-for: give up (exit 1) after S seconds. Default: wait forever.")
+@click.option("--max-lag", "max_lag", type=click.IntRange(0), default=None, metavar="K",
+              help="Before publishing, wait while a live receiver is more than K versions "
+                   "behind the current one (bounded staleness).")
+@click.option("--max-lag-timeout", type=click.FloatRange(0, min_open=True), default=None,
+              metavar="S", help="With --max-lag: give up (exit 1, nothing published) after S "
+                                "seconds. Default: wait forever.")
 def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | None,
-         timeout: float | None) -> None:
+         timeout: float | None, max_lag: int | None, max_lag_timeout: float | None) -> None:
     """Publish SRC as the next version in ROOT and print that version.
 
     SRC: a .safetensors file, an HF checkpoint directory (sharded, with
@@ -134,6 +140,8 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
     published publishes nothing (exit 130)."""
     if timeout is not None and wait_for is None:
         raise click.UsageError("--timeout only applies with --wait-for N")
+    if max_lag_timeout is not None and max_lag is None:
+        raise click.UsageError("--max-lag-timeout only applies with --max-lag K")
     from dbsync import sources
     from dbsync.sender import Sender
 
@@ -159,7 +167,8 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
         with stop:
             click.echo(f"publishing {len(pairs)} tensors ({human_bytes(nbytes)}) from {src} "
                        f"as the next version of {os.path.abspath(root)}", err=True)
-            with Sender(root, num_threads=threads) as sender:
+            with Sender(root, num_threads=threads, max_lag=max_lag,
+                        max_lag_timeout=max_lag_timeout) as sender:
                 try:
                     version = sender.push(dict(pairs), progress=progress,
                                           adapter_config=sources.adapter_config_of(src))

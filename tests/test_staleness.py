@@ -63,3 +63,26 @@ def test_refusal_makes_push_wait_for_fail_at_once(root, tmp_path, worker_env):
     assert out.returncode == 1, out.stderr
     assert "engine-7" in out.stderr and "shape [3] != expected [4]" in out.stderr
     assert elapsed < 15  # not the 30 s timeout (the command's own start-up included)
+
+
+def test_push_max_lag_from_the_command_line(root, tmp_path, worker_env):
+    from safetensors.torch import save_file
+
+    src = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.ones(3)}, src)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def push(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cli.main", "push", src, root, *extra],
+                              capture_output=True, text=True, env=worker_env, timeout=120,
+                              cwd=repo)
+
+    assert push().returncode == 0
+    with dbsync.Receiver(root, reader_id="lagging") as engine:
+        engine.load(lambda pairs: None)  # version 1
+        assert push("--max-lag", "0").stdout.split() == ["2"]  # 0 behind: published
+        refused = push("--max-lag", "0", "--max-lag-timeout", "0.5")  # now 1 behind
+        assert refused.returncode == 1 and "lagging" in refused.stderr, refused.stderr
+        assert engine.latest_version() == 2  # nothing published
+        engine.load(lambda pairs: None)
+        assert push("--max-lag", "0", "--max-lag-timeout", "30").stdout.split() == ["3"]

@@ -9,8 +9,8 @@ is skipped, unless DBSYNC_REQUIRE_TORCHRL=1 (set by ``make test``) makes that a 
 
 from __future__ import annotations
 
+import copy
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,13 @@ import dbsync  # noqa: E402
 from dbsync import IncompatibleWeightsError, InvalidWeightsError  # noqa: E402
 from dbsync.torchrl import VLLMDoubleBufferSyncScheme  # noqa: E402
 from tests.vllm_helpers import engine_kwargs, greedy, reference, tiny_model  # noqa: E402
+
+
+def shipped(scheme: Any) -> Any:
+    """The scheme as a worker process receives it: rebuilt from the state its pickle protocol
+    exports (``__getstate__`` / ``__setstate__``, what torchrl's pickling calls), without
+    serializing to bytes."""
+    return copy.deepcopy(scheme)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore:state_dict strategy is experimental")]
@@ -147,7 +154,7 @@ def test_collector_sync_drives_vllm_through_torchrls_receive(engine: Any,
         collector.update_policy_weights_(hf_model("B"), model_id="vllm")
         assert scheme.version == 1
 
-        worker_side = pickle.loads(pickle.dumps(scheme))
+        worker_side = shipped(scheme)
         worker_side.init_on_receiver(model_id="vllm", model=llm)
         worker_side.connect(worker_idx=0)  # a late joiner applies the current version
         assert llm.get_weight_version() == "1" and greedy(llm) == b_tokens
@@ -211,7 +218,7 @@ def test_double_buffer_paths_on_modules(strategy: str, tmp_path: Path) -> None:
     with pytest.raises(InvalidWeightsError, match="empty"):
         scheme.send(weights={})
 
-    worker = pickle.loads(pickle.dumps(scheme))
+    worker = shipped(scheme)
     target = pendulum_policy(fill=0.0)
     worker.init_on_worker("policy", model=target)
     worker.connect(worker_idx=0)  # applies version 3

@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from dbsync.vllm.controller import SwapController, SwapError  # noqa: E402
 from dbsync.vllm.plugin import NOTHING_APPLIED, PARTIALLY_APPLIED  # noqa: E402
+from tests.vllm_helpers import flip_a_byte  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -97,22 +98,15 @@ def test_damaged_version_refused_before_pausing(setup: Any) -> None:
     good = sender.push(weights(1))
     controller.apply_latest()
     bad = sender.push(weights(2))
-    store = Store(sender.root)
-    manifest = store.require_manifest()
-    entry = manifest.tensors[1]
-    shard = os.path.join(store.slot_dir(manifest.slot), f"shard-{entry.shard:05d}.bin")
-    with open(shard, "r+b") as f:
-        f.seek(entry.offset)
-        byte = f.read(1)
-        f.seek(entry.offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_a_byte(sender.root, 1)
+    damaged = Store(sender.root).require_manifest().tensors[1].name
     ops.calls.clear()
     with pytest.raises(DamagedVersionError):
         controller.apply_latest()
     assert ops.calls == []
     status = controller.status()
     assert status["version"] == good and status["healthy"]
-    assert status["last_error_version"] == bad and entry.name in status["last_error"]
+    assert status["last_error_version"] == bad and damaged in status["last_error"]
 
 
 def test_incompatible_version_refused_before_pausing(setup: Any,
@@ -418,7 +412,6 @@ def test_transient_read_error_is_retried_until_served(tmp_path: Path) -> None:
 
 
 def os_strerror(code: int) -> str:
-    import os
 
     return os.strerror(code)
 

@@ -35,6 +35,7 @@ from tests.vllm_helpers import (  # noqa: E402
     PROMPTS,
     Server,
     engine_kwargs,
+    flip_a_byte,
     tiny_model,
     wait_until,
 )
@@ -154,21 +155,6 @@ def complete_with_version(base: str, model: str, prompt: str, max_tokens: int = 
     with urllib.request.urlopen(req, timeout=120) as resp:
         return (json.loads(resp.read())["choices"][0]["text"],
                 resp.headers.get("x-dbsync-version"))
-
-
-def flip_a_byte(root: Path) -> None:
-    """Damage the current version: flip one byte of its first tensor in its shard."""
-    from dbsync.store import Store
-
-    store = Store(root)
-    manifest = store.require_manifest()
-    entry = manifest.tensors[0]
-    shard = os.path.join(store.slot_dir(manifest.slot), f"shard-{entry.shard:05d}.bin")
-    with open(shard, "r+b") as f:
-        f.seek(entry.offset)
-        byte = f.read(1)
-        f.seek(entry.offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 @pytest.fixture(scope="module")

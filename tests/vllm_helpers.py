@@ -342,3 +342,18 @@ def running_server(root: Path, model_dir: Path, log_path: Path,
         yield server
     finally:
         server.stop()
+
+
+def flip_a_byte(root: str | Path, index: int = 0) -> None:
+    """Damage the current version: flip the first byte of tensor ``index`` in its shard."""
+    from dbsync.store import Store
+
+    store = Store(root)
+    manifest = store.require_manifest()
+    entry = manifest.tensors[index]
+    shard = os.path.join(store.slot_dir(manifest.slot), f"shard-{entry.shard:05d}.bin")
+    with open(shard, "r+b") as f:
+        f.seek(entry.offset)
+        byte = f.read(1)
+        f.seek(entry.offset)
+        f.write(bytes([byte[0] ^ 0xFF]))

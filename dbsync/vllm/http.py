@@ -1,10 +1,37 @@
-"""Serving a built vLLM app on its socket, the way vLLM's own server does (one place for the
-uvicorn options both ``serve-vllm`` modes pass through unchanged)."""
+"""vLLM's OpenAI server, as both ``serve-vllm`` modes (full weights, LoRA) run it: one place
+for parsing vLLM's own server arguments and for serving the built app on its socket."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
+
+from ..errors import DBSyncError
+
+#: options serve-vllm owns: passing them to vLLM after '--' is a usage error
+OWNED_OPTIONS = ("--model", "--host", "--port")
+
+
+def check_owned_options(extra: Sequence[str]) -> None:
+    for flag in OWNED_OPTIONS:
+        if any(a == flag or a.startswith(flag + "=") for a in extra):
+            raise DBSyncError(f"pass {flag} to serve-vllm itself, not after '--'")
+
+
+def parse_server_args(model: str, port: int, host: str | None, extra: Sequence[str],
+                      description: str) -> Any:
+    """vLLM's parsed server arguments for ``model`` on ``host:port`` plus ``extra``."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    check_owned_options(extra)
+    argv = ["--model", model, "--port", str(port), *extra]
+    if host is not None:
+        argv += ["--host", host]
+    cli_env_setup()
+    return make_arg_parser(FlexibleArgumentParser(description=description)).parse_args(argv)
 
 
 async def serve_app(app: Any, sock: Any, args: Any) -> asyncio.Task:

@@ -36,7 +36,7 @@ from typing import Any
 from ..errors import DBSyncError, NothingPublishedError
 from ..store import Store
 from ..watch import Watcher
-from .http import serve_app
+from .http import parse_server_args, serve_app
 from .lora import AdapterRefusedError, AdapterVersion, AdapterVersions, expected_of
 
 log = logging.getLogger(__name__)
@@ -246,20 +246,10 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
     check_lora_args(name, max_loras, model, extra)
     Store(root, create=False)  # a missing ROOT fails now, not after the engine started
     import uvloop
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    for flag in ("--model", "--host", "--port"):
-        if any(a == flag or a.startswith(flag + "=") for a in extra):
-            raise DBSyncError(f"pass {flag} to serve-vllm itself, not after '--'")
-    argv = ["--model", model, "--port", str(port), *extra]
-    if host is not None:
-        argv += ["--host", host]
-    cli_env_setup()
-    parser = make_arg_parser(FlexibleArgumentParser(description="dbsync serve-vllm --lora"))
-    args = parser.parse_args(argv)
+    args = parse_server_args(model, port, host, extra, "dbsync serve-vllm --lora")
     if (getattr(args, "api_server_count", None) or 1) > 1 or (
             getattr(args, "data_parallel_size", 1) or 1) > 1:
         raise DBSyncError("serve-vllm runs one API server and one engine; remove "

@@ -54,7 +54,7 @@ from .broadcast import TRANSPORTS, check_transport
 from .checkpoint import check_model, expected_from_checkpoint, resolve_model_dir
 from .controller import DEFAULT_DRAIN_TIMEOUT, PAUSE_MODES, SwapController, check_pause_mode
 from .engine import AsyncEngineOps, engine_args
-from .http import serve_app
+from .http import check_owned_options, parse_server_args, serve_app
 from .plugin import configure_logging
 from .versions import VersionStamp, wrap_generate
 
@@ -84,9 +84,7 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
                    poll_interval=poll_interval)
         return
     extra = list(extra_args)
-    for flag in ("--model", "--host", "--port"):
-        if any(a == flag or a.startswith(flag + "=") for a in extra):
-            raise DBSyncError(f"pass {flag} to serve-vllm itself, not after '--'")
+    check_owned_options(extra)  # usage first, before any path is looked at
     check_transport(transport)
     check_pause_mode(pause_mode)
     check_model(model)
@@ -95,17 +93,10 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
                           "that the volume is mounted (a Sender creates the store; serve-vllm "
                           "never does)")
     import uvloop
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    argv = ["--model", model, "--port", str(port), *extra]
-    if host is not None:
-        argv += ["--host", host]
-    cli_env_setup()
-    parser = make_arg_parser(FlexibleArgumentParser(description="dbsync serve-vllm"))
-    args = parser.parse_args(argv)
+    args = parse_server_args(model, port, host, extra, "dbsync serve-vllm")
     _add_dbsync_engine_args(args)
     configure_logging_from_args(args)
     _configure_logging()

@@ -1,7 +1,7 @@
 """Helper processes for the multi-process tests (writer, readers). Not a test module.
 
-Every version v writes tensors whose every element equals v (float32 and bf16), so a reader
-can tell from the bytes alone whether what it applied came from one version."""
+Every version v writes tensors whose every element tells v (float32: v, bf16: v % 256), so a
+reader can tell from the bytes alone whether what it applied came from one version."""
 
 from __future__ import annotations
 
@@ -16,11 +16,22 @@ import dbsync
 
 
 def weights_for(version: int, n: int = 6, size: int = 4096) -> dict[str, torch.Tensor]:
+    """Tensors whose every element tells the version: float32 ones hold ``version``, bf16
+    ones ``version % 256`` (bf16 holds integers exactly only up to 256; 257 would be stored
+    as 256 and a mix of two versions would pass for one)."""
     out: dict[str, torch.Tensor] = {}
     for i in range(n):
-        dtype = torch.bfloat16 if i % 2 else torch.float32
-        out[f"layers.{i}.weight"] = torch.full((size,), float(version), dtype=dtype)
+        if i % 2:
+            out[f"layers.{i}.weight"] = torch.full((size,), float(version % 256),
+                                                   dtype=torch.bfloat16)
+        else:
+            out[f"layers.{i}.weight"] = torch.full((size,), float(version), dtype=torch.float32)
     return out
+
+
+def expected_values(version: int) -> list[float]:
+    """The distinct values a whole load of ``weights_for(version)`` applies."""
+    return sorted({float(version), float(version % 256)})
 
 
 def writer(root: str, count: str, pause: str = "0", n: str = "6", size: str = "4096") -> None:

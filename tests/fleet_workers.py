@@ -1,7 +1,7 @@
 """Processes for tests/test_fleet.py: readers and writers that run in their own PID (and UTS)
 namespaces, hold slots, loop loads, publish with restarting Senders. Not a test module.
 
-Every version v holds tensors whose every element equals v (tests/_workers.py), so a load's
+Every version v holds tensors whose every element tells v (tests/_workers.py), so a load's
 values alone tell whether it applied exactly one version. Results are JSON files; readiness
 is a file the test waits for (no sleeps order events)."""
 

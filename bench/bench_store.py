@@ -90,7 +90,7 @@ def raw_write(directory: str, sd: dict[str, torch.Tensor], threads: int, durable
 def raw_read(directory: str, sd: dict[str, torch.Tensor], threads: int) -> float:
     """preadv of the same files into a preallocated destination (read + copy limit)."""
     dest = {k: torch.empty_like(t) for k, t in sd.items()}
-    views = {k: tensor_bytes(t) for k, t in dest.items()}
+    views = {k: tensor_bytes(t, writable=True) for k, t in dest.items()}
 
     def one(item: tuple[int, str]) -> None:
         i, k = item

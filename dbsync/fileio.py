@@ -22,8 +22,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -35,11 +34,13 @@ _memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 _PYBUF_READ = 0x100
 _PYBUF_WRITE = 0x200
 
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = 16 * 2**20
 #: Small tensors are written together, up to this many bytes or iovecs per ``pwritev``.
-GROUP_BYTES = 16 * 2**20
+GROUP_BYTES = 4 * 2**20
 GROUP_IOVECS = 500
 _ZEROS = memoryview(bytes(ALIGN))
+_GAPS = [_ZEROS[:n] for n in range(ALIGN)]
+_IOV_MAX = 1024
 
 
 def tensor_bytes(tensor: Any, writable: bool = False) -> memoryview:
@@ -54,6 +55,29 @@ def tensor_bytes(tensor: Any, writable: bool = False) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     return _memory_view(tensor.data_ptr(), nbytes, _PYBUF_WRITE if writable else _PYBUF_READ)
+
+
+def tensor_views(tensors: Sequence[Any]) -> list[memoryview]:
+    """Flat byte views of many contiguous CPU tensors (no copy), for tens of thousands of
+    tensors at a fraction of ``tensor_bytes``'s cost: each is a slice of one view over the
+    address range the tensors span.
+
+    Hazard: that one view also spans memory that is not theirs (possibly unmapped); it never
+    leaves this function, and only the slices, each exactly one tensor's bytes, are returned.
+    Like ``tensor_bytes``, the views do not keep the tensors alive."""
+    if not all(t.is_cpu and t.is_contiguous() for t in tensors):
+        raise ValueError("tensor_views needs contiguous CPU tensors")
+    starts = [t.data_ptr() for t in tensors]
+    sizes = [t.nbytes for t in tensors]
+    used = [(p, n) for p, n in zip(starts, sizes, strict=True) if n]
+    if not used:
+        return [memoryview(b"") for _ in sizes]
+    low = min(p for p, _ in used)
+    high = max(p + n for p, n in used)
+    arena = _memory_view(low, high - low, _PYBUF_READ)
+    empty = memoryview(b"")
+    return [arena[p - low:p - low + n] if n else empty
+            for p, n in zip(starts, sizes, strict=True)]
 
 
 def checksum(data: Any) -> str:
@@ -139,38 +163,45 @@ def preallocate(fd: int, size: int, current: int) -> None:
 
 
 # ---- writing a version -------------------------------------------------------------------------
-@dataclass
-class Placed:
-    """One tensor's bytes and where they go."""
+class Placed(NamedTuple):
+    """Every tensor's bytes and where they go, as columns (index i is tensor i)."""
 
-    data: memoryview
-    shard: int
-    offset: int
+    views: Sequence[memoryview]
+    shards: Sequence[int]
+    offsets: Sequence[int]
 
 
 def write_shards(
     fds: Sequence[int],
-    placed: Sequence[Placed],
+    placed: Placed,
     pool: ThreadPoolExecutor,
     durable: bool,
     progress: Callable[[int], None] | None = None,
+    while_syncing: Callable[[list[str]], None] | None = None,
+    gate: Callable[[], object] | None = None,
 ) -> list[str]:
     """Write every tensor into its shard in parallel, checksum each from its source bytes,
     and fsync each shard right after its last write (so fsyncs overlap other shards' writes).
     Returns the checksums in order. Raises the first worker error after all workers have
-    stopped; shards may then be partly written (the caller must not publish)."""
+    stopped; shards may then be partly written (the caller must not publish).
+
+    ``while_syncing(checksums)`` runs once every write is done, while the fsyncs still run
+    (work that needs the checksums, such as building the index, then costs no extra time).
+    ``gate()`` is called before every write of up to ``CHUNK_BYTES``; it may block to let
+    more urgent work (the trainer's next snapshot) have the CPU and memory bandwidth."""
     tasks = _group(placed)
+    shards = placed.shards
     remaining = [0] * len(fds)
-    for task in tasks:
-        remaining[placed[task[0]].shard] += 1
+    for first, _ in tasks:
+        remaining[shards[first]] += 1
     lock = threading.Lock()
     syncs: list[Future[None]] = []
-    sums: list[str] = [""] * len(placed)
+    sums: list[str] = [""] * len(placed.views)
 
-    def run(task: list[int]) -> None:
-        _write_task(fds, placed, task, sums, progress)
+    def run(task: tuple[int, int]) -> None:
+        _write_task(fds, placed, task, sums, progress, gate)
         if durable:
-            shard = placed[task[0]].shard
+            shard = shards[task[0]]
             with lock:
                 remaining[shard] -= 1
                 last = remaining[shard] == 0
@@ -180,74 +211,88 @@ def write_shards(
     futures = [pool.submit(run, task) for task in tasks]
     try:
         wait_all(futures)
+        if while_syncing is not None:
+            while_syncing(sums)
     finally:
         for f in list(syncs):  # never leave an fsync running on an fd the caller will close
             f.exception()
     if durable:
-        synced = {placed[t[0]].shard for t in tasks}
+        synced = {shards[first] for first, _ in tasks}
         for shard in set(range(len(fds))) - synced:  # shards with no bytes (empty tensors)
             syncs.append(pool.submit(os.fsync, fds[shard]))
         wait_all(syncs)
     return sums
 
 
-def _group(placed: Sequence[Placed]) -> list[list[int]]:
-    """Tasks of tensor indices: a big tensor alone; small neighbours in one shard together."""
-    tasks: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i, p in enumerate(placed):
-        if len(p.data) >= GROUP_BYTES:
-            tasks.append([i])
+def _group(placed: Placed) -> list[tuple[int, int]]:
+    """Tasks as (first, stop) index ranges: a big tensor alone; small neighbours in one shard
+    together (up to ``GROUP_BYTES`` and ``GROUP_IOVECS``)."""
+    tasks: list[tuple[int, int]] = []
+    shards = placed.shards
+    first = size = 0
+    for i, view in enumerate(placed.views):
+        n = len(view)
+        if n >= GROUP_BYTES:
+            if first < i:
+                tasks.append((first, i))
+            tasks.append((i, i + 1))
+            first, size = i + 1, 0
             continue
-        if current and (placed[current[0]].shard != p.shard or size + len(p.data) > GROUP_BYTES
-                        or len(current) >= GROUP_IOVECS):
-            tasks.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += len(p.data)
-    if current:
-        tasks.append(current)
+        if first < i and (shards[first] != shards[i] or size + n > GROUP_BYTES
+                          or i - first >= GROUP_IOVECS):
+            tasks.append((first, i))
+            first, size = i, 0
+        size += n
+    if first < len(placed.views):
+        tasks.append((first, len(placed.views)))
     return tasks
 
 
-def _write_task(fds: Sequence[int], placed: Sequence[Placed], task: list[int], sums: list[str],
-                progress: Callable[[int], None] | None) -> None:
-    first = placed[task[0]]
-    fd = fds[first.shard]
-    if len(task) == 1 and len(first.data) >= GROUP_BYTES:
-        for start in range(0, len(first.data), CHUNK_BYTES):
-            piece = first.data[start:start + CHUNK_BYTES]
-            _pwrite_all(fd, [piece], first.offset + start)
+def _write_task(fds: Sequence[int], placed: Placed, task: tuple[int, int], sums: list[str],
+                progress: Callable[[int], None] | None, gate: Callable[[], object] | None
+                ) -> None:
+    if gate is not None:
+        gate()
+    first, stop = task
+    views, offsets = placed.views, placed.offsets
+    fd = fds[placed.shards[first]]
+    data = views[first]
+    if stop == first + 1 and len(data) >= GROUP_BYTES:
+        for start in range(0, len(data), CHUNK_BYTES):
+            if gate is not None and start:
+                gate()
+            piece = data[start:start + CHUNK_BYTES]
+            _pwrite_all(fd, [piece], offsets[first] + start)
             if progress is not None:
                 progress(len(piece))
-        sums[task[0]] = checksum(first.data)
+        sums[first] = checksum(data)
         return
     iov: list[memoryview] = []
-    end = first.offset
-    for i in task:
-        p = placed[i]
-        if p.offset > end:
-            iov.append(_ZEROS[: p.offset - end])
-        if len(p.data):
-            iov.append(p.data)
-        end = p.offset + len(p.data)
-        sums[i] = checksum(p.data)
-    if iov:
-        _pwrite_all(fd, iov, first.offset)
+    gaps = _GAPS
+    digest = xxhash.xxh3_64_hexdigest
+    end = offsets[first]
+    for i in range(first, stop):
+        data, offset = views[i], offsets[i]
+        if offset != end:
+            iov.append(gaps[offset - end])  # alignment padding, < ALIGN bytes
+        iov.append(data)
+        end = offset + len(data)
+        sums[i] = digest(data)
+    _pwrite_all(fd, iov, offsets[first])
     if progress is not None:
-        progress(end - first.offset)
+        progress(end - offsets[first])
 
 
 def _pwrite_all(fd: int, iov: list[memoryview], offset: int) -> None:
-    while iov:
-        written = os.pwritev(fd, iov, offset)
+    done = 0
+    while done < len(iov):
+        written = os.pwritev(fd, iov[done:done + _IOV_MAX], offset)
         offset += written
-        while iov and written >= len(iov[0]):
-            written -= len(iov[0])
-            iov = iov[1:]
-        if iov and written:
-            iov[0] = iov[0][written:]
+        while done < len(iov) and written >= len(iov[done]):
+            written -= len(iov[done])
+            done += 1
+        if written:
+            iov[done] = iov[done][written:]
 
 
 def wait_all(futures: Sequence[Future]) -> None:
@@ -273,9 +318,13 @@ class ShardView:
 
     def __init__(self, fd: int, nbytes: int, private_copy: bool):
         self.nbytes = nbytes
+        self.private_copy = private_copy
         self._bytes: Any = None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            #: the file this view was read from: a later reopen must find the same file
+            self.file_id = (st.st_dev, st.st_ino)
             if size != nbytes:
                 raise OSError(f"has {size} bytes, expected {nbytes}")
             self._buf: Any = b""
@@ -300,16 +349,29 @@ class ShardView:
     def checksum(self, offset: int, nbytes: int) -> str:
         return checksum(memoryview(self._buf)[offset:offset + nbytes])
 
+    def view(self) -> memoryview:
+        """The whole shard as bytes (valid while this view is open)."""
+        return memoryview(self._buf)
+
+    def address(self) -> int:
+        """The address of the shard's first byte in memory (valid while this view is open)."""
+        return self._whole().data_ptr() if self.nbytes else 0
+
+    def _whole(self) -> Any:
+        if self._bytes is None:  # one tensor over the whole shard; each tensor is a slice
+            import torch
+
+            with warnings.catch_warnings():  # read-only buffers: the copy-on-write mapping
+                warnings.simplefilter("ignore", UserWarning)  # or the private copy is ours
+                self._bytes = torch.frombuffer(self._buf, dtype=torch.uint8)
+        return self._bytes
+
     def tensor(self, dtype: Any, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
         import torch
 
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        if self._bytes is None:  # one tensor over the whole shard; each tensor is a slice
-            with warnings.catch_warnings():  # read-only buffers: the copy-on-write mapping
-                warnings.simplefilter("ignore", UserWarning)  # or the private copy is ours
-                self._bytes = torch.frombuffer(self._buf, dtype=torch.uint8)
-        return self._bytes[offset:offset + nbytes].view(dtype).view(shape)
+        return self._whole()[offset:offset + nbytes].view(dtype).view(shape)
 
     def close(self) -> None:
         """Drop this view's references. The mapping is never unmapped here: tensors handed

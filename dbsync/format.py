@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -276,21 +277,14 @@ class Index:
     adapter: dict[str, Any] | None = None
 
     def dumps(self) -> bytes:
-        return json.dumps({
-            "format": INDEX_FORMAT_NAME, "format_version": FORMAT_VERSION,
-            "run_id": self.run_id, "version": self.version,
-            "checksum_algorithm": CHECKSUM_ALGORITHM,
-            "shards": [{"file": shard_file(i), "nbytes": n} for i, n in enumerate(self.shards)],
-            "tensors": {  # columns: one list per field, in apply order
-                "name": [t.name for t in self.tensors],
-                "dtype": [t.dtype for t in self.tensors],
-                "shape": [t.shape for t in self.tensors],
-                "shard": [t.shard for t in self.tensors],
-                "offset": [t.offset for t in self.tensors],
-                "checksum": [t.checksum for t in self.tensors],
-            },
-            "adapter": self.adapter,
-        }, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return dump_index(self.run_id, self.version, {
+            "name": [t.name for t in self.tensors],
+            "dtype": [t.dtype for t in self.tensors],
+            "shape": [t.shape for t in self.tensors],
+            "shard": [t.shard for t in self.tensors],
+            "offset": [t.offset for t in self.tensors],
+            "checksum": [t.checksum for t in self.tensors],
+        }, self.shards, self.adapter)
 
     @classmethod
     def loads(cls, raw: bytes, source: str = INDEX_FILE) -> Index:
@@ -327,6 +321,21 @@ class Index:
 
 
 _COLUMNS = ("name", "dtype", "shape", "shard", "offset", "checksum")
+
+
+def dump_index(run_id: str, version: int, columns: dict[str, list[Any]],
+               shards: Sequence[int], adapter: dict[str, Any] | None) -> bytes:
+    """The bytes of ``index.json`` from its tensor columns (one list per field of
+    ``TensorEntry`` but ``nbytes``, in apply order): writers build columns directly, with no
+    per-tensor object."""
+    return json.dumps({
+        "format": INDEX_FORMAT_NAME, "format_version": FORMAT_VERSION,
+        "run_id": run_id, "version": version,
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
+        "shards": [{"file": shard_file(i), "nbytes": n} for i, n in enumerate(shards)],
+        "tensors": {c: columns[c] for c in _COLUMNS},
+        "adapter": adapter,
+    }, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 _HEX_COLUMN = re.compile(r"(?:[0-9a-f]{16}\n)*")
@@ -457,12 +466,17 @@ def plan_shards(sizes: list[int], shard_bytes: int = SHARD_BYTES) -> tuple[list[
     sizes always give the same layout, so a slot's files are reused in place push after push."""
     places: list[tuple[int, int]] = []
     shards: list[int] = []
+    shard, end = -1, 0
     for size in sizes:
-        if not shards or (shards[-1] and aligned(shards[-1]) + size > shard_bytes):
-            shards.append(0)
-        offset = aligned(shards[-1])
-        places.append((len(shards) - 1, offset))
-        shards[-1] = offset + size
+        offset = -(-end // ALIGN) * ALIGN  # aligned(end), inlined: this runs per tensor
+        if shard < 0 or (end and offset + size > shard_bytes):
+            if shard >= 0:
+                shards.append(end)
+            shard, offset = shard + 1, 0
+        places.append((shard, offset))
+        end = offset + size
+    if shard >= 0:
+        shards.append(end)
     return places, shards
 
 

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from . import gcpause, scatter
+from .copyplan import plan_copy
 from .errors import (
     DamagedVersionError,
     DBSyncError,
@@ -56,8 +58,9 @@ log = logging.getLogger(__name__)
 LoadWeights = Callable[[Iterable[tuple[str, Any]]], Any]
 #: bytes per verification / copy task
 _TASK_BYTES = 16 << 20
+#: shard files open at once for scatter reads (the common soft limit is 1,024 open files)
+_SHARDS_PER_BATCH = 64
 _LEASELESS_RETRIES = 5
-_EMPTY_CHECKSUM = checksum(b"")
 
 
 class _SlotReused(LeaseExpiredError):
@@ -196,19 +199,25 @@ class Snapshot:
     def verify(self, threads: int = 4) -> None:
         """Check every checksum; raise one ``DamagedVersionError`` naming every bad tensor.
         Reads each byte once (which also warms the page cache for the apply)."""
-        entries = [e for e in self.manifest.tensors if e.name not in self._missing]
-        tasks = _batches(entries, lambda e: e.nbytes)
+        entries = self.manifest.tensors
+        if self._missing:
+            entries = tuple(e for e in entries if e.name not in self._missing)
+        views = {i: shard.view() for i, shard in self._shards.items()}
 
-        def run(task: list[Any]) -> list[tuple[Any, str]]:
-            return [(e, self._shards[e.shard].checksum(e.offset, e.nbytes) if e.nbytes else
-                     _EMPTY_CHECKSUM) for e in task]
+        def run(bounds: tuple[int, int]) -> list[tuple[Any, str]]:
+            bad = []
+            for entry in entries[bounds[0]:bounds[1]]:
+                got = checksum(views[entry.shard][entry.offset:entry.offset + entry.nbytes])
+                if got != entry.checksum:
+                    bad.append((entry, got))
+            return bad
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            results = list(itertools.chain.from_iterable(pool.map(run, tasks)))
+            results = list(itertools.chain.from_iterable(
+                pool.map(run, _task_bounds([e.nbytes for e in entries]))))
         damaged = dict(self._missing)
         for entry, got in results:
-            if got != entry.checksum:
-                damaged[entry.name] = f"checksum {got} != {entry.checksum}"
+            damaged[entry.name] = f"checksum {got} != {entry.checksum}"
         self.check_unchanged()
         if damaged:
             names = ", ".join(describe_name(n) for n in list(damaged)[:10])
@@ -282,29 +291,70 @@ class Snapshot:
         """Copy this version into the existing tensors of ``target`` (an ``nn.Module``'s
         parameters and buffers by ``state_dict`` name, or a dict of tensors), in parallel
         threads; names and shapes are checked before the first byte is copied. Floating dtypes
-        are cast. Returns the bytes copied."""
+        are cast. Returns the bytes copied.
+
+        Tensors of the same dtype land by scatter reads from the shard files (leased) or
+        memory copies from the verified private copy (leaseless); the rest through torch."""
         import torch
 
         dest = (target.state_dict(keep_vars=True) if isinstance(target, torch.nn.Module)
-                else dict(target))
-        expected = {n: (tuple(t.shape), t.dtype) for n, t in dest.items()}
-        self.check_compatible(expected, allow_missing=() if strict else expected,
-                              cast_floats=True)
-        pairs = [(dest[e.name], e) for e in self.manifest.tensors]
+                else target)
+        plan = plan_copy(self.manifest.tensors, dest, strict)
+        if plan is None:  # something does not fit: say everything that does not
+            expected = {n: (tuple(t.shape), t.dtype) for n, t in dest.items()}
+            self.check_compatible(expected, allow_missing=() if strict else expected,
+                                  cast_floats=True)
+            raise AssertionError("plan_copy and check_compatible disagree")  # pragma: no cover
         if not self.leased and not self._verified:
             self.verify()
         if self._missing:
             raise DamagedVersionError(f"version {self.version} is missing shards",
                                       self._missing)
 
-        def run(task: list[tuple[Any, Any]]) -> None:
+        def by_torch(task: list[tuple[Any, Any]]) -> None:
             with torch.no_grad():  # one batched copy per task: little per-tensor overhead
                 torch._foreach_copy_([dst.detach() for dst, _ in task],
                                      [self._tensor(entry) for _, entry in task])
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            wait_all([pool.submit(run, t) for t in _batches(pairs, lambda p: p[1].nbytes)])
+            futures = [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
+                       _task_bounds([e.nbytes for _, e in plan.by_torch])]
+            shards = sorted(plan.raw)
+            for first in range(0, len(shards), _SHARDS_PER_BATCH):  # bounded open files
+                batch = shards[first:first + _SHARDS_PER_BATCH]
+                fds = self._reopen(batch) if self.leased else {}
+                try:
+                    for shard in batch:
+                        for read in plan.raw[shard]:
+                            if self.leased:
+                                futures.append(pool.submit(scatter.read_into, fds[shard], read))
+                            else:
+                                futures.append(pool.submit(
+                                    scatter.copy_from, self._shards[shard].address(), read))
+                    wait_all(futures)
+                finally:
+                    for fd in fds.values():
+                        os.close(fd)
+            wait_all(futures)
         return self.manifest.total_bytes
+
+    def _reopen(self, shards: list[int]) -> dict[int, int]:
+        """Open these shards again (for scatter reads); each must be the file verified."""
+        fds: dict[int, int] = {}
+        try:
+            for shard in shards:
+                fds[shard] = self.receiver.store.open_shard(self.manifest.slot, shard)
+                st = os.fstat(fds[shard])
+                if (st.st_dev, st.st_ino) != self._shards[shard].file_id:
+                    raise LeaseExpiredError(
+                        f"shard {shard} of slot {self.manifest.slot} was replaced while "
+                        f"version {self.version} was held; nothing of it was applied: load "
+                        "again")
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        return fds
 
     def check_unchanged(self) -> None:
         """Raise ``LeaseExpiredError`` if the writer may have started reusing this slot."""
@@ -344,20 +394,17 @@ class Snapshot:
         self.close()
 
 
-def _batches(items: list[Any], size: Callable[[Any], int]) -> list[list[Any]]:
-    """Consecutive groups of about ``_TASK_BYTES`` (a big item alone)."""
-    out: list[list[Any]] = []
-    current: list[Any] = []
-    total = 0
-    for item in items:
-        n = size(item)
-        if current and total + n > _TASK_BYTES:
-            out.append(current)
-            current, total = [], 0
-        current.append(item)
+def _task_bounds(sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, stop) index ranges of about ``_TASK_BYTES`` each (a big item alone)."""
+    out: list[tuple[int, int]] = []
+    start = total = 0
+    for i, n in enumerate(sizes):
+        if total and total + n > _TASK_BYTES:
+            out.append((start, i))
+            start, total = i, 0
         total += n
-    if current:
-        out.append(current)
+    if start < len(sizes):
+        out.append((start, len(sizes)))
     return out
 
 
@@ -515,6 +562,12 @@ class Receiver:
         tensor) in manifest order), or a plain ``nn.Module`` / dict of tensors (copied into
         in place, in ``threads`` parallel threads, names and shapes checked first)."""
         verify = self.verify if verify is None else verify
+        if callable(target) and not _is_tensor_container(target):
+            return self._load(target, verify, threads)  # the callback's objects: not ours
+        with gcpause.paused():
+            return self._load(target, verify, threads)
+
+    def _load(self, target: LoadWeights | Any, verify: bool, threads: int) -> int:
         for attempt in range(_LEASELESS_RETRIES):
             with self.open() as snap:
                 try:

@@ -18,6 +18,7 @@ garbage-collected (in CPython, as soon as the last reference goes).
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import os
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
-from . import fileio, sources
+from . import fileio, gcpause, sources
 from .errors import (
     DBSyncError,
     FormatError,
@@ -46,9 +47,8 @@ from .format import (
     SHARD_BYTES,
     SLOTS,
     Head,
-    Index,
-    TensorEntry,
     dtype_name,
+    dump_index,
     plan_shards,
     shard_file,
 )
@@ -128,6 +128,17 @@ def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor]) -> None
         Store.unlock_writer(fd)
 
 
+def _index_columns(pairs: sources.Pairs, places: list[tuple[int, int]]) -> dict[str, list]:
+    """Every column of the index but the checksums (see ``format.dump_index``)."""
+    return {
+        "name": [name for name, _ in pairs],
+        "dtype": [dtype_name(t.dtype) for _, t in pairs],
+        "shape": [list(t.shape) for _, t in pairs],
+        "shard": [shard for shard, _ in places],
+        "offset": [offset for _, offset in places],
+    }
+
+
 class Sender:
     """Publishes versions into ``root``. One Sender per store (it takes the writer lock).
 
@@ -184,6 +195,9 @@ class Sender:
         self._buffers = (_HostBuffer(), _HostBuffer())
         self._next_buffer = 0
         self._push_lock = threading.Lock()
+        #: cleared while a snapshot runs: background writes wait for it (see ``push``)
+        self._writes_allowed = threading.Event()
+        self._writes_allowed.set()
         self._abort = threading.Event()
         #: the error of the last push that failed (background pushes included), else None
         self.last_error: BaseException | None = None
@@ -245,7 +259,7 @@ class Sender:
         bytes_total)`` is called from writer threads."""
         if self._lock_fd[0] is None:
             raise DBSyncError("this Sender is closed; create a new one")
-        with self._push_lock:
+        with self._push_lock, gcpause.paused():
             pairs = sources.collect(weights, self.strategy)  # dtype is applied below
             adapter = adapter_config if adapter_config is not None else (
                 sources.adapter_config_of(weights))
@@ -258,11 +272,16 @@ class Sender:
                     # The push before the previous one may still read this buffer. Its error
                     # (if any) belongs to its own future, and was logged.
                     buffer.user.exception()
-                pairs = buffer.snapshot(pairs, self.dtype)
+                # The trainer waits for this copy: background writes of earlier versions
+                # pause meanwhile (after their current chunk) instead of competing with it.
+                self._writes_allowed.clear()
+                try:
+                    pairs = buffer.snapshot(pairs, self.dtype)
+                finally:
+                    self._writes_allowed.set()
             else:
                 buffer = None
-                pairs = [(n, sources.materialize(t, sources.target_dtype(t, self.dtype)))
-                         for n, t in pairs]
+                pairs = sources.materialize_all(pairs, self.dtype)
             self._abort.clear()
             future = self._publisher.submit(self._publish, pairs, progress, adapter)
             future.add_done_callback(self._on_done if not blocking else self._on_done_quietly)
@@ -328,6 +347,11 @@ class Sender:
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
                  adapter: dict[str, Any] | None = None) -> int:
+        with gcpause.paused():
+            return self._publish_paused(pairs, progress, adapter)
+
+    def _publish_paused(self, pairs: sources.Pairs, progress: Progress | None,
+                        adapter: dict[str, Any] | None) -> int:
         t0 = time.perf_counter()
         lagged = self._wait_for_lag()
         version = self._version + 1
@@ -335,7 +359,7 @@ class Sender:
         waited = self._leases.wait_until_free(slot)
         t1 = time.perf_counter()
 
-        sizes = [t.numel() * t.element_size() for _, t in pairs]
+        sizes = [t.nbytes for _, t in pairs]
         places, shard_sizes = plan_shards(sizes, self.shard_bytes)
         self._check_space(slot, shard_sizes)
         # From here on the slot is not a complete version: say so before touching its data.
@@ -345,14 +369,18 @@ class Sender:
         # then holds nothing usable either, and is freed like any failed push.
         try:
             self.store.write_stamp(slot, WRITING, None, durable=False)
-            checksums = self._write(slot, pairs, places, shard_sizes, progress)
+            # The index columns are built while the shards are written (and fsynced): at
+            # tens of thousands of tensors that Python work would otherwise add to the push.
+            index = b""
+
+            def make_index(checksums: list[str]) -> None:  # runs during the shards' fsyncs
+                nonlocal index
+                columns = _index_columns(pairs, places)
+                columns["checksum"] = checksums
+                index = dump_index(self._run_id, version, columns, shard_sizes, adapter)
+
+            self._write(slot, pairs, places, shard_sizes, progress, make_index)
             t2 = time.perf_counter()
-            entries = tuple(
-                TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), size, shard, offset, c)
-                for (name, t), size, (shard, offset), c in zip(pairs, sizes, places, checksums,
-                                                                strict=True)
-            )
-            index = Index(self._run_id, version, entries, tuple(shard_sizes), adapter).dumps()
             keep = {INDEX_FILE, *(shard_file(i) for i in range(len(shard_sizes)))}
             self.store.remove_slot_files(slot, keep)
             self.store.write_index(slot, index, durable=self.durable)
@@ -375,7 +403,7 @@ class Sender:
             run_id=self._run_id, version=version, slot=slot,
             kind="adapter" if adapter is not None else "weights",
             index_checksum=fileio.checksum(index), index_nbytes=len(index),
-            created_at=time.time(), durable=self.durable, tensor_count=len(entries),
+            created_at=time.time(), durable=self.durable, tensor_count=len(pairs),
             total_bytes=sum(sizes), writer={"host": socket.gethostname(), "pid": os.getpid()},
         )
         self.store.publish_head(head, durable=self.durable)
@@ -414,12 +442,16 @@ class Sender:
                         "removed: %s", self.store.root, slot, exc)
 
     def _write(self, slot: str, pairs: sources.Pairs, places: list[tuple[int, int]],
-               shard_sizes: list[int], progress: Progress | None) -> list[str]:
-        placed = [fileio.Placed(fileio.tensor_bytes(t), shard, offset)
-                  for (_, t), (shard, offset) in zip(pairs, places, strict=True)]
+               shard_sizes: list[int], progress: Progress | None,
+               while_syncing: Callable[[list[str]], None]) -> None:
+        """Write and fsync every shard; ``while_syncing(checksums)`` (every tensor's, in
+        order) runs while the last batch of shards is being fsynced."""
+        views = fileio.tensor_views([t for _, t in pairs])
+        shards = [shard for shard, _ in places]
+        offsets = [offset for _, offset in places]
         on_bytes = None
         if progress is not None:
-            total, done, lock = sum(len(p.data) for p in placed), [0], threading.Lock()
+            total, done, lock = sum(len(v) for v in views), [0], threading.Lock()
 
             def on_bytes(n: int) -> None:
                 with lock:
@@ -428,23 +460,27 @@ class Sender:
 
         # Shards are written in batches, so the open files stay bounded whatever the size of
         # the model (a 1 TB version has 2,000 shards; the common soft limit is 1,024 files).
-        checksums: list[str] = [""] * len(placed)
+        # Tensors fill shards in order, so a batch of shards is a run of tensors.
+        checksums: list[str] = []
         for first in range(0, len(shard_sizes), _SHARDS_PER_BATCH):
             last = min(first + _SHARDS_PER_BATCH, len(shard_sizes))
-            members = [i for i, p in enumerate(placed) if first <= p.shard < last]
-            batch = [fileio.Placed(placed[i].data, placed[i].shard - first, placed[i].offset)
-                     for i in members]
+            lo, hi = bisect.bisect_left(shards, first), bisect.bisect_left(shards, last)
+            batch = fileio.Placed(views[lo:hi], [s - first for s in shards[lo:hi]] if first
+                                  else shards[lo:hi], offsets[lo:hi])
             fds: list[int] = []
             try:
                 for shard in range(first, last):
                     fds.append(self.store.open_shard_for_write(slot, shard, shard_sizes[shard]))
-                sums = fileio.write_shards(fds, batch, self._io, self.durable, on_bytes)
+                last_batch = last == len(shard_sizes)
+                checksums += fileio.write_shards(
+                    fds, batch, self._io, self.durable, on_bytes,
+                    (lambda sums, before=checksums: while_syncing(before + sums)) if last_batch
+                    else None, gate=self._writes_allowed.wait)
             finally:
                 for fd in fds:
                     os.close(fd)
-            for i, digest in zip(members, sums, strict=True):
-                checksums[i] = digest
-        return checksums
+        if not shard_sizes:  # nothing to write (an empty version)
+            while_syncing([])
 
     def wait_for_receivers(self, version: int, count: int, timeout: float | None = None
                            ) -> bool:

@@ -23,7 +23,7 @@ import torch
 
 from . import fileio
 from .errors import InvalidWeightsError
-from .format import is_supported_dtype, name_problem
+from .format import DTYPE_SIZES, is_supported_dtype, name_problem
 
 Pairs = list[tuple[str, torch.Tensor]]
 
@@ -37,8 +37,7 @@ def collect(weights: Any, strategy: str = "state_dict", dtype: torch.dtype | Non
         raise InvalidWeightsError(f"dtype= must be a floating torch dtype, not {dtype!r}")
     pairs = _pairs_of(weights, strategy)
     _validate(pairs)
-    return pairs if dtype is None else [(n, materialize(t, target_dtype(t, dtype)))
-                                        for n, t in pairs]
+    return pairs if dtype is None else materialize_all(pairs, dtype)
 
 
 def target_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -89,7 +88,26 @@ def materialize(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.detach().resolve_conj().resolve_neg().to(dtype).contiguous()
 
 
+def materialize_all(pairs: Pairs, dtype: torch.dtype | None) -> Pairs:
+    """``materialize`` for every pair, publishing floating tensors in ``dtype`` (None: their
+    own). Pairs that need nothing (the common case) are kept as they are, checked inline:
+    this runs per tensor of every push."""
+    out: Pairs = []
+    append = out.append
+    for pair in pairs:
+        t = pair[1]
+        if ((dtype is None or t.dtype == dtype or not t.is_floating_point())
+                and t.is_contiguous() and not t.is_neg() and not t.is_conj()
+                and not t.requires_grad):
+            append(pair)
+        else:
+            append((pair[0], materialize(t, target_dtype(t, dtype))))
+    return out
+
+
 def _validate(pairs: list[tuple[Any, Any]]) -> None:
+    if _all_fine(pairs):
+        return
     problems: list[str] = []
     seen: set[str] = set()
     strided = torch.strided
@@ -113,6 +131,30 @@ def _validate(pairs: list[tuple[Any, Any]]) -> None:
             f"{len(problems)} entr{'y' if len(problems) == 1 else 'ies'} cannot be published; "
             "nothing was written:\n  " + "\n  ".join(problems)
         )
+
+
+def _all_fine(pairs: list[tuple[Any, Any]]) -> bool:
+    """True if every entry is publishable, checked in a few whole-list passes (tens of
+    thousands of tensors in milliseconds); False sends ``_validate`` through the per-entry
+    checks that name every problem."""
+    names = [n for n, _ in pairs]
+    if not (all(type(n) is str for n in names) and "" not in names
+            and len(set(names)) == len(names)):
+        return False
+    joined = "".join(names)
+    if not joined.isascii() or "\x00" in joined:
+        return False
+    strided, tensor_type = torch.strided, torch.Tensor
+    supported = _SUPPORTED_DTYPES
+    for _, value in pairs:
+        if not (isinstance(value, tensor_type) and value.layout is strided
+                and value.dtype in supported and not value.is_meta):
+            return False
+    return True
+
+
+_SUPPORTED_DTYPES = frozenset(getattr(torch, name) for name in DTYPE_SIZES
+                              if isinstance(getattr(torch, name, None), torch.dtype))
 
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -93,3 +93,62 @@ def test_latest_version_reads_only_the_small_head(root):
         assert rx.latest_version() == 1
         with pytest.raises(dbsync.FormatError):
             rx.load(lambda pairs: None)
+
+
+@pytest.mark.parametrize("read_only", [False, True], ids=["leased-scatter", "leaseless-copy"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_load_into_tensors_lands_every_byte_whatever_the_path(root, read_only, verify):
+    """Same-dtype contiguous destinations take raw scatter reads (leased) or memory copies
+    (leaseless private copy); casts, non-contiguous destinations, empty and 0-d tensors go
+    through torch. Every byte lands, over many shards and odd sizes (padding between them)."""
+    g = torch.Generator().manual_seed(0)
+    weights: dict[str, torch.Tensor] = {}
+    for i in range(300):
+        n = 1 + (i * 37) % 301
+        weights[f"w{i}"] = torch.randn(n, generator=g).to(
+            [torch.float32, torch.bfloat16, torch.float16, torch.int8][i % 4]
+            if i % 4 != 3 else torch.int8)
+    weights["empty"] = torch.empty(0, 3)
+    weights["scalar"] = torch.tensor(7.5)
+    weights["matrix"] = torch.randn(6, 5, generator=g)
+    weights["cast"] = torch.randn(33, generator=g).to(torch.bfloat16)
+    with dbsync.Sender(root) as sender:
+        sender.shard_bytes = 4096  # dozens of shards
+        sender.push(weights)
+    dest = {k: torch.zeros_like(v) for k, v in weights.items()}
+    dest["matrix"] = torch.zeros(5, 6).t()  # a non-contiguous destination
+    dest["cast"] = torch.zeros(33, dtype=torch.float32)  # cast on the way in
+    with dbsync.Receiver(root, read_only=read_only) as rx:
+        assert rx.read_only is read_only
+        assert rx.load(dest, verify=verify, threads=4) == 1
+    for name, want in weights.items():
+        got = dest[name]
+        if name == "cast":
+            assert torch.equal(got, want.float()), name
+        else:
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_small_tensors_after_a_big_one_land_at_their_own_offsets(root):
+    """Small tensors around tensors big enough to be written alone (like the layer norms
+    between the MLP matrices of any 7B model) are written where the index says: grouping
+    them across a big tensor once wrote the later ones at the wrong offset, and every such
+    version was refused as damaged."""
+    from dbsync import fileio
+
+    big = fileio.GROUP_BYTES // 4 + 1000  # float32 elements: just over GROUP_BYTES
+    g = torch.Generator().manual_seed(1)
+    weights = {}
+    for layer in range(3):
+        weights[f"l{layer}.norm_a"] = torch.randn(300, generator=g)
+        weights[f"l{layer}.mlp"] = torch.randn(big, generator=g)
+        weights[f"l{layer}.norm_b"] = torch.randn(77, generator=g)
+    with dbsync.Sender(root) as sender:
+        for version in (1, 2, 3):  # fresh files, then files reused in place
+            assert sender.push(weights) == version
+            dest = {k: torch.zeros_like(v) for k, v in weights.items()}
+            with dbsync.Receiver(root) as rx:
+                assert rx.load(dest) == version
+            for name, want in weights.items():
+                assert torch.equal(dest[name], want), name
+            weights = {k: v + 1 for k, v in weights.items()}

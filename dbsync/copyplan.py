@@ -1,0 +1,85 @@
+"""Plan the copy of a version into existing tensors (a plain ``nn.Module``'s parameters and
+buffers, or a dict of tensors): which tensors take the raw bytes as they are, as ready-made
+``preadv`` calls (see ``scatter``), and which need torch (a dtype cast, a non-contiguous
+destination).
+
+The plan is built in one pass of a few attribute reads per tensor, so it stays cheap at
+tens of thousands of tensors; anything that does not fit (a missing name, another shape, a
+dtype that cannot be cast) makes it return None, and the caller then builds the full error
+listing every problem."""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from .format import TensorEntry, torch_dtype
+from .scatter import MAX_GAP, MAX_IOVECS, SCRATCH_ADDRESS, Read
+
+#: bytes per read (one thread's task)
+READ_BYTES = 16 << 20
+
+
+class CopyPlan(NamedTuple):
+    #: shard -> reads that put its bytes straight into their destinations
+    raw: dict[int, list[Read]]
+    #: (destination, entry) pairs copied by torch (cast, or a non-contiguous destination)
+    by_torch: list[tuple[Any, TensorEntry]]
+
+
+def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: bool
+              ) -> CopyPlan | None:
+    """The plan, or None if a name, shape or dtype does not fit (``strict``: every tensor of
+    ``dest`` must be in the version).
+
+    Hazard: reads hold raw addresses; the destinations must stay alive and in place while the
+    plan is used."""
+    raw: dict[int, list[Read]] = {}
+    by_torch: list[tuple[Any, TensorEntry]] = []
+    dtypes: dict[str, Any] = {}
+    get = dest.get
+    reads: list[Read] = []
+    shard = -1
+    iov = array.array("Q")
+    end = run_bytes = 0
+    for entry in entries:
+        tensor = get(entry.name)
+        if tensor is None or tensor.shape != entry.shape:
+            return None
+        want = dtypes.get(entry.dtype)
+        if want is None:
+            want = dtypes[entry.dtype] = torch_dtype(entry.dtype)
+        # (conjugate and negative bits: only complex tensors get them from public torch
+        # operations, and theirs views that set them are not contiguous anyway)
+        if not (tensor.dtype is want and tensor.is_cpu and tensor.is_contiguous()
+                and not (want.is_complex and (tensor.is_conj() or tensor.is_neg()))):
+            if tensor.dtype is want or (want.is_floating_point
+                                        and tensor.dtype.is_floating_point):
+                by_torch.append((tensor, entry))
+                continue
+            return None
+        nbytes = entry.nbytes
+        if not nbytes:
+            continue
+        offset = entry.offset
+        fresh = entry.shard != shard
+        if fresh:
+            shard = entry.shard
+            reads = raw.setdefault(shard, [])
+        gap = offset - end
+        if (fresh or gap < 0 or gap > MAX_GAP or run_bytes >= READ_BYTES
+                or len(iov) >= 2 * MAX_IOVECS - 4):
+            iov = array.array("Q")
+            reads.append(Read(offset, iov))
+            gap = run_bytes = 0
+        if gap:
+            iov.append(SCRATCH_ADDRESS)
+            iov.append(gap)
+        iov.append(tensor.data_ptr())
+        iov.append(nbytes)
+        end = offset + nbytes
+        run_bytes += nbytes + gap
+    if strict and len(dest) != len(entries):
+        return None
+    return CopyPlan(raw, by_torch)

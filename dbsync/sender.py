@@ -259,8 +259,9 @@ class Sender:
         bytes_total)`` is called from writer threads."""
         if self._lock_fd[0] is None:
             raise DBSyncError("this Sender is closed; create a new one")
-        with self._push_lock, gcpause.paused():
-            pairs = sources.collect(weights, self.strategy)  # dtype is applied below
+        with self._push_lock:
+            with gcpause.paused():
+                pairs = sources.collect(weights, self.strategy)  # dtype is applied below
             adapter = adapter_config if adapter_config is not None else (
                 sources.adapter_config_of(weights))
             self._check_kind("adapter" if adapter is not None else "weights")
@@ -276,12 +277,14 @@ class Sender:
                 # pause meanwhile (after their current chunk) instead of competing with it.
                 self._writes_allowed.clear()
                 try:
-                    pairs = buffer.snapshot(pairs, self.dtype)
+                    with gcpause.paused():
+                        pairs = buffer.snapshot(pairs, self.dtype)
                 finally:
                     self._writes_allowed.set()
             else:
                 buffer = None
-                pairs = sources.materialize_all(pairs, self.dtype)
+                with gcpause.paused():
+                    pairs = sources.materialize_all(pairs, self.dtype)
             self._abort.clear()
             future = self._publisher.submit(self._publish, pairs, progress, adapter)
             future.add_done_callback(self._on_done if not blocking else self._on_done_quietly)
@@ -347,11 +350,6 @@ class Sender:
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
                  adapter: dict[str, Any] | None = None) -> int:
-        with gcpause.paused():
-            return self._publish_paused(pairs, progress, adapter)
-
-    def _publish_paused(self, pairs: sources.Pairs, progress: Progress | None,
-                        adapter: dict[str, Any] | None) -> int:
         t0 = time.perf_counter()
         lagged = self._wait_for_lag()
         version = self._version + 1
@@ -375,9 +373,10 @@ class Sender:
 
             def make_index(checksums: list[str]) -> None:  # runs during the shards' fsyncs
                 nonlocal index
-                columns = _index_columns(pairs, places)
-                columns["checksum"] = checksums
-                index = dump_index(self._run_id, version, columns, shard_sizes, adapter)
+                with gcpause.paused():
+                    columns = _index_columns(pairs, places)
+                    columns["checksum"] = checksums
+                    index = dump_index(self._run_id, version, columns, shard_sizes, adapter)
 
             self._write(slot, pairs, places, shard_sizes, progress, make_index)
             t2 = time.perf_counter()
@@ -446,9 +445,10 @@ class Sender:
                while_syncing: Callable[[list[str]], None]) -> None:
         """Write and fsync every shard; ``while_syncing(checksums)`` (every tensor's, in
         order) runs while the last batch of shards is being fsynced."""
-        views = fileio.tensor_views([t for _, t in pairs])
-        shards = [shard for shard, _ in places]
-        offsets = [offset for _, offset in places]
+        with gcpause.paused():
+            views = fileio.tensor_views([t for _, t in pairs])
+            shards = [shard for shard, _ in places]
+            offsets = [offset for _, offset in places]
         on_bytes = None
         if progress is not None:
             total, done, lock = sum(len(v) for v in views), [0], threading.Lock()

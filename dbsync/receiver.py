@@ -297,8 +297,10 @@ class Snapshot:
         memory copies from the verified private copy (leaseless); the rest through torch."""
         import torch
 
-        dest = (target.state_dict(keep_vars=True) if isinstance(target, torch.nn.Module)
-                else target)
+        if isinstance(target, torch.nn.Module):
+            dest = target.state_dict(keep_vars=True)
+        else:
+            dest = target if type(target) is dict else dict(target)
         plan = plan_copy(self.manifest.tensors, dest, strict)
         if plan is None:  # something does not fit: say everything that does not
             expected = {n: (tuple(t.shape), t.dtype) for n, t in dest.items()}

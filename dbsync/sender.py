@@ -367,8 +367,8 @@ class Sender:
         # then holds nothing usable either, and is freed like any failed push.
         try:
             self.store.write_stamp(slot, WRITING, None, durable=False)
-            # The index columns are built while the shards are written (and fsynced): at
-            # tens of thousands of tensors that Python work would otherwise add to the push.
+            # The index is built while the shards are being fsynced: at tens of thousands of
+            # tensors that Python work would otherwise add to the push.
             index = b""
 
             def make_index(checksums: list[str]) -> None:  # runs during the shards' fsyncs

@@ -110,10 +110,10 @@ class _HostBuffer:
             dst = self._buf[offset : offset + size].view(dt).view(t.shape) if size else (
                 torch.empty(t.shape, dtype=dt))
             if size:
-                dst.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+                dst.copy_(t.detach(), non_blocking=t.is_cuda)
             out.append((name, dst))
             offset += fileio.aligned(size)
-        if any(t.device.type == "cuda" for _, t in pairs):
+        if any(t.is_cuda for _, t in pairs):
             torch.cuda.synchronize()
         return out
 
@@ -265,7 +265,7 @@ class Sender:
             adapter = adapter_config if adapter_config is not None else (
                 sources.adapter_config_of(weights))
             self._check_kind("adapter" if adapter is not None else "weights")
-            needs_copy = not blocking or any(t.device.type != "cpu" for _, t in pairs)
+            needs_copy = not blocking or not all(t.is_cpu for _, t in pairs)
             if needs_copy:
                 buffer = self._buffers[self._next_buffer]
                 self._next_buffer ^= 1
@@ -357,8 +357,9 @@ class Sender:
         waited = self._leases.wait_until_free(slot)
         t1 = time.perf_counter()
 
-        sizes = [t.nbytes for _, t in pairs]
-        places, shard_sizes = plan_shards(sizes, self.shard_bytes)
+        with gcpause.paused():
+            sizes = [t.nbytes for _, t in pairs]
+            places, shard_sizes = plan_shards(sizes, self.shard_bytes)
         self._check_space(slot, shard_sizes)
         # From here on the slot is not a complete version: say so before touching its data.
         # (Not fsynced: after a power loss the head still names the other slot, and this

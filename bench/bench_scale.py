@@ -6,7 +6,8 @@ receiver's kind of model; each against a limit measured in the same run.
 Sections (all in one process whose soft open-file limit is lowered to 1,024, the common
 default):
 - tensor count: the same bytes as N bf16 tensors: durable push (steady state: both slots
-  already hold files), verified load into existing tensors, ``latest_version()``; ratios
+  already hold files), verified load into existing tensors (of a version loaded before, and
+  of a new version, whose index the receiver reads first), ``latest_version()``; ratios
   against the N=256 row, plus the raw in-place durable write of the same bytes as a reference;
 - async push: back-to-back ``push(blocking=False)`` calls while the previous version is still
   being written, against a plain copy of the same bytes into a preallocated host buffer (the
@@ -86,6 +87,13 @@ def tensor_count_section(base: str, total: int, counts: list[int]) -> dict:
             sender.push(sd)
             sender.push(sd)  # both slots hold files: steady state from here on
             push = best_of(3, lambda sender=sender, sd=sd: sender.push(sd))
+            with dbsync.Receiver(root) as rx:  # each load a new version: its index is read
+                fresh = []
+                for _ in range(3):
+                    sender.push(sd)
+                    t = time.perf_counter()
+                    rx.load(dest, threads=THREADS)
+                    fresh.append(time.perf_counter() - t)
         with dbsync.Receiver(root) as rx:
             load = best_of(3, lambda rx=rx, dest=dest: rx.load(dest, threads=THREADS))
             assert all(torch.equal(dest[k].view(torch.int16), sd[k].view(torch.int16))
@@ -96,6 +104,7 @@ def tensor_count_section(base: str, total: int, counts: list[int]) -> dict:
                 rx.latest_version()
                 lat.append(time.perf_counter() - t)
         rows[count] = {"push_s": push, "verified_load_s": load,
+                       "verified_load_new_version_s": min(fresh),
                        "latest_version_ms": statistics.median(lat) * 1e3}
         shutil.rmtree(root)
     flat = torch.cat([t.reshape(-1) for t in weights(total, counts[0]).values()])
@@ -104,6 +113,8 @@ def tensor_count_section(base: str, total: int, counts: list[int]) -> dict:
     for row in rows.values():
         row["push_vs_first"] = row["push_s"] / first["push_s"]
         row["load_vs_first"] = row["verified_load_s"] / first["verified_load_s"]
+        row["load_new_version_vs_first"] = (row["verified_load_new_version_s"]
+                                            / first["verified_load_new_version_s"])
         row["push_raw_ratio"] = raw / row["push_s"]
     return {"bytes": int(flat.numel() * 2), "raw_durable_write_s": raw,
             "rows": {str(k): v for k, v in rows.items()}}

@@ -11,6 +11,7 @@ builds a path or a tensor from it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from . import gcpause
 from .errors import FormatError, UnsupportedFormatError
 
 FORMAT_NAME = "dbsync"
@@ -288,6 +290,11 @@ class Index:
 
     @classmethod
     def loads(cls, raw: bytes, source: str = INDEX_FILE) -> Index:
+        with gcpause.paused():  # tens of thousands of entries at once (see gcpause)
+            return cls._loads(raw, source)
+
+    @classmethod
+    def _loads(cls, raw: bytes, source: str) -> Index:
         data = loads_json(raw, source)
         _check_header(data, INDEX_FORMAT_NAME, source)
         problems: list[str] = []
@@ -338,7 +345,6 @@ def dump_index(run_id: str, version: int, columns: dict[str, list[Any]],
     }, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-_HEX_COLUMN = re.compile(r"(?:[0-9a-f]{16}\n)*")
 
 
 def _parse_tensors(raw: Any, shards: list[int], problems: list[str]) -> list[TensorEntry]:
@@ -361,33 +367,43 @@ def _parse_tensors(raw: Any, shards: list[int], problems: list[str]) -> list[Ten
 
 def _parse_fast(names: list, dtypes: list, shapes: list, shard_ids: list, offsets: list,
                 sums: list, shards: list[int]) -> list[TensorEntry] | None:
-    """The entries if every column is well formed, else None (nothing is reported here)."""
+    """The entries if every column is well formed, else None (nothing is reported here).
+    Whole-column checks run at C speed (``join``, ``set(map(type, ...))``, ``min``/``max``):
+    an index of 20,000 tensors is read in a few tens of milliseconds."""
+    count = len(names)
+    if not count:
+        return []
     try:
-        if not (all(type(n) is str and n.isascii() for n in names)
-                and "\x00" not in "".join(names) and "" not in names
-                and len(set(names)) == len(names)
-                and _HEX_COLUMN.fullmatch("".join(c + "\n" for c in sums))
-                and all(len(c) == 16 for c in sums)
-                and all(type(d) is str for d in dtypes)
-                and all(type(s) is list and len(s) <= _MAX_DIMS for s in shapes)
-                and all(type(d) is int and 0 <= d <= _MAX_INT for s in shapes for d in s)
-                and all(type(o) is int and o >= 0 and not o % ALIGN for o in offsets)
-                and all(type(i) is int and 0 <= i < len(shards) for i in shard_ids)):
+        joined = "".join(names)  # TypeError unless every name is a str
+        hexes = "".join(sums)
+        flat = list(itertools.chain.from_iterable(shapes))
+        if not (joined.isascii() and "\x00" not in joined and "" not in names
+                and len(set(names)) == count
+                and set(map(len, sums)) == {16} and hexes.isalnum()
+                and hexes == hexes.lower() and bytes.fromhex(hexes)
+                and set(map(type, shapes)) == {list} and max(map(len, shapes)) <= _MAX_DIMS
+                and set(map(type, flat)) <= {int}
+                and (not flat or (min(flat) >= 0 and max(flat) <= _MAX_INT))
+                and set(map(type, offsets)) == {int} and set(map(type, shard_ids)) == {int}
+                and min(offsets) >= 0 and min(shard_ids) >= 0
+                and max(shard_ids) < len(shards)):
             return None
-    except TypeError:
+    except (TypeError, ValueError):
         return None
     sizes = DTYPE_SIZES
+    align = ALIGN - 1
     entries = []
+    append = entries.append
     for name, dt, shape, shard, offset, checksum in zip(names, dtypes, shapes, shard_ids,
                                                         offsets, sums, strict=True):
-        itemsize = sizes.get(dt)
+        itemsize = sizes.get(dt) if type(dt) is str else None
         if itemsize is None:
             return None
         nbytes = math.prod(shape) * itemsize
-        if nbytes > _MAX_INT or offset + nbytes > shards[shard] or (
+        if offset & align or nbytes > _MAX_INT or offset + nbytes > shards[shard] or (
                 not nbytes and _strides_overflow(shape)):
             return None
-        entries.append(TensorEntry(name, dt, tuple(shape), nbytes, shard, offset, checksum))
+        append(TensorEntry(name, dt, tuple(shape), nbytes, shard, offset, checksum))
     return entries
 
 

@@ -666,3 +666,31 @@ def test_store_modes_ignore_the_umask(root):
              if m != (0o755 if os.path.isdir(os.path.join(root, p)) else 0o644)}
     assert not wrong, wrong
 
+
+
+_GOOD_COLUMNS = {"name": ["a", "b", "c"], "dtype": ["float32", "bfloat16", "int8"],
+                 "shape": [[2, 3], [4], []], "shard": [0, 0, 1], "offset": [0, 64, 0],
+                 "checksum": ["0123456789abcdef"] * 3}
+
+
+@pytest.mark.parametrize("column, row, value", [
+    ("checksum", 1, "0123456789ABCDEF"), ("checksum", 1, "0123456789abcde"),
+    ("checksum", 1, "0123456789abcdef0"), ("checksum", 1, "0123456789abcde "),
+    ("checksum", 1, "0123456789abcdeg"), ("checksum", 1, 5),
+    ("shape", 0, [True, 3]), ("shape", 0, [-1, 3]), ("shape", 0, [2.0, 3]), ("shape", 0, "ab"),
+    ("shape", 0, [2**40, 2**40]), ("offset", 1, -64), ("offset", 1, 65), ("offset", 0, False),
+    ("offset", 1, 128), ("shard", 2, 2), ("shard", 2, -1), ("shard", 0, False),
+    ("dtype", 0, ["x"]), ("dtype", 0, "float99"), ("name", 1, "a"), ("name", 1, ""),
+    ("name", 1, "a\x00"), ("name", 1, 7),
+])
+def test_every_garbled_index_column_is_named_whatever_the_parse_path(column, row, value):
+    """The index is read by a whole-column fast path; whatever it lets through must be
+    exactly what the per-tensor checks accept. One bad cell: refused, and named."""
+    from dbsync.format import Index, dump_index
+
+    good = dump_index("0" * 32, 1, _GOOD_COLUMNS, [128, 64], None)
+    assert [e.name for e in Index.loads(good).tensors] == ["a", "b", "c"]
+    columns = json.loads(json.dumps(_GOOD_COLUMNS))
+    columns[column][row] = value
+    with pytest.raises(FormatError, match="index.json is invalid"):
+        Index.loads(dump_index("0" * 32, 1, columns, [128, 64], None))

@@ -351,6 +351,7 @@ class Sender:
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
                  adapter: dict[str, Any] | None = None) -> int:
         t0 = time.perf_counter()
+        self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
         lagged = self._wait_for_lag()
         version = self._version + 1
         slot = SLOTS[0] if self._slot is None else SLOTS[1 - SLOTS.index(self._slot)]

@@ -24,7 +24,10 @@ READ_BYTES = 16 << 20
 class CopyPlan(NamedTuple):
     #: shard -> reads that put its bytes straight into their destinations
     raw: dict[int, list[Read]]
-    #: (destination, entry) pairs copied by torch (cast, or a non-contiguous destination)
+    #: the destinations the reads write (their autograd version must be bumped afterwards)
+    raw_destinations: list[Any]
+    #: (destination, entry) pairs copied by torch (cast, a non-contiguous destination, a
+    #: tensor subclass)
     by_torch: list[tuple[Any, TensorEntry]]
 
 
@@ -35,7 +38,11 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
 
     Hazard: reads hold raw addresses; the destinations must stay alive and in place while the
     plan is used."""
+    import torch
+
+    plain = (torch.Tensor, torch.nn.Parameter)
     raw: dict[int, list[Read]] = {}
+    raw_destinations: list[Any] = []
     by_torch: list[tuple[Any, TensorEntry]] = []
     dtypes: dict[str, Any] = {}
     get = dest.get
@@ -50,10 +57,11 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
         want = dtypes.get(entry.dtype)
         if want is None:
             want = dtypes[entry.dtype] = torch_dtype(entry.dtype)
-        # (conjugate and negative bits: only complex tensors get them from public torch
-        # operations, and theirs views that set them are not contiguous anyway)
-        if not (tensor.dtype is want and tensor.is_cpu and tensor.is_contiguous()
-                and not (want.is_complex and (tensor.is_conj() or tensor.is_neg()))):
+        # Raw bytes only into plain tensors that own plain memory: a subclass (a wrapper
+        # such as DTensor or a quantized tensor) may have no storage at all (data_ptr 0).
+        if not (type(tensor) in plain and tensor.dtype is want and tensor.is_cpu
+                and tensor.is_contiguous() and not tensor.is_neg()
+                and not (want.is_complex and tensor.is_conj())):
             if tensor.dtype is want or (want.is_floating_point
                                         and tensor.dtype.is_floating_point):
                 by_torch.append((tensor, entry))
@@ -62,6 +70,11 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
         nbytes = entry.nbytes
         if not nbytes:
             continue
+        address = tensor.data_ptr()
+        if not address:  # no memory of its own after all: let torch copy it
+            by_torch.append((tensor, entry))
+            continue
+        raw_destinations.append(tensor)
         offset = entry.offset
         fresh = entry.shard != shard
         if fresh:
@@ -76,10 +89,10 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
         if gap:
             iov.append(SCRATCH_ADDRESS)
             iov.append(gap)
-        iov.append(tensor.data_ptr())
+        iov.append(address)
         iov.append(nbytes)
         end = offset + nbytes
         run_bytes += nbytes + gap
     if strict and len(dest) != len(entries):
         return None
-    return CopyPlan(raw, by_torch)
+    return CopyPlan(raw, raw_destinations, by_torch)

@@ -16,6 +16,7 @@ Hazards, stated plainly:
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -306,6 +307,8 @@ def _pwrite_all(fd: int, iov: list[memoryview], offset: int) -> None:
     done = 0
     while done < len(iov):
         written = os.pwritev(fd, iov[done:done + _IOV_MAX], offset)
+        if not written and any(len(v) for v in iov[done:done + _IOV_MAX]):
+            raise OSError(errno.EIO, "the filesystem accepted no bytes of a write")
         offset += written
         while done < len(iov) and written >= len(iov[done]):
             written -= len(iov[done])

@@ -15,6 +15,7 @@ meanwhile collects them only after the pause; a thread that calls ``gc.enable()`
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,15 +29,31 @@ _was_enabled = False
 def paused() -> Iterator[None]:
     """Disable the collector for the block (nested and concurrent pauses share one)."""
     global _depth, _was_enabled
-    with _lock:
-        if _depth == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _depth += 1
+    entered = False
     try:
+        with _lock:
+            if _depth == 0:
+                _was_enabled = gc.isenabled()
+                gc.disable()
+            _depth += 1
+            entered = True
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+        if entered:
+            with _lock:
+                _depth = max(0, _depth - 1)
+                if _depth == 0 and _was_enabled:
+                    gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked during a pause runs only the forking thread: the others' pauses never
+    end there, so the child gets its collector back at once."""
+    global _depth, _lock
+    _lock = threading.Lock()
+    if _depth and _was_enabled:
+        gc.enable()
+    _depth = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

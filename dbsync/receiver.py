@@ -61,6 +61,7 @@ _TASK_BYTES = 16 << 20
 #: shard files open at once for scatter reads (the common soft limit is 1,024 open files)
 _SHARDS_PER_BATCH = 64
 _LEASELESS_RETRIES = 5
+_EMPTY_CHECKSUM = checksum(b"")
 
 
 class _SlotReused(LeaseExpiredError):
@@ -207,7 +208,8 @@ class Snapshot:
         def run(bounds: tuple[int, int]) -> list[tuple[Any, str]]:
             bad = []
             for entry in entries[bounds[0]:bounds[1]]:
-                got = checksum(views[entry.shard][entry.offset:entry.offset + entry.nbytes])
+                got = (checksum(views[entry.shard][entry.offset:entry.offset + entry.nbytes])
+                       if entry.nbytes else _EMPTY_CHECKSUM)  # (its shard may be missing)
                 if got != entry.checksum:
                     bad.append((entry, got))
             return bad
@@ -294,7 +296,12 @@ class Snapshot:
         are cast. Returns the bytes copied.
 
         Tensors of the same dtype land by scatter reads from the shard files (leased) or
-        memory copies from the verified private copy (leaseless); the rest through torch."""
+        memory copies from the verified private copy (leaseless); the rest through torch.
+        Either way each destination's autograd version is bumped, as by an in-place copy.
+
+        Hazard: the raw copies write to the destinations' memory as it was when the copy was
+        planned. Do not replace, resize or move the destination tensors (``p.data = ...``,
+        ``.to()``, ``load_state_dict(assign=True)``) from another thread while it runs."""
         import torch
 
         if isinstance(target, torch.nn.Module):
@@ -318,10 +325,12 @@ class Snapshot:
                 torch._foreach_copy_([dst.detach() for dst, _ in task],
                                      [self._tensor(entry) for _, entry in task])
 
+        shards = sorted(plan.raw)
+        if self.leased and len(shards) > _SHARDS_PER_BATCH:
+            self._reopen(shards, keep_open=False)  # every file checked before any byte lands
         with ThreadPoolExecutor(max(1, threads)) as pool:
             futures = [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
                        _task_bounds([e.nbytes for _, e in plan.by_torch])]
-            shards = sorted(plan.raw)
             for first in range(0, len(shards), _SHARDS_PER_BATCH):  # bounded open files
                 batch = shards[first:first + _SHARDS_PER_BATCH]
                 fds = self._reopen(batch) if self.leased else {}
@@ -338,20 +347,25 @@ class Snapshot:
                     for fd in fds.values():
                         os.close(fd)
             wait_all(futures)
+        torch.autograd.graph.increment_version(plan.raw_destinations)
         return self.manifest.total_bytes
 
-    def _reopen(self, shards: list[int]) -> dict[int, int]:
-        """Open these shards again (for scatter reads); each must be the file verified."""
+    def _reopen(self, shards: list[int], keep_open: bool = True) -> dict[int, int]:
+        """Open these shards again (for scatter reads); each must be the file verified.
+        With ``keep_open=False``, only check them (one open file at a time)."""
         fds: dict[int, int] = {}
         try:
             for shard in shards:
-                fds[shard] = self.receiver.store.open_shard(self.manifest.slot, shard)
-                st = os.fstat(fds[shard])
+                fd = fds[shard] = self.receiver.store.open_shard(self.manifest.slot, shard)
+                st = os.fstat(fd)
                 if (st.st_dev, st.st_ino) != self._shards[shard].file_id:
                     raise LeaseExpiredError(
                         f"shard {shard} of slot {self.manifest.slot} was replaced while "
-                        f"version {self.version} was held; nothing of it was applied: load "
-                        "again")
+                        f"version {self.version} was held (this reader's lease expired?); "
+                        "the load stopped there, and what it applied cannot be trusted: "
+                        "load again")
+                if not keep_open:
+                    os.close(fds.pop(shard))
         except BaseException:
             for fd in fds.values():
                 os.close(fd)

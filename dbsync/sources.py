@@ -124,6 +124,10 @@ def _validate(pairs: list[tuple[Any, Any]]) -> None:
             why = why or f"dtype {value.dtype} is not supported"
         elif value.device.type == "meta":
             why = why or "is on the meta device and has no data"
+        elif value.numel() and not value.data_ptr():
+            why = why or (f"is a {type(value).__name__} with no memory of its own (a wrapper "
+                          "subclass such as DTensor): convert it to a plain tensor first, "
+                          "e.g. .full_tensor()")
         if why:
             problems.append(f"{name!r}: {why}")
     if problems:
@@ -144,10 +148,10 @@ def _all_fine(pairs: list[tuple[Any, Any]]) -> bool:
     joined = "".join(names)
     if not joined.isascii() or "\x00" in joined:
         return False
-    strided, tensor_type = torch.strided, torch.Tensor
+    strided, plain = torch.strided, (torch.Tensor, torch.nn.Parameter)
     supported = _SUPPORTED_DTYPES
-    for _, value in pairs:
-        if not (isinstance(value, tensor_type) and value.layout is strided
+    for _, value in pairs:  # (subclasses take the per-entry checks)
+        if not (type(value) in plain and value.layout is strided
                 and value.dtype in supported and not value.is_meta):
             return False
     return True

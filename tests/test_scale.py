@@ -152,3 +152,40 @@ def test_small_tensors_after_a_big_one_land_at_their_own_offsets(root):
             for name, want in weights.items():
                 assert torch.equal(dest[name], want), name
             weights = {k: v + 1 for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("read_only", [False, True], ids=["leased", "leaseless"])
+def test_load_into_odd_destinations_is_exact_and_visible_to_autograd(root, read_only):
+    """Destinations raw bytes cannot go into (a wrapper subclass with no memory of its own)
+    are copied by torch; every destination's autograd version moves, so a graph that saved
+    the old weights refuses to run backward on the new ones, as after any in-place copy."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.arange(4.0), "v": torch.arange(3.0)})
+    wrapped = TwoTensor(torch.zeros(4), torch.zeros(4))
+    param = torch.nn.Parameter(torch.zeros(3))
+    graph = (param * param).sum()  # saves param for backward
+    with dbsync.Receiver(root, read_only=read_only) as rx:
+        assert rx.load({"w": wrapped, "v": param}) == 1
+    assert torch.equal(wrapped.a, torch.arange(4.0)) and torch.equal(wrapped.b, torch.arange(4.0))
+    assert torch.equal(param.detach(), torch.arange(3.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        graph.backward()
+
+
+def test_a_missing_shard_with_empty_tensors_is_reported_as_damage(root):
+    with dbsync.Sender(root) as sender:
+        sender.push({"a": torch.arange(10.0), "e": torch.empty(0, 3)})
+    os.remove(os.path.join(root, "slots", "a", "shard-00000.bin"))
+    with dbsync.Receiver(root) as rx, pytest.raises(dbsync.DamagedVersionError,
+                                                   match="shard file is missing"):
+        rx.load({"a": torch.zeros(10), "e": torch.empty(0, 3)})
+
+
+def test_pushing_a_tensor_without_memory_of_its_own_is_refused_clearly(root):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with dbsync.Sender(root) as sender, pytest.raises(dbsync.InvalidWeightsError,
+                                                      match="no memory of its own"):
+        sender.push({"w": TwoTensor(torch.zeros(4), torch.zeros(4))})

@@ -36,6 +36,7 @@ from tests.vllm_helpers import (  # noqa: E402
     Server,
     engine_kwargs,
     flip_a_byte,
+    scrape_metrics,
     tiny_model,
     wait_until,
 )
@@ -320,9 +321,16 @@ def test_a_stream_in_flight_during_three_swaps_never_pauses_and_stays_on_its_ver
 
 
 def test_unfit_adapters_are_refused_and_the_previous_one_keeps_serving(stack: Stack) -> None:
+    before = scrape_metrics(stack.server.base)
     good = stack.adapter()
     good_version, _ = stack.push_and_wait(good)
     expected = stack.reference(good)
+    served = scrape_metrics(stack.server.base)  # vLLM's /metrics carries the adapter swaps
+    applied, refused = ('dbsync_swaps_total{outcome="applied"}',
+                        'dbsync_swaps_total{outcome="refused"}')
+    assert served["dbsync_served_version"] == good_version
+    assert served[applied] == before[applied] + 1
+    assert served["dbsync_applied_bytes_total"] > before["dbsync_applied_bytes_total"]
     other_base = {m: (o * 3 // 4, i * 3 // 4) for m, (o, i) in stack.shapes.items()}
     unfit = {
         "rank": (stack.adapter(rank=16), "above the engine's max_lora_rank 8"),
@@ -341,6 +349,11 @@ def test_unfit_adapters_are_refused_and_the_previous_one_keeps_serving(stack: St
         with pytest.raises(ReceiverRefusedError):
             stack.sender.wait_for_receivers(version, count=1, timeout=10)
     assert status["refusals"] >= 3
+    after = scrape_metrics(stack.server.base)
+    assert after[refused] == served[refused] + 3
+    assert after["dbsync_served_version"] == good_version
+    assert after["dbsync_published_version"] == version
+    assert after["dbsync_version_lag"] == version - good_version
     fixed = stack.adapter()
     version, status = stack.push_and_wait(fixed)
     assert status["refused"] is None

@@ -18,6 +18,10 @@ served), ``refusals``, ``published_version``, ``last_error`` (store errors, retr
 backoff), ``healthy`` (always true: the base weights are never touched), ``timings`` of the
 last swap. Requests for ``NAME`` before a first version is served get vLLM's 404.
 
+``GET /metrics`` (vLLM's own) carries the dbsync series of ``dbsync.vllm.metrics``: served and
+published version, lag, swaps by outcome (refusals included), bytes applied, and the prepare
+time as ``dbsync_read_verify_seconds``; ``dbsync_pause_seconds`` records 0 per swap.
+
 Hazard: ``--transport``/``--pause-mode`` do not apply (adapters are read from the filesystem
 and never pause generation).
 """
@@ -54,7 +58,13 @@ class LoRAServing:
 
     def __init__(self, versions: AdapterVersions, engine: Any, loop: asyncio.AbstractEventLoop,
                  models: Any = None, poll_interval: float | None = None,
-                 rpc_timeout: float = 120.0):
+                 rpc_timeout: float = 120.0, metrics: Any = None):
+        if metrics is None:
+            from .metrics import default_metrics
+
+            metrics = default_metrics()
+        #: the dbsync series on vLLM's ``/metrics`` (no pause: ``dbsync_pause_seconds`` gets 0)
+        self.metrics = metrics
         self.versions = versions
         self.engine = engine
         self.loop = loop
@@ -94,10 +104,12 @@ class LoRAServing:
                 prepared = self.versions.prepare()
             except AdapterRefusedError:
                 self.last_error = None
+                self.metrics.outcome("refused")
                 raise
             except (DBSyncError, OSError) as exc:
                 if not isinstance(exc, NothingPublishedError):
                     self.last_error = f"{type(exc).__name__}: {exc}"
+                    self.metrics.outcome("failed")
                 raise
             if prepared is None:
                 self.last_error = None
@@ -106,6 +118,7 @@ class LoRAServing:
             try:
                 self._run(self.engine.add_lora(prepared.request))
             except Exception as exc:  # noqa: BLE001 - vLLM's own refusal of this adapter
+                self.metrics.outcome("refused")
                 raise self.versions.refuse(prepared, _vllm_reason(exc)) from None
             t2 = time.perf_counter()
             self._run(self._point(prepared))
@@ -116,6 +129,10 @@ class LoRAServing:
             self.last_error = None
             self.timings = {"prepare_s": t1 - t0, "add_lora_s": t2 - t1,
                             "total_s": time.perf_counter() - t0}
+            self.metrics.applied(pause_s=0.0, read_verify_s=t1 - t0, nbytes=prepared.nbytes,
+                                 source="filesystem")
+            self.metrics.versions(prepared.version,
+                                  max(prepared.version, self.published_version or 0))
             log.info("dbsync: serving adapter %s version %d (lora_int_id %d; prepared in "
                      "%.1f ms, loaded in %.1f ms)", self.versions.name, prepared.version,
                      prepared.lora_int_id, 1e3 * (t1 - t0), 1e3 * (t2 - t1))
@@ -134,6 +151,7 @@ class LoRAServing:
 
     def _noticed(self, version: int) -> None:
         self.published_version = version
+        self.metrics.versions(self.version, version)
         self._wake.set()
 
     def _follow(self) -> None:

@@ -15,6 +15,8 @@ A lease is dead when its reader is gone:
 
 A dead reader costs the writer one timeout, not one per push: a beat once found dead stays
 dead until it changes. A lease dead for another timeout is removed (``DEAD_LEASE_GRACE``).
+A starting writer also removes lease and temp files that were not written for longer than
+that and a margin, judged by the store's own clock (``prune_abandoned``).
 A hold blocks only while the slot still holds the version it names: once a writer has judged
 the reader dead and rewritten the slot, the hold protects nothing, so a writer started later
 (``dbsync push`` once per checkpoint: a new Sender per push, knowing nothing of what earlier
@@ -124,6 +126,43 @@ def same_pid_namespace(lease: dict[str, Any]) -> bool:
     return (lease.get("host") == me["host"] and me["boot_id"] is not None
             and lease.get("boot_id") == me["boot_id"] and me["pidns"] is not None
             and lease.get("pidns") == me["pidns"])
+
+
+#: Extra age before an abandoned reader file is removed by a starting writer: room for the
+#: clocks of clients where a filesystem takes file times from them (Lustre), and for slow
+#: heartbeats of a loaded host.
+ABANDONED_MARGIN = 60.0
+
+
+def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
+    """Remove lease files, and receivers' temp files, not written for longer than their
+    lease timeout, the grace period and ``ABANDONED_MARGIN``, by the store's own clock (a
+    probe file's mtime; never this host's clock). Returns the names removed.
+
+    Why: a writer removes a dead lease only after watching its beat stand still for two
+    timeouts, and a writer started per push (``dbsync push`` once per checkpoint) never
+    watches that long, so the files of readers that died on other hosts would pile up in
+    ``readers/`` (each read at every push). A live reader rewrites its file every
+    ``lease_timeout / 4``; one whose file is that old holds nothing a writer honours."""
+    now = store.storage_time()
+    if now is None:
+        return []
+    leases = store.read_leases()
+    removed = []
+    for name, mtime in store.reader_file_times().items():
+        if name.endswith(".json") and not name.startswith("."):
+            timeout = lease_timeout_of(leases.get(name[: -len(".json")], {}), default_timeout)
+        elif name.startswith((".tmp-", ".probe-")):
+            timeout = default_timeout
+        else:
+            continue
+        age = now - mtime
+        if age > (1 + DEAD_LEASE_GRACE) * timeout + ABANDONED_MARGIN:
+            log.info("removing %s from %s: not written for %.0f s (its reader is gone)",
+                     name, store.readers_dir, age)
+            store.remove_reader_file(name)
+            removed.append(name)
+    return removed
 
 
 class LeaseMonitor:

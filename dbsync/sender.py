@@ -52,7 +52,7 @@ from .format import (
     plan_shards,
     shard_file,
 )
-from .leases import DEFAULT_LEASE_TIMEOUT, LeaseMonitor
+from .leases import DEFAULT_LEASE_TIMEOUT, LeaseMonitor, prune_abandoned
 from .status import loaded_versions, wait_for_receivers
 from .store import WRITING, Store
 
@@ -189,6 +189,11 @@ class Sender:
             self._finalizer()
             raise
         self._kind: str | None = None
+        try:
+            prune_abandoned(self.store, lease_timeout)
+        except (OSError, FormatError) as exc:
+            log.info("could not look for abandoned reader files in %s: %s", self.store.root,
+                     exc)
         self._leases = LeaseMonitor(self.store, lease_timeout)
         #: target shard size (bytes); the same weights always get the same layout
         self.shard_bytes = SHARD_BYTES

@@ -25,6 +25,7 @@ Hazards:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -433,6 +434,46 @@ class Store:
                 os.unlink(check_reader_id(reader_id) + ".json", dir_fd=dfd)
         except FileNotFoundError:
             pass
+
+    def storage_time(self) -> float | None:
+        """The store's own clock: the mtime of a probe file created in ``readers/`` now (on
+        NFS the server sets it, so other hosts' clocks do not matter). None if this process
+        cannot write there."""
+        name = f".probe-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            with self.dir_fd(READERS_DIR) as dfd:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                             os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
+                try:
+                    os.write(fd, b"\n")
+                    return os.fstat(fd).st_mtime
+                finally:
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=dfd)
+        except OSError:
+            return None
+
+    def reader_file_times(self) -> dict[str, float]:
+        """Name -> mtime of every regular file in ``readers/`` (leases and temp files)."""
+        times: dict[str, float] = {}
+        try:
+            with self.dir_fd(READERS_DIR) as dfd:
+                for entry in os.scandir(dfd):
+                    with contextlib.suppress(OSError):
+                        st = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            times[entry.name] = st.st_mtime
+        except FileNotFoundError:
+            pass
+        return times
+
+    def remove_reader_file(self, name: str) -> None:
+        """Remove one file of ``readers/`` (a lease or a temp file; never a path elsewhere)."""
+        if "/" in name or name in (".", ".."):
+            raise FormatError(f"not a file name of readers/: {name!r}")
+        with self.dir_fd(READERS_DIR) as dfd, contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dfd)
 
     def read_leases(self) -> dict[str, dict[str, Any]]:
         """reader id -> lease record, for every readable lease (damaged ones are skipped)."""

@@ -484,6 +484,40 @@ def test_dead_reader_costs_one_timeout_across_writer_restarts(root, tmp_path):
     assert sum(stalls) <= 1.5 * timeout, stalls
 
 
+def test_a_starting_writer_removes_reader_files_abandoned_long_ago(root):
+    """Leases of readers that died on other hosts are removed by the next writer that starts
+    once they have not been written for their timeout, the grace and a margin, judged by the
+    store's own clock (file times); a live reader's lease and an in-flight temp file stay."""
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+    readers = os.path.join(root, "readers")
+    with dbsync.Receiver(root, lease_timeout=1.0) as live:
+        an_hour_ago = time.time() - 3600
+        record = Store(root).read_leases()[live.reader_id]
+        record.update(host="far-host", pid=4242, boot_id="other-boot", updated_at=an_hour_ago)
+        abandoned = os.path.join(readers, "far-host-4242-0a1b2c3d.json")
+        with open(abandoned, "w") as f:
+            json.dump(record, f)
+        old_tmp = os.path.join(readers, ".tmp-far-host-4242-0a1b2c3d.json-4242-00ff00ff")
+        in_flight = os.path.join(readers, f".tmp-{live.reader_id}.json-{os.getpid()}-0a0b0c0d")
+        for path in (old_tmp, in_flight):
+            open(path, "w").close()
+        for path in (abandoned, old_tmp):
+            os.utime(path, (an_hour_ago, an_hour_ago))
+        before = json.loads(cli("status", root, "--json").stdout)
+        assert _state(before, "far-host-4242-0a1b2c3d") == "dead", before["receivers"]
+
+        dbsync.Sender(root, lease_timeout=1.0).close()  # `dbsync push` starting up
+
+        assert not os.path.exists(abandoned) and not os.path.exists(old_tmp)
+        assert os.path.exists(in_flight), "a temp file being written was removed"
+        assert os.path.exists(os.path.join(readers, f"{live.reader_id}.json"))
+        assert load(live) == (1, [1.0])
+        after = json.loads(cli("status", root, "--json").stdout)
+        assert [r["id"] for r in after["receivers"]] == [live.reader_id]
+        os.unlink(in_flight)
+
+
 # ---- 6. a new run at the same path -------------------------------------------------------------
 def test_new_run_is_followed_and_rewind_refused(root, caplog):
     with dbsync.Sender(root) as sender:

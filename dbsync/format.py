@@ -278,16 +278,6 @@ class Index:
     shards: tuple[int, ...]  # size in bytes of shard i
     adapter: dict[str, Any] | None = None
 
-    def dumps(self) -> bytes:
-        return dump_index(self.run_id, self.version, {
-            "name": [t.name for t in self.tensors],
-            "dtype": [t.dtype for t in self.tensors],
-            "shape": [t.shape for t in self.tensors],
-            "shard": [t.shard for t in self.tensors],
-            "offset": [t.offset for t in self.tensors],
-            "checksum": [t.checksum for t in self.tensors],
-        }, self.shards, self.adapter)
-
     @classmethod
     def loads(cls, raw: bytes, source: str = INDEX_FILE) -> Index:
         with gcpause.paused():  # tens of thousands of entries at once (see gcpause)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import gcpause, scatter
+from . import fileio, gcpause, scatter
 from .copyplan import plan_copy
 from .errors import (
     DamagedVersionError,
@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 LoadWeights = Callable[[Iterable[tuple[str, Any]]], Any]
 #: bytes per verification / copy task
 _TASK_BYTES = 16 << 20
-#: shard files open at once for scatter reads (the common soft limit is 1,024 open files)
-_SHARDS_PER_BATCH = 64
 _LEASELESS_RETRIES = 5
 _EMPTY_CHECKSUM = checksum(b"")
 
@@ -326,13 +324,13 @@ class Snapshot:
                                      [self._tensor(entry) for _, entry in task])
 
         shards = sorted(plan.raw)
-        if self.leased and len(shards) > _SHARDS_PER_BATCH:
+        if self.leased and len(shards) > fileio.SHARDS_OPEN_AT_ONCE:
             self._reopen(shards, keep_open=False)  # every file checked before any byte lands
         with ThreadPoolExecutor(max(1, threads)) as pool:
             futures = [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
                        _task_bounds([e.nbytes for _, e in plan.by_torch])]
-            for first in range(0, len(shards), _SHARDS_PER_BATCH):  # bounded open files
-                batch = shards[first:first + _SHARDS_PER_BATCH]
+            for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
+                batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
                 fds = self._reopen(batch) if self.leased else {}
                 try:
                     for shard in batch:

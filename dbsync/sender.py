@@ -59,7 +59,6 @@ from .store import WRITING, Store
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-_SHARDS_PER_BATCH = 64
 #: ``push`` accepts: an ``nn.Module``, a mapping of names to tensors, a ``TensorDict``, or a
 #: path (``.safetensors`` file, checkpoint directory, ``.pt``/``.bin`` state dict, tensordict
 #: memmap directory, PEFT adapter directory).
@@ -465,12 +464,11 @@ class Sender:
                     done[0] += n
                     progress(done[0], total)
 
-        # Shards are written in batches, so the open files stay bounded whatever the size of
-        # the model (a 1 TB version has 2,000 shards; the common soft limit is 1,024 files).
+        # Shards are written in batches (bounded open files, ``fileio.SHARDS_OPEN_AT_ONCE``).
         # Tensors fill shards in order, so a batch of shards is a run of tensors.
         checksums: list[str] = []
-        for first in range(0, len(shard_sizes), _SHARDS_PER_BATCH):
-            last = min(first + _SHARDS_PER_BATCH, len(shard_sizes))
+        for first in range(0, len(shard_sizes), fileio.SHARDS_OPEN_AT_ONCE):
+            last = min(first + fileio.SHARDS_OPEN_AT_ONCE, len(shard_sizes))
             lo, hi = bisect.bisect_left(shards, first), bisect.bisect_left(shards, last)
             batch = fileio.Placed(views[lo:hi], [s - first for s in shards[lo:hi]] if first
                                   else shards[lo:hi], offsets[lo:hi])

@@ -692,5 +692,5 @@ def test_every_garbled_index_column_is_named_whatever_the_parse_path(column, row
     assert [e.name for e in Index.loads(good).tensors] == ["a", "b", "c"]
     columns = json.loads(json.dumps(_GOOD_COLUMNS))
     columns[column][row] = value
-    with pytest.raises(FormatError, match="index.json is invalid"):
+    with pytest.raises(FormatError, match=rf"index.json is invalid: tensors\[{row}\]"):
         Index.loads(dump_index("0" * 32, 1, columns, [128, 64], None))

@@ -6,8 +6,10 @@ N processes, measured in the same run.
         [--bucket-mib 256] [--iters 5] [--code DIR] [--sender-kwargs JSON]
         [--receiver-kwargs JSON] [--faults] [--label NAME] [--out results.json]
 
-Each receiver's load_weights copies every tensor into its own preallocated parameters and
-synchronizes. Every version differs from the one before (a few elements change), and after
+Each receiver takes every tensor into its own preallocated parameters and synchronizes: by
+default through ``receive(params)`` (dbsync copies, verified bucket by bucket, on a few SMs);
+``--receiver-load copy`` through a load_weights that copies each tensor handed out. Every
+version differs from the one before (a few elements change), and after
 every take each receiver's parameters are compared with the sender's weights by exact int64
 fingerprints (bit-exact, no hash). Sender side: ``broadcast_seconds`` of the push (poll joins,
 header, handshake, bucket stream, last bucket done). Receiver side: header seen -> last tensor
@@ -19,7 +21,8 @@ barrier to the last rank's synchronize.
 on the same machine). ``--faults`` (current code) then measures, with small versions: a receiver
 that stalls (is not receiving) during a push, and one killed in the middle of a push: what the
 push costs the sender and the others, and that the survivors take the next version over the
-broadcast.
+broadcast; and a byte flipped on arrival at one receiver (before verification): that receiver
+takes the version from the filesystem, exact, the others from the broadcast.
 """
 
 from __future__ import annotations
@@ -205,6 +208,16 @@ def _receiver(rank: int, args: argparse.Namespace, root: str, commands: Any,
     rx = BroadcastReceiver(root, **kwargs)
     params: dict[str, torch.Tensor] = {}
 
+    from dbsync.nccl import paced
+
+    paced.DEFAULT_PROGRAMS = args.paced_programs or paced.DEFAULT_PROGRAMS
+    paced._ROWS_PER_STEP = args.paced_step or paced._ROWS_PER_STEP
+    paced._WARPS = args.paced_warps or paced._WARPS
+
+    def flip_one_byte(bucket: int, payload: Any) -> None:
+        if bucket == 1:
+            payload[payload.numel() // 2] ^= 0x10
+
     def load_weights(pairs: Any) -> None:
         if args.receiver_load == "iterate":  # diagnosis: take the stream, copy nothing
             for _name, _t in pairs:
@@ -237,10 +250,16 @@ def _receiver(rank: int, args: argparse.Namespace, root: str, commands: Any,
         elif op == "receive":
             if cmd.get("stall"):
                 time.sleep(cmd["stall"])  # not receiving while the sender pushes
+            rx.before_verify = flip_one_byte if cmd.get("flip") else None
+            target = (dying if cmd.get("die") else
+                      params if args.receiver_load == "into" else load_weights)
             with profiled(args, rank, cmd.get("profile", False)):
                 t = time.perf_counter()
-                version = rx.receive(dying if cmd.get("die") else load_weights, timeout=600)
+                version = rx.receive(target, timeout=600)
                 wall = time.perf_counter() - t
+                if target is params:
+                    torch.cuda.synchronize()
+                    wall = time.perf_counter() - t
             results.put(json.dumps({
                 "rank": rank, "version": version, "source": rx.last_source,
                 "error": rx.last_error, "stats": rx.last_stats, "wall_seconds": wall,
@@ -423,6 +442,17 @@ def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
         takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
     push.pop("fingerprints")
     out["after_kill"] = summary(push, takes)
+    # a byte flipped on arrival at the first survivor, before verification
+    flipped = survivors[0]
+    d.send([r for r in survivors if r != flipped], op="receive")
+    d.send([flipped], op="receive", flip=True)
+    d.send([0], op="push", version_hint=6)
+    push = d.collect([0], 600)[0]
+    takes = d.collect(survivors, 600)
+    for r in survivors:
+        takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
+    push.pop("fingerprints")
+    out["flip"] = summary(push, takes)
     bound = args.timeout + 2.0
     out["ok"] = (out["stall"]["push_wall_seconds"] < bound
                  and out["kill"]["push_wall_seconds"] < bound
@@ -430,8 +460,12 @@ def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
                  and all(t["source"] == "broadcast" and t["exact"]
                          for key in ("after_stall", "after_kill")
                          for t in out[key]["takes"].values())
-                 and all(t["exact"] for key in ("stall", "kill")
-                         for t in out[key]["takes"].values()))
+                 and all(t["exact"] for key in ("stall", "kill", "flip")
+                         for t in out[key]["takes"].values())
+                 and out["flip"]["takes"][str(flipped)]["source"] == "filesystem"
+                 and "damaged" in str(out["flip"]["takes"][str(flipped)]["error"])
+                 and all(t["source"] == "broadcast" for r, t in out["flip"]["takes"].items()
+                         if r != str(flipped)))
     return out
 
 
@@ -446,10 +480,17 @@ def main() -> int:
     ap.add_argument("--code", default=REPO, help="directory to import dbsync from")
     ap.add_argument("--sender-kwargs", default="{}")
     ap.add_argument("--receiver-kwargs", default="{}")
-    ap.add_argument("--receiver-load", choices=("copy", "keep", "iterate"), default="copy",
-                    help="copy: into own parameters; keep: keep the tensors handed out (with "
-                         "receiver whole_version, as vLLM staging does); iterate: copy "
-                         "nothing (diagnosis; not bit-checked)")
+    ap.add_argument("--receiver-load", choices=("into", "copy", "keep", "iterate"),
+                    default="into",
+                    help="into: receive(params), dbsync copies into the receiver's own "
+                         "parameters; copy: a load_weights that copies each tensor handed out "
+                         "into them; keep: keep the tensors handed out (with receiver "
+                         "whole_version, as vLLM staging does); iterate: copy nothing "
+                         "(diagnosis; not bit-checked)")
+    ap.add_argument("--paced-programs", type=int, default=0,
+                    help="CTAs of the receivers' paced kernels (default: dbsync's)")
+    ap.add_argument("--paced-step", type=int, default=0, help="tuning: rows per CTA step")
+    ap.add_argument("--paced-warps", type=int, default=0, help="tuning: warps per CTA")
     ap.add_argument("--faults", action="store_true")
     ap.add_argument("--profile", default="", help="write kernel traces of the last push here")
     ap.add_argument("--label", default="")
@@ -467,7 +508,8 @@ def main() -> int:
         "sender_kwargs": json.loads(args.sender_kwargs),
         "receiver_kwargs": json.loads(args.receiver_kwargs),
         "bucket_mib": args.bucket_mib, "iters": args.iters,
-        "receiver_load": args.receiver_load, "sizes": []}
+        "receiver_load": args.receiver_load,
+        "paced_programs": args.paced_programs or "default", "sizes": []}
     d = Driver(args, world)
     try:
         for i, gb in enumerate(args.gb):

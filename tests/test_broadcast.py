@@ -258,3 +258,49 @@ def test_late_joiner_then_next_epoch_and_unresponsive_member(bsender: BroadcastS
         got = late.result()
         assert got["version"] == 3 and got["source"] == "filesystem"
         assert got["tensors"] == expected(weights3)
+
+
+def test_receive_into_existing_tensors_verified_bucket_by_bucket(
+        bsender: BroadcastSender) -> None:
+    """``receive(dict of tensors)``: the bytes land in the receiver's own tensors (the same
+    objects), bit-exact for every dtype, a float32 destination takes a bf16 tensor split
+    across buckets by cast; a flipped byte makes that version come from the filesystem
+    (exact); tensors that do not fit are refused with the filesystem's error naming them, and
+    the receiver takes the next push over the broadcast again."""
+    root = bsender.sender.root
+    weights = all_dtype_weights(5)
+    shapes = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)]
+              for n, t in weights.items()}
+    cast = dict(shapes, **{"big.bf16": ["float32", [50, 171]]})
+    want = expected(weights)
+    cast_want = dict(want, **{"big.bf16": broadcast_worker.digest(weights["big.bf16"].float())})
+    with workers(root, "into", "cast") as (into, caster):
+        into.send(op="receive", timeout=60, into=shapes)
+        caster.send(op="receive", timeout=60, into=cast)
+        assert bsender.wait_for_joins(2, 30)
+        assert bsender.push(weights) == 1
+        got = into.result()
+        assert got["source"] == "broadcast" and got["tensors"] == want, got["error"]
+        got = caster.result()
+        assert got["source"] == "broadcast" and got["tensors"] == cast_want, got["error"]
+
+        weights2 = all_dtype_weights(6)
+        into.send(op="receive", timeout=60, into=shapes, corrupt=True)
+        wrong = dict(shapes, **{"big.bf16": ["bfloat16", [171, 50]]})
+        caster.send(op="receive", timeout=60, into=wrong)
+        assert bsender.wait_for_joins(2, 30)
+        assert bsender.push(weights2) == 2
+        got = into.result()
+        assert got["source"] == "filesystem" and "damaged" in got["error"], got
+        assert got["tensors"] == expected(weights2)
+        refused = json.loads(caster.results.get(timeout=60))
+        assert "big.bf16" in refused.get("exception", ""), refused
+
+        weights3 = all_dtype_weights(7)
+        into.send(op="receive", timeout=60, into=shapes)
+        caster.send(op="receive", timeout=60, into=shapes)
+        assert bsender.wait_for_joins(2, 30)
+        assert bsender.push(weights3) == 3
+        for w in (into, caster):
+            got = w.result()
+            assert got["source"] == "broadcast" and got["tensors"] == expected(weights3), got

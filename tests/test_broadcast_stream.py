@@ -222,3 +222,48 @@ def test_staging_receiver_stages_verified_versions_under_the_confirmed_manifest(
             assert "not the one" in (forged.matches(root) or "")
         finally:
             staging.close()
+
+
+def test_fused_verify_copy_plan_writes_only_rows_that_verify() -> None:
+    """The tables of ``paced.VerifyCopy`` (which rows feed which destinations), run through
+    its torch twin on CPU: pieces crossing rows, several tiny ones in one row, gaps, a piece
+    ending in the padding row; every byte lands where it belongs, and a flipped byte keeps
+    its whole row (4 KiB) out of every destination it feeds while the other rows land."""
+    from dbsync.nccl import paced
+
+    gen = torch.Generator().manual_seed(4)
+    sizes = [64, 5000 // 8 * 8, 128, 8, 8, 16, 6096, 3 * checksum.ROW_BYTES + 8, 1000]
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += n + (64 if n > 64 else 0)
+    payload = at
+    wire = torch.randint(0, 256, (checksum.buffer_bytes(payload),), dtype=torch.uint8,
+                         generator=gen)
+    checksum.seal(wire, payload)
+    dests = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    pieces = list(zip(dests, offsets, strict=True))
+    assert all(paced.VerifyCopy.fits(d, o) for d, o in pieces)
+    plan = paced.VerifyCopy(pieces, payload, torch.device("cpu"))
+    assert plan.matches(pieces) and not plan.matches(pieces[:-1])
+    bad = torch.zeros(1, dtype=torch.int32)
+    words, sums = checksum.words_view(wire, payload), checksum.trailer_view(wire, payload)
+    plan.simulate(words, sums, bad)
+    assert int(bad) == 0
+    for d, o in pieces:
+        assert torch.equal(d, wire[o:o + d.numel()]), o
+
+    for d in dests:
+        d.zero_()
+    hit = 2 * checksum.ROW_BYTES + 123
+    wire[hit] ^= 0x40
+    plan.simulate(words, sums, bad)
+    assert int(bad) == 1
+    row = range(2 * checksum.ROW_BYTES, 3 * checksum.ROW_BYTES)
+    for d, o in pieces:
+        for i in range(0, d.numel(), 8):
+            word = d[i:i + 8]
+            if o + i in row:
+                assert int(word.count_nonzero()) == 0, (o, i)
+            else:
+                assert torch.equal(word, wire[o + i:o + i + 8]), (o, i)

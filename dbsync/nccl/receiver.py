@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -104,6 +104,7 @@ class BroadcastReceiver:
         self.link = MemberLink(self.fs.store, self.reader_id, self.device, self.timeout,
                                address, on_error=self._note_error)
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._plans: dict[int, Any] = {}  # per-bucket copy plans of receive(module or dict)
         #: (epoch, seq, version) of the last push applied from the broadcast
         self._applied_push: tuple[int, int, int] | None = None
         self._buffers: list[torch.Tensor] = []
@@ -127,13 +128,18 @@ class BroadcastReceiver:
         self.last_error = why
 
     # ---- receiving ---------------------------------------------------------------------
-    def receive(self, load_weights: LoadWeights, newer_than: int | None = None,
+    def receive(self, load_weights: LoadWeights | Any, newer_than: int | None = None,
                 timeout: float | None = None) -> int | None:
-        """Call ``load_weights`` once with the next version newer than ``newer_than`` (default:
-        the loaded one), from the broadcast if this receiver is in the group, else from the
-        filesystem. Returns that version, or None if none came within ``timeout`` seconds
-        (None: wait as long as it takes). Never hangs on a broken group: every step is bounded
-        by ``self.timeout``."""
+        """Apply the next version newer than ``newer_than`` (default: the loaded one), from the
+        broadcast if this receiver is in the group, else from the filesystem. Returns that
+        version, or None if none came within ``timeout`` seconds (None: wait as long as it
+        takes). Never hangs on a broken group: every step is bounded by ``self.timeout``.
+
+        ``load_weights``: a callable, called once with (name, tensor) pairs; or a plain
+        ``nn.Module`` / dict of tensors, whose existing tensors receive the bytes in place
+        (every name and shape must match; floating dtypes are cast). The second is the fast
+        path on GPUs: each bucket is verified and copied out on a few SMs while the stream
+        goes on (``paced``), and nothing of a bucket is written before it verified."""
         with self._lock:
             floor = self.loaded_version if newer_than is None else newer_than
             floor = 0 if floor is None else floor
@@ -208,6 +214,9 @@ class BroadcastReceiver:
             cache.update(plan=bucket_plan(header), plan_for=cache.get("raw"))
         # A verifying receiver takes only sealed pushes; an unsealed one is drained.
         usable = wanted and (header.has_checksums or not self.verify)
+        dest = _destinations(load_weights, header) if usable else None
+        if dest is False:  # names, shapes or dtypes do not fit: the filesystem load says how
+            usable = False
         incoming = IncomingVersion(
             self.link.group, header, self._receive_buffers(header), verify=self.verify,
             views=None if self.whole_version else self._views, cancelled=cancelled,
@@ -227,7 +236,10 @@ class BroadcastReceiver:
             self.last_error = f"lost the broadcast sender ({exc})"
             return fall_back()
         try:
-            if usable:
+            if usable and isinstance(dest, dict):
+                incoming.copy_into(dest, self._plans)
+                torch.autograd.graph.increment_version(list(dest.values()))
+            elif usable:
                 load_weights(incoming)
             incoming.drain()  # whatever load_weights left unread (or all of it)
         except DamagedBucketError as exc:
@@ -250,8 +262,11 @@ class BroadcastReceiver:
             self.last_error = incoming.damaged
             return self._load_fs(load_weights, header.version)
         if not usable:
-            self.last_error = (f"version {header.version} was broadcast without checksums and "
-                               "this receiver verifies; read from the filesystem")
+            self.last_error = (
+                f"version {header.version} does not fit the tensors given (names, shapes or "
+                "dtypes); loading it from the filesystem to say how" if dest is False else
+                f"version {header.version} was broadcast without checksums and this receiver "
+                "verifies; read from the filesystem")
             return self._load_fs(load_weights, header.version)
         self.fs.mark_loaded(header.version)
         self._applied_push = (epoch, seq, header.version)
@@ -263,7 +278,7 @@ class BroadcastReceiver:
             return self._bucket_buffers(header)
         # One fresh allocation per version, one region per bucket: nothing is reused, so
         # what is handed out stays valid; the bucket buffers are not needed meanwhile.
-        self._buffers, self._views = [], {}
+        self._buffers, self._views, self._plans = [], {}, {}
         wire = [checksum.wire_bytes(hi - lo, header.has_checksums)
                 for lo, hi in header.buckets()]
         flat = torch.empty(max(sum(wire), 1), dtype=torch.uint8, device=self.device)
@@ -277,7 +292,7 @@ class BroadcastReceiver:
         size = checksum.buffer_bytes(min(header.bucket_bytes, max(header.total_bytes, 1)))
         if (len(self._buffers) != self.depth or self._buffers[0].numel() < size
                 or self._buffers[0].device != self.device):
-            self._buffers, self._views = [], {}
+            self._buffers, self._views, self._plans = [], {}, {}
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
                              for _ in range(self.depth)]
         return self._buffers
@@ -330,6 +345,29 @@ class BroadcastReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _destinations(target: Any, header: Header) -> dict[str, torch.Tensor] | bool | None:
+    """For a plain ``nn.Module`` or a dict of tensors: name -> tensor, or False when the
+    version does not fit it (a name missing on either side, another shape, a dtype that is
+    not a floating cast). None for a ``load_weights`` callable."""
+    if isinstance(target, torch.nn.Module):
+        dest = target.state_dict(keep_vars=True)
+    elif isinstance(target, Mapping):
+        dest = dict(target)
+    else:
+        return None
+    if len(dest) != len(header.entries):
+        return False
+    for entry in header.entries:
+        tensor = dest.get(entry.name)
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != entry.shape:
+            return False
+        want = entry.torch_dtype
+        if tensor.dtype != want and not (want.is_floating_point
+                                         and tensor.dtype.is_floating_point):
+            return False
+    return dest
 
 
 _RECEIVERS: dict[tuple[str, str], BroadcastReceiver] = {}

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import checksum
+from . import checksum, paced
 from .errors import BroadcastError
 from .group import Group
 from .layout import Entry, Header, bucket_plan
@@ -37,6 +37,14 @@ BeforeVerify = Callable[[int, torch.Tensor], None]
 class DamagedBucketError(BroadcastError):
     """A bucket arrived with bytes that do not match the sender's checksum. Nothing ending in
     it was handed out; the rest of the stream was drained, so the group is still usable."""
+
+
+def _raw_writable(dst: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``dst`` takes the bytes as they are: a plain tensor with memory of its own (a
+    wrapper subclass may have none), of that dtype, contiguous, no lazy neg/conj bit."""
+    return (type(dst) in (torch.Tensor, torch.nn.Parameter) and dst.dtype == dtype
+            and dst.is_contiguous() and dst.data_ptr() != 0 and not dst.is_neg()
+            and not dst.is_conj())
 
 
 def typed(entry: Entry, raw: torch.Tensor) -> torch.Tensor:
@@ -97,10 +105,10 @@ class IncomingVersion:
         wire = checksum.wire_bytes(hi - lo, self.header.has_checksums)
         return self.group.broadcast(self.buffers[b % len(self.buffers)][:wire])
 
-    def _check(self, b: int, buf: torch.Tensor, payload: int) -> None:
+    def _check(self, b: int, buf: torch.Tensor, payload: int, pace: bool = True) -> None:
         if self.before_verify is not None:
             self.before_verify(b, buf[:payload])
-        if not checksum.check(buf, payload):
+        if not checksum.check(buf, payload, pace=pace):
             self.damaged = (f"bucket {b} of version {self.header.version} arrived damaged (its "
                             "checksum does not match the sender's); reading the version from "
                             "the filesystem")
@@ -144,7 +152,7 @@ class IncomingVersion:
                 works[k] = None
                 buf = self.buffers[k]
                 if self.verify:
-                    self._check(b, buf, hi - lo)
+                    self._check(b, buf, hi - lo, pace=b + 1 < len(buckets))
                     if self.damaged is not None:
                         self._drain_after(b, buckets, works)
                         self.complete = True  # every collective taken part in
@@ -181,6 +189,119 @@ class IncomingVersion:
         finally:
             if not self.complete:
                 group.close()  # unfinished collectives: the group is unusable
+
+    def copy_into(self, dest: dict[str, torch.Tensor],
+                  plans: dict[int, Any] | None = None) -> None:
+        """Receive the whole version straight into ``dest`` (name -> existing tensor; the
+        caller checked that every entry's name is there with its shape, and that dtypes are
+        equal or both floating: cast), instead of iterating. Nothing unverified is written.
+
+        On CUDA with Triton, each bucket is verified and copied out in one paced pass while
+        the stream goes on, with no host sync (``paced.VerifyCopy``): a checksum row is
+        written only if it matches the sender's row sum, and the count of rows that did not
+        is read once at the end. A damaged bucket then raises ``DamagedBucketError`` after
+        the stream ended, having written every row that verified (the caller re-applies the
+        version from the filesystem). Elsewhere (CPU, verification off, a cast, a tensor
+        subclass, an odd-sized or misaligned tensor) a bucket is checked on the host first,
+        then copied. ``plans``: the receiver's cache of per-bucket copy plans."""
+        if self._iter is not None:
+            raise BroadcastError("copy_into after iterating the same version")
+        self._iter = iter(())
+        header, group = self.header, self.group
+        buckets = header.buckets()
+        depth = len(self.buffers)
+        device = self.buffers[0].device
+        plans = {} if plans is None else plans
+        fused = self.verify and paced.available(device)
+        bad_rows = torch.zeros(len(buckets), dtype=torch.int32, device=device) if fused else None
+        on_device = 0  # buckets verified in the fused pass
+        partial: dict[int, torch.Tensor] = {}
+        try:
+            self.start()
+            works = self._works
+            assert works is not None
+            for b, (lo, hi) in enumerate(buckets):
+                k = b % depth
+                group.wait(works[k], f"bucket {b} of {len(buckets)} of version "
+                           f"{header.version}", 2 * group.timeout if b == 0 else None,
+                           self.cancelled)
+                works[k] = None
+                buf = self.buffers[k]
+                plan = self._bucket_plan(b, buf, lo, hi, dest, plans, partial, fused)
+                if isinstance(plan, paced.VerifyCopy):
+                    assert bad_rows is not None
+                    if self.before_verify is not None:
+                        self.before_verify(b, buf[:hi - lo])
+                    last = b + 1 == len(buckets)  # nothing streams after it: full speed
+                    plan.run(checksum.words_view(buf, hi - lo),
+                             checksum.trailer_view(buf, hi - lo), bad_rows[b:b + 1],
+                             paced.programs_for(device, 2.0) if last else None)
+                    on_device += 1
+                else:
+                    table, by_torch = plan
+                    if self.verify:
+                        self._check(b, buf, hi - lo)
+                        if self.damaged is not None:
+                            self._drain_after(b, buckets, works)
+                            self.complete = True
+                            raise DamagedBucketError(self.damaged)
+                    table.run()
+                    for dst, src in by_torch:
+                        dst.copy_(src() if callable(src) else src)
+                if b + depth < len(buckets):
+                    works[k] = self._post(b + depth, buckets)
+            if bad_rows is not None:
+                bad = bad_rows.nonzero()  # one host sync for the whole version
+                if bad.numel():
+                    self.damaged = (f"bucket {int(bad[0])} of version {header.version} arrived "
+                                    "damaged (its checksum does not match the sender's); "
+                                    "reading the version from the filesystem")
+                    self.complete = True
+                    raise DamagedBucketError(self.damaged)
+                self.verified_buckets += on_device
+            self.complete = True
+        finally:
+            if not self.complete:
+                group.close()
+
+    def _bucket_plan(self, b: int, buf: torch.Tensor, lo: int, hi: int,
+                     dest: dict[str, torch.Tensor], plans: dict[int, Any],
+                     partial: dict[int, torch.Tensor], fused: bool) -> Any:
+        """How bucket ``b`` lands in ``dest`` (cached while nothing moved): a
+        ``paced.VerifyCopy`` when every piece takes raw, word-aligned bytes and the bucket is
+        verified on the device; else a ``paced.CopyTable`` of the raw pieces plus
+        (destination, source) pairs for torch (a cast, a tensor subclass, a non-contiguous
+        destination), where a tensor split across buckets is assembled first and copied once
+        complete."""
+        entries = self.header.entries
+        raw: list[tuple[torch.Tensor, int]] = []
+        by_torch: list[tuple[torch.Tensor, Any]] = []
+        for i, start, end in self.plan[b]:
+            entry = entries[i]
+            at = entry.offset + start - lo
+            dst = dest[entry.name].detach()
+            if _raw_writable(dst, entry.torch_dtype):
+                raw.append((dst.reshape(-1).view(torch.uint8)[start:end], at))
+            elif start == 0 and end == entry.nbytes:
+                by_torch.append((dst, typed(entry, buf[at:at + end])))
+            else:
+                whole = partial.get(i)
+                if whole is None:
+                    whole = partial[i] = torch.empty(entry.nbytes, dtype=torch.uint8,
+                                                     device=buf.device)
+                by_torch.append((whole[start:end], buf[at:at + end - start]))
+                if end == entry.nbytes:
+                    by_torch.append((dst, lambda e=entry, i=i: typed(e, partial.pop(i))))
+        if fused and not by_torch and all(paced.VerifyCopy.fits(d, at) for d, at in raw):
+            cached = plans.get(b)
+            if not (isinstance(cached, paced.VerifyCopy) and cached.matches(raw)):
+                cached = plans[b] = paced.VerifyCopy(raw, hi - lo, buf.device)
+            return cached
+        pairs = [(d, buf[at:at + d.numel()]) for d, at in raw]
+        cached = plans.get(b)
+        if not (isinstance(cached, paced.CopyTable) and cached.matches(pairs)):
+            cached = plans[b] = paced.CopyTable(pairs)
+        return cached, by_torch
 
     def _emit(self, i: int, raw: torch.Tensor) -> tuple[str, torch.Tensor]:
         entry = self.header.entries[i]

@@ -1,0 +1,310 @@
+"""Paced device work: bucket checksums and copies that run on a bounded number of SMs, so a
+receiver's own work shares its GPU with the broadcast streaming at the same time.
+
+Why: a broadcast is a chain through every member's GPU. A copy or a reduction launched with
+torch's defaults takes every SM and as much memory bandwidth as the GPU has for a fraction of
+a millisecond; the NCCL kernel running beside it slows in that moment, and with it the whole
+chain (with three receivers that each copy out, 0.79x of a raw broadcast on 4x H100). The same
+work spread over the bucket's transfer time on a few SMs costs the stream little. See
+docs/BROADCAST.md for the measurements that chose the defaults.
+
+Triton kernels on CUDA (Triton ships with PyTorch's CUDA builds); on CPU, or where Triton is
+missing, the same results come from plain torch operations (``available`` says which).
+
+Hazards, stated plainly:
+- ``copy_many`` writes through raw device addresses taken from the tensors: every destination
+  must stay allocated until the copy finished on the current stream (the caller synchronizes or
+  keeps references), and source and destination must not overlap.
+- The kernels are compiled on first use in a process (a second or two, once per process).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: int64 words per checksum row (checksum.ROW_BYTES / 8)
+ROW_WORDS = 512
+#: CTAs of the paced kernels, as a fraction of the device's SMs (0 = that default): verifying
+#: (alone or fused with the copy) on 3/4 of them, plain copies on 3/8 (measured on 4x H100 with
+#: three receivers, docs/BROADCAST.md: fewer CTAs fall behind the stream, more slow it)
+DEFAULT_PROGRAMS = 0
+VERIFY_SHARE = 0.75
+COPY_SHARE = 0.375
+_ROWS_PER_STEP = 8  # checksum rows per CTA per step (32 KiB in flight)
+_WARPS = 4
+_COPY_BLOCK = 4096  # int64 words per CTA per step (32 KiB in flight)
+
+
+@functools.cache
+def _kernels() -> Any:
+    """The compiled Triton kernels, or None where Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 - no Triton: torch operations instead
+        return None
+
+    @triton.jit
+    def row_sums_kernel(src, out, rows, PROGRAMS: tl.constexpr, ROW: tl.constexpr,
+                        STEP: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, ROW)
+        step_rows = tl.arange(0, STEP)
+        for first in range(pid * STEP, rows, PROGRAMS * STEP):
+            r = first + step_rows
+            inside = r < rows
+            words = tl.load(src + r[:, None] * ROW + cols[None, :], mask=inside[:, None],
+                            other=0)
+            tl.store(out + r, tl.sum(words, axis=1), mask=inside)
+
+    @triton.jit
+    def copy_many_kernel(table, items, guard, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        if tl.load(guard) != 0:
+            for i in range(0, items):
+                dst = tl.load(table + 3 * i).to(tl.pointer_type(tl.int64))
+                src = tl.load(table + 3 * i + 1).to(tl.pointer_type(tl.int64))
+                words = tl.load(table + 3 * i + 2)
+                for first in range(pid * BLOCK, words, PROGRAMS * BLOCK):
+                    at = first + offs
+                    inside = at < words
+                    tl.store(dst + at, tl.load(src + at, mask=inside), mask=inside)
+
+    @triton.jit
+    def verify_copy_kernel(src, sums, rows, seg_first, seg_count, seg_start, seg_end, seg_dst,
+                           bad, PROGRAMS: tl.constexpr, ROW: tl.constexpr,
+                           STEP: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, ROW)
+        step_rows = tl.arange(0, STEP)
+        damaged = tl.zeros([STEP], dtype=tl.int32)
+        for first in range(pid * STEP, rows, PROGRAMS * STEP):
+            r = first + step_rows
+            inside = r < rows
+            at = r[:, None] * ROW + cols[None, :]  # word index in the bucket
+            words = tl.load(src + at, mask=inside[:, None], other=0)
+            ok = (tl.sum(words, axis=1) == tl.load(sums + r, mask=inside, other=0)) & inside
+            damaged += (inside & (ok == 0)).to(tl.int32)
+            seg0 = tl.load(seg_first + r, mask=inside, other=0)
+            count = tl.load(seg_count + r, mask=ok, other=0)
+            for k in range(0, tl.max(count, axis=0)):
+                seg = seg0 + k
+                valid = ok & (k < count)
+                start = tl.load(seg_start + seg, mask=valid, other=0)
+                end = tl.load(seg_end + seg, mask=valid, other=0)
+                dst = tl.load(seg_dst + seg, mask=valid, other=0).to(tl.pointer_type(tl.int64))
+                into = valid[:, None] & (at >= start[:, None]) & (at < end[:, None])
+                tl.store(dst[:, None] + (at - start[:, None]), words, mask=into)
+        total = tl.sum(damaged, axis=0)
+        if total > 0:
+            tl.atomic_add(bad, total)
+
+    return row_sums_kernel, copy_many_kernel, verify_copy_kernel
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def programs_for(device: torch.device, share: float) -> int:
+    """CTAs for a paced kernel on ``device``: ``DEFAULT_PROGRAMS`` if set, else ``share`` of
+    its SMs (at least 8). ``share`` above 1 runs at full speed (no stream left to share)."""
+    if DEFAULT_PROGRAMS:
+        return DEFAULT_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(8, int(_sm_count(index) * share))
+
+
+def available(device: torch.device) -> bool:
+    """Whether paced kernels run on ``device`` (a CUDA device with Triton importable)."""
+    return device.type == "cuda" and _kernels() is not None
+
+
+def row_sums(words: torch.Tensor, programs: int | None = None) -> torch.Tensor:
+    """``words.sum(dim=1)`` of a contiguous ``int64[rows, ROW_WORDS]`` tensor (sums modulo
+    2**64), on ``programs`` CTAs (default ``DEFAULT_PROGRAMS``) where paced kernels run."""
+    if words.dtype != torch.int64 or words.dim() != 2 or words.shape[1] != ROW_WORDS or (
+            not words.is_contiguous()):
+        raise ValueError(f"row_sums needs a contiguous int64 tensor of {ROW_WORDS} columns")
+    if not available(words.device) or words.shape[0] == 0:
+        return words.sum(dim=1)
+    programs = programs or programs_for(words.device, VERIFY_SHARE)
+    row_sums_kernel = _kernels()[0]
+    out = torch.empty(words.shape[0], dtype=torch.int64, device=words.device)
+    row_sums_kernel[(programs,)](words, out, words.shape[0], PROGRAMS=programs,
+                                 ROW=ROW_WORDS, STEP=_ROWS_PER_STEP, num_warps=_WARPS)
+    return out
+
+
+def _word_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
+            and src.is_contiguous() and dst.device == src.device
+            and dst.data_ptr() % 8 == 0 and src.data_ptr() % 8 == 0
+            and (dst.numel() * dst.element_size()) % 8 == 0)
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _always(device: torch.device) -> torch.Tensor:
+    flag = _ONES.get(device)
+    if flag is None:
+        flag = _ONES[device] = torch.ones(1, dtype=torch.int32, device=device)
+    return flag
+
+
+class CopyTable:
+    """A reusable plan for copying many (destination, source) pairs of same-dtype, same-shape
+    tensors: the pairs that can be copied as int64 words on a CUDA device go into a device
+    table copied in one paced launch (``words``); the rest are left to ``Tensor.copy_``
+    (``fallback``). Build it once and reuse it while no tensor moves (``matches`` tells)."""
+
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        self.key = tuple((d.data_ptr(), s.data_ptr(), d.numel() * d.element_size())
+                         for d, s in pairs)
+        self.device = pairs[0][0].device if pairs else torch.device("cpu")
+        paced = available(self.device)
+        rows: list[int] = []
+        self.fallback: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dst, src in pairs:
+            if dst.numel() == 0:
+                continue
+            if paced and _word_copyable(dst, src):
+                rows += [dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size() // 8]
+            else:
+                self.fallback.append((dst, src))
+        self.items = len(rows) // 3
+        self.table = (torch.tensor(rows, dtype=torch.int64).to(self.device)
+                      if self.items else None)
+
+    def matches(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether ``pairs`` are at the addresses and of the sizes this plan was built for
+        (check before every ``run``: the plan holds addresses, not the tensors)."""
+        return len(pairs) == len(self.key) and all(
+            d.data_ptr() == a and s.data_ptr() == b and d.numel() * d.element_size() == n
+            for (d, s), (a, b, n) in zip(pairs, self.key, strict=True))
+
+    def words(self, guard: torch.Tensor | None = None, programs: int | None = None) -> None:
+        """Enqueue the paced word copies on the current stream (no host sync). ``guard``: an
+        ``int32[1]`` device flag; the copies happen only if it is non-zero when they run (a
+        bucket's verification result, so unverified bytes are never written)."""
+        if self.items:
+            programs = programs or programs_for(self.device, COPY_SHARE)
+            copy_many_kernel = _kernels()[1]
+            flag = _always(self.device) if guard is None else guard
+            copy_many_kernel[(programs,)](self.table, self.items, flag, PROGRAMS=programs,
+                                          BLOCK=_COPY_BLOCK, num_warps=8)
+
+    def run(self, programs: int | None = None) -> None:
+        """Every copy, unguarded: the word copies, then the fallback ones."""
+        self.words(None, programs)
+        for dst, src in self.fallback:
+            dst.copy_(src, non_blocking=True)
+
+
+class VerifyCopy:
+    """Verify a sealed bucket and copy it out in one paced pass that reads each byte once:
+    each CTA sums a few checksum rows, compares them with the sender's row sums, and writes
+    only the rows that match to their destinations (a row may feed several tensors). Rows
+    that do not match are counted into a device flag; nothing of them is written.
+
+    ``pieces``: (destination, offset in the bucket) pairs; each destination a contiguous
+    uint8 view whose address, offset and length are multiples of 8 (``fits`` tells), the
+    pieces in the bucket not overlapping. Built once per bucket layout and destination set
+    (``matches`` tells when to rebuild)."""
+
+    def __init__(self, pieces: Sequence[tuple[torch.Tensor, int]], payload_bytes: int,
+                 device: torch.device):
+        import numpy as np
+
+        self.key = tuple((d.data_ptr(), at, d.numel()) for d, at in pieces)
+        self.rows = -(-payload_bytes // (ROW_WORDS * 8))
+        order = sorted(range(len(pieces)), key=lambda j: pieces[j][1])
+        starts = np.array([pieces[j][1] // 8 for j in order], dtype=np.int64)
+        ends = starts + np.array([pieces[j][0].numel() // 8 for j in order], dtype=np.int64)
+        dsts = np.array([pieces[j][0].data_ptr() for j in order], dtype=np.int64)
+        row_start = np.arange(self.rows, dtype=np.int64) * ROW_WORDS
+        first = np.searchsorted(ends, row_start, side="right")
+        last = np.searchsorted(starts, row_start + ROW_WORDS, side="left")
+        count = np.maximum(last - first, 0)
+
+        def upload(a: Any, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dtype).to(device)
+
+        self.seg_first = upload(np.minimum(first, max(len(starts) - 1, 0)), torch.int32)
+        self.seg_count = upload(count, torch.int32)
+        self.seg_start = upload(starts if len(starts) else np.zeros(1, np.int64), torch.int64)
+        self.seg_end = upload(ends if len(ends) else np.zeros(1, np.int64), torch.int64)
+        self.seg_dst = upload(dsts if len(dsts) else np.zeros(1, np.int64), torch.int64)
+
+    @staticmethod
+    def fits(dst: torch.Tensor, offset: int) -> bool:
+        return (dst.is_contiguous() and dst.data_ptr() % 8 == 0 and offset % 8 == 0
+                and dst.numel() % 8 == 0)
+
+    def matches(self, pieces: Sequence[tuple[torch.Tensor, int]]) -> bool:
+        """Whether ``pieces`` are at the addresses, offsets and sizes this plan was built for
+        (check before every ``run``: the plan holds addresses, not the tensors)."""
+        return len(pieces) == len(self.key) and all(
+            d.data_ptr() == p and at == a and d.numel() == n
+            for (d, at), (p, a, n) in zip(pieces, self.key, strict=True))
+
+    def run(self, words: torch.Tensor, sums: torch.Tensor, bad: torch.Tensor,
+            programs: int | None = None) -> None:
+        """Enqueue on the current stream: verify ``words`` (``int64[rows, ROW_WORDS]``, the
+        bucket's padded payload) against ``sums`` (``int64[rows]``) and copy out the rows that
+        match; ``bad`` (``int32[1]``) is increased by the number of rows that do not."""
+        if words.shape[0] != self.rows or sums.numel() != self.rows:
+            raise ValueError("VerifyCopy.run: the bucket does not have the planned rows")
+        programs = programs or programs_for(words.device, VERIFY_SHARE)
+        verify_copy_kernel = _kernels()[2]
+        verify_copy_kernel[(programs,)](
+            words, sums, self.rows, self.seg_first, self.seg_count, self.seg_start,
+            self.seg_end, self.seg_dst, bad, PROGRAMS=programs, ROW=ROW_WORDS,
+            STEP=_ROWS_PER_STEP, num_warps=_WARPS)
+
+
+    def simulate(self, words: torch.Tensor, sums: torch.Tensor, bad: torch.Tensor) -> None:
+        """What ``run`` does, in plain torch operations on any device (slow: for tests of the
+        plan's tables on machines without a GPU)."""
+        got = words.sum(dim=1)
+        ok = got == sums
+        bad += int((~ok).sum())
+        flat = words.reshape(-1)
+        first, count = self.seg_first.tolist(), self.seg_count.tolist()
+        starts, ends, dsts = (self.seg_start.tolist(), self.seg_end.tolist(),
+                              self.seg_dst.tolist())
+        for row in range(self.rows):
+            if not bool(ok[row]):
+                continue
+            lo, hi = row * ROW_WORDS, (row + 1) * ROW_WORDS
+            for seg in range(first[row], first[row] + count[row]):
+                a, b = max(lo, starts[seg]), min(hi, ends[seg])
+                if a >= b:
+                    continue
+                dst = _from_address(dsts[seg] + 8 * (a - starts[seg]), b - a, words.device)
+                dst.copy_(flat[a:b])
+
+
+def _from_address(address: int, words: int, device: torch.device) -> torch.Tensor:
+    """An int64 tensor over ``words`` words of memory at ``address`` (CPU only; for
+    ``VerifyCopy.simulate``)."""
+    import ctypes
+
+    if device.type != "cpu":
+        raise ValueError("simulate runs on CPU tensors only")
+    buffer = (ctypes.c_int64 * words).from_address(address)
+    return torch.frombuffer(buffer, dtype=torch.int64, count=words)
+
+
+def copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              programs: int | None = None) -> None:
+    """``dst.copy_(src)`` for every pair, in one paced launch where possible."""
+    if pairs:
+        CopyTable(pairs).run(programs)

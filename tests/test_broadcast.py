@@ -304,3 +304,40 @@ def test_receive_into_existing_tensors_verified_bucket_by_bucket(
         for w in (into, caster):
             got = w.result()
             assert got["source"] == "broadcast" and got["tensors"] == expected(weights3), got
+
+
+def test_a_damaged_bucket_drained_in_order_up_to_a_short_last_bucket(tmp_path: Any) -> None:
+    """Damage in bucket 1 of five (two receive buffers, the last bucket shorter): the drain
+    must post the remaining receives in bucket order, as the sender sends them, or the short
+    last bucket is matched with a full one and the group breaks. Both receivers, the damaged
+    one included, take the next push over the broadcast."""
+    sender = Sender(tmp_path / "store", durable=False)
+    bs = BroadcastSender(sender, address="127.0.0.1", device="cpu", bucket_bytes=8192,
+                         timeout=TIMEOUT, join_timeout=15.0)
+    gen = torch.Generator().manual_seed(12)
+    weights = {f"w{i}": random_bytes_tensor(torch.float16, (64, 64), gen) for i in range(4)}
+    weights["tail"] = random_bytes_tensor(torch.float16, (100,), gen)
+    try:
+        with workers(str(tmp_path / "store"), "hit", "other") as (hit, other):
+            hit.send(op="receive", timeout=60, corrupt=True)
+            other.send(op="receive", timeout=60)
+            assert bs.wait_for_joins(2, 30)
+            assert bs.push(weights) == 1
+            assert bs.last_push_stats["buckets"] == 5
+            got = hit.result()
+            assert got["source"] == "filesystem" and "damaged" in got["error"], got
+            assert got["tensors"] == expected(weights)
+            assert other.result()["source"] == "broadcast"
+
+            weights2 = {k: v * 2 for k, v in weights.items()}
+            for w in (hit, other):
+                w.send(op="receive", timeout=60)
+            assert bs.wait_for_joins(2, 30)
+            assert bs.push(weights2) == 2
+            assert bs.last_push_stats["broadcast"] and bs.last_push_stats["setup_seconds"] == 0
+            for w in (hit, other):
+                got = w.result()
+                assert got["source"] == "broadcast" and got["tensors"] == expected(weights2), got
+    finally:
+        bs.close()
+        sender.close()

@@ -21,10 +21,13 @@ Hazards, stated plainly:
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+log = logging.getLogger("dbsync.nccl.paced")
 
 #: int64 words per checksum row (checksum.ROW_BYTES / 8)
 ROW_WORDS = 512
@@ -122,23 +125,56 @@ def programs_for(device: torch.device, share: float) -> int:
 
 
 def available(device: torch.device) -> bool:
-    """Whether paced kernels run on ``device`` (a CUDA device with Triton importable)."""
-    return device.type == "cuda" and _kernels() is not None
+    """Whether paced kernels run on ``device``: a CUDA device, Triton importable, and the
+    kernels compiled and ran there once on a tiny input (checked once per device; a failure
+    is logged and torch operations are used instead)."""
+    if device.type != "cuda" or _kernels() is None:
+        return False
+    return _works_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def row_sums(words: torch.Tensor, programs: int | None = None) -> torch.Tensor:
+@functools.cache
+def _works_on(index: int) -> bool:
+    device = torch.device("cuda", index)
+    try:
+        with torch.cuda.device(device):
+            words = torch.arange(2 * ROW_WORDS, dtype=torch.int64, device=device).view(2, -1)
+            sums = words.sum(dim=1)
+            if not torch.equal(row_sums(words, 2, probing=True), sums):
+                raise RuntimeError("row sums differ from torch's")
+            out = torch.zeros(2 * ROW_WORDS * 8, dtype=torch.uint8, device=device)
+            bad = torch.zeros(1, dtype=torch.int32, device=device)
+            plan = VerifyCopy([(out, 0)], out.numel(), device)
+            plan.run(words, sums, bad, 2)
+            copy = torch.zeros_like(words)
+            CopyTable([(copy, words)], probing=True).run(2)
+            if not (torch.equal(out.view(torch.int64).view(2, -1), words) and int(bad) == 0
+                    and torch.equal(copy, words)):
+                raise RuntimeError("the kernels' results differ from torch's")
+    except Exception as exc:  # noqa: BLE001 - a broken toolchain must not break receiving
+        log.warning("paced Triton kernels do not run on cuda:%d (%s: %s); using torch "
+                    "operations instead (correct, slower broadcasts)", index,
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    return True
+
+
+def row_sums(words: torch.Tensor, programs: int | None = None,
+             probing: bool = False) -> torch.Tensor:
     """``words.sum(dim=1)`` of a contiguous ``int64[rows, ROW_WORDS]`` tensor (sums modulo
-    2**64), on ``programs`` CTAs (default ``DEFAULT_PROGRAMS``) where paced kernels run."""
+    2**64), on ``programs`` CTAs (default: ``VERIFY_SHARE`` of the SMs) where paced kernels
+    run. ``probing``: launch the kernel without asking ``available`` (its own check)."""
     if words.dtype != torch.int64 or words.dim() != 2 or words.shape[1] != ROW_WORDS or (
             not words.is_contiguous()):
         raise ValueError(f"row_sums needs a contiguous int64 tensor of {ROW_WORDS} columns")
-    if not available(words.device) or words.shape[0] == 0:
+    if words.shape[0] == 0 or not (probing or available(words.device)):
         return words.sum(dim=1)
     programs = programs or programs_for(words.device, VERIFY_SHARE)
     row_sums_kernel = _kernels()[0]
     out = torch.empty(words.shape[0], dtype=torch.int64, device=words.device)
-    row_sums_kernel[(programs,)](words, out, words.shape[0], PROGRAMS=programs,
-                                 ROW=ROW_WORDS, STEP=_ROWS_PER_STEP, num_warps=_WARPS)
+    with torch.cuda.device(words.device):  # Triton launches on the current device's stream
+        row_sums_kernel[(programs,)](words, out, words.shape[0], PROGRAMS=programs,
+                                     ROW=ROW_WORDS, STEP=_ROWS_PER_STEP, num_warps=_WARPS)
     return out
 
 
@@ -165,11 +201,12 @@ class CopyTable:
     table copied in one paced launch (``words``); the rest are left to ``Tensor.copy_``
     (``fallback``). Build it once and reuse it while no tensor moves (``matches`` tells)."""
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 probing: bool = False):
         self.key = tuple((d.data_ptr(), s.data_ptr(), d.numel() * d.element_size())
                          for d, s in pairs)
         self.device = pairs[0][0].device if pairs else torch.device("cpu")
-        paced = available(self.device)
+        paced = probing or available(self.device)
         rows: list[int] = []
         self.fallback: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dst, src in pairs:
@@ -198,8 +235,9 @@ class CopyTable:
             programs = programs or programs_for(self.device, COPY_SHARE)
             copy_many_kernel = _kernels()[1]
             flag = _always(self.device) if guard is None else guard
-            copy_many_kernel[(programs,)](self.table, self.items, flag, PROGRAMS=programs,
-                                          BLOCK=_COPY_BLOCK, num_warps=8)
+            with torch.cuda.device(self.device):  # Triton uses the current device's stream
+                copy_many_kernel[(programs,)](self.table, self.items, flag, PROGRAMS=programs,
+                                              BLOCK=_COPY_BLOCK, num_warps=8)
 
     def run(self, programs: int | None = None) -> None:
         """Every copy, unguarded: the word copies, then the fallback ones."""
@@ -264,10 +302,11 @@ class VerifyCopy:
             raise ValueError("VerifyCopy.run: the bucket does not have the planned rows")
         programs = programs or programs_for(words.device, VERIFY_SHARE)
         verify_copy_kernel = _kernels()[2]
-        verify_copy_kernel[(programs,)](
-            words, sums, self.rows, self.seg_first, self.seg_count, self.seg_start,
-            self.seg_end, self.seg_dst, bad, PROGRAMS=programs, ROW=ROW_WORDS,
-            STEP=_ROWS_PER_STEP, num_warps=_WARPS)
+        with torch.cuda.device(words.device):  # Triton uses the current device's stream
+            verify_copy_kernel[(programs,)](
+                words, sums, self.rows, self.seg_first, self.seg_count, self.seg_start,
+                self.seg_end, self.seg_dst, bad, PROGRAMS=programs, ROW=ROW_WORDS,
+                STEP=_ROWS_PER_STEP, num_warps=_WARPS)
 
 
     def simulate(self, words: torch.Tensor, sums: torch.Tensor, bad: torch.Tensor) -> None:

@@ -138,8 +138,12 @@ class BroadcastReceiver:
         ``load_weights``: a callable, called once with (name, tensor) pairs; or a plain
         ``nn.Module`` / dict of tensors, whose existing tensors receive the bytes in place
         (every name and shape must match; floating dtypes are cast). The second is the fast
-        path on GPUs: each bucket is verified and copied out on a few SMs while the stream
-        goes on (``paced``), and nothing of a bucket is written before it verified."""
+        path on GPUs: each bucket is verified and copied in on part of the GPU while the
+        stream goes on (``paced``); no byte is written before its checksum row verified.
+
+        Hazard: after a damaged bucket the tensors hold parts of two versions until the
+        version is re-applied from the filesystem, which this call does before it returns; if
+        that fails too (it raises), they stay mixed: call ``receive`` again."""
         with self._lock:
             floor = self.loaded_version if newer_than is None else newer_than
             floor = 0 if floor is None else floor

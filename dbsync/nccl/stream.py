@@ -39,12 +39,13 @@ class DamagedBucketError(BroadcastError):
     it was handed out; the rest of the stream was drained, so the group is still usable."""
 
 
-def _raw_writable(dst: torch.Tensor, dtype: torch.dtype) -> bool:
+def _raw_writable(dst: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``dst`` takes the bytes as they are: a plain tensor with memory of its own (a
-    wrapper subclass may have none), of that dtype, contiguous, no lazy neg/conj bit."""
+    wrapper subclass may have none) on the receiving device, of that dtype, contiguous, no
+    lazy neg/conj bit."""
     return (type(dst) in (torch.Tensor, torch.nn.Parameter) and dst.dtype == dtype
-            and dst.is_contiguous() and dst.data_ptr() != 0 and not dst.is_neg()
-            and not dst.is_conj())
+            and dst.device == device and dst.is_contiguous() and dst.data_ptr() != 0
+            and not dst.is_neg() and not dst.is_conj())
 
 
 def typed(entry: Entry, raw: torch.Tensor) -> torch.Tensor:
@@ -117,8 +118,12 @@ class IncomingVersion:
 
     def _drain_after(self, b: int, buckets: list[tuple[int, int]], works: list[Any]) -> None:
         """Take part in the broadcasts of the buckets after ``b`` without looking at them, so
-        the group stays usable for the other members (and for this one's next push)."""
+        the group stays usable for the other members (and for this one's next push).
+        Receives are posted in bucket order, as the sender sends: collectives are matched by
+        the order they are issued in."""
         depth = len(self.buffers)
+        if b + depth < len(buckets) and works[b % depth] is None:
+            works[b % depth] = self._post(b + depth, buckets)  # bucket b's buffer is free
         for j in range(b + 1, len(buckets)):
             k = j % depth
             if works[k] is None:
@@ -194,16 +199,19 @@ class IncomingVersion:
                   plans: dict[int, Any] | None = None) -> None:
         """Receive the whole version straight into ``dest`` (name -> existing tensor; the
         caller checked that every entry's name is there with its shape, and that dtypes are
-        equal or both floating: cast), instead of iterating. Nothing unverified is written.
+        equal or both floating: cast), instead of iterating. No byte is written before the
+        checksum row (4 KiB) it lies in verified.
 
         On CUDA with Triton, each bucket is verified and copied out in one paced pass while
         the stream goes on, with no host sync (``paced.VerifyCopy``): a checksum row is
         written only if it matches the sender's row sum, and the count of rows that did not
         is read once at the end. A damaged bucket then raises ``DamagedBucketError`` after
-        the stream ended, having written every row that verified (the caller re-applies the
-        version from the filesystem). Elsewhere (CPU, verification off, a cast, a tensor
-        subclass, an odd-sized or misaligned tensor) a bucket is checked on the host first,
-        then copied. ``plans``: the receiver's cache of per-bucket copy plans."""
+        the stream ended, having written every row that verified, in that bucket and the
+        others: ``dest`` then holds parts of two versions until the caller re-applies the
+        version from the filesystem. Elsewhere (CPU, a cast, a tensor subclass, a tensor on
+        another device, an odd-sized or misaligned tensor) a bucket is checked on the host
+        first, then copied (with verification off: copied unchecked). ``plans``: the
+        receiver's cache of per-bucket copy plans."""
         if self._iter is not None:
             raise BroadcastError("copy_into after iterating the same version")
         self._iter = iter(())
@@ -250,6 +258,8 @@ class IncomingVersion:
                         dst.copy_(src() if callable(src) else src)
                 if b + depth < len(buckets):
                     works[k] = self._post(b + depth, buckets)
+            if device.type == "cuda" and bad_rows is None:
+                torch.cuda.current_stream(device).synchronize()  # copies into host memory
             if bad_rows is not None:
                 bad = bad_rows.nonzero()  # one host sync for the whole version
                 if bad.numel():
@@ -280,7 +290,7 @@ class IncomingVersion:
             entry = entries[i]
             at = entry.offset + start - lo
             dst = dest[entry.name].detach()
-            if _raw_writable(dst, entry.torch_dtype):
+            if _raw_writable(dst, entry.torch_dtype, buf.device):
                 raw.append((dst.reshape(-1).view(torch.uint8)[start:end], at))
             elif start == 0 and end == entry.nbytes:
                 by_torch.append((dst, typed(entry, buf[at:at + end])))

@@ -141,7 +141,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int, results: 
             ok_sum = torch.equal(paced.row_sums(x, 16), x.sum(dim=1))
             srcs = [torch.randn(n, device="cuda").to(torch.bfloat16) for n in (4, 4096, 77777)]
             outs = [torch.zeros_like(s) for s in srcs]
-            paced.copy_many(list(zip(outs, srcs, strict=True)), 16)
+            paced.CopyTable(list(zip(outs, srcs, strict=True))).run(16)
             ok_copy = all(torch.equal(a, b) for a, b in zip(outs, srcs, strict=True))
             # fused verify + copy: pieces crossing rows, a tiny one, 64-byte gaps; then a
             # flipped byte: only the rows that verified are written

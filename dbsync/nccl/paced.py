@@ -12,10 +12,12 @@ Triton kernels on CUDA (Triton ships with PyTorch's CUDA builds); on CPU, or whe
 missing, the same results come from plain torch operations (``available`` says which).
 
 Hazards, stated plainly:
-- ``copy_many`` writes through raw device addresses taken from the tensors: every destination
-  must stay allocated until the copy finished on the current stream (the caller synchronizes or
-  keeps references), and source and destination must not overlap.
-- The kernels are compiled on first use in a process (a second or two, once per process).
+- ``CopyTable`` and ``VerifyCopy`` write through raw device addresses taken from the tensors
+  when the plan was built: check ``matches`` with the live tensors before every run; every
+  destination must stay allocated until the work finished on the current stream (the caller
+  synchronizes or keeps references), and sources and destinations must not overlap.
+- The kernels are compiled on first use in a process (a second or two per kernel and CTA
+  count), and checked once per device (``available``).
 """
 
 from __future__ import annotations
@@ -65,18 +67,17 @@ def _kernels() -> Any:
             tl.store(out + r, tl.sum(words, axis=1), mask=inside)
 
     @triton.jit
-    def copy_many_kernel(table, items, guard, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):
+    def copy_many_kernel(table, items, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
-        if tl.load(guard) != 0:
-            for i in range(0, items):
-                dst = tl.load(table + 3 * i).to(tl.pointer_type(tl.int64))
-                src = tl.load(table + 3 * i + 1).to(tl.pointer_type(tl.int64))
-                words = tl.load(table + 3 * i + 2)
-                for first in range(pid * BLOCK, words, PROGRAMS * BLOCK):
-                    at = first + offs
-                    inside = at < words
-                    tl.store(dst + at, tl.load(src + at, mask=inside), mask=inside)
+        for i in range(0, items):
+            dst = tl.load(table + 3 * i).to(tl.pointer_type(tl.int64))
+            src = tl.load(table + 3 * i + 1).to(tl.pointer_type(tl.int64))
+            words = tl.load(table + 3 * i + 2)
+            for first in range(pid * BLOCK, words, PROGRAMS * BLOCK):
+                at = first + offs
+                inside = at < words
+                tl.store(dst + at, tl.load(src + at, mask=inside), mask=inside)
 
     @triton.jit
     def verify_copy_kernel(src, sums, rows, seg_first, seg_count, seg_start, seg_end, seg_dst,
@@ -185,20 +186,10 @@ def _word_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and (dst.numel() * dst.element_size()) % 8 == 0)
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def _always(device: torch.device) -> torch.Tensor:
-    flag = _ONES.get(device)
-    if flag is None:
-        flag = _ONES[device] = torch.ones(1, dtype=torch.int32, device=device)
-    return flag
-
-
 class CopyTable:
     """A reusable plan for copying many (destination, source) pairs of same-dtype, same-shape
     tensors: the pairs that can be copied as int64 words on a CUDA device go into a device
-    table copied in one paced launch (``words``); the rest are left to ``Tensor.copy_``
+    table copied in one paced launch; the rest are left to ``Tensor.copy_``
     (``fallback``). Build it once and reuse it while no tensor moves (``matches`` tells)."""
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -227,21 +218,16 @@ class CopyTable:
             d.data_ptr() == a and s.data_ptr() == b and d.numel() * d.element_size() == n
             for (d, s), (a, b, n) in zip(pairs, self.key, strict=True))
 
-    def words(self, guard: torch.Tensor | None = None, programs: int | None = None) -> None:
-        """Enqueue the paced word copies on the current stream (no host sync). ``guard``: an
-        ``int32[1]`` device flag; the copies happen only if it is non-zero when they run (a
-        bucket's verification result, so unverified bytes are never written)."""
+    def run(self, programs: int | None = None) -> None:
+        """Enqueue every copy on the current stream (no host sync): the word copies in one
+        paced launch on ``programs`` CTAs (default: ``COPY_SHARE`` of the SMs), then the
+        fallback ones."""
         if self.items:
             programs = programs or programs_for(self.device, COPY_SHARE)
             copy_many_kernel = _kernels()[1]
-            flag = _always(self.device) if guard is None else guard
             with torch.cuda.device(self.device):  # Triton uses the current device's stream
-                copy_many_kernel[(programs,)](self.table, self.items, flag, PROGRAMS=programs,
+                copy_many_kernel[(programs,)](self.table, self.items, PROGRAMS=programs,
                                               BLOCK=_COPY_BLOCK, num_warps=8)
-
-    def run(self, programs: int | None = None) -> None:
-        """Every copy, unguarded: the word copies, then the fallback ones."""
-        self.words(None, programs)
         for dst, src in self.fallback:
             dst.copy_(src, non_blocking=True)
 
@@ -340,10 +326,3 @@ def _from_address(address: int, words: int, device: torch.device) -> torch.Tenso
         raise ValueError("simulate runs on CPU tensors only")
     buffer = (ctypes.c_int64 * words).from_address(address)
     return torch.frombuffer(buffer, dtype=torch.int64, count=words)
-
-
-def copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              programs: int | None = None) -> None:
-    """``dst.copy_(src)`` for every pair, in one paced launch where possible."""
-    if pairs:
-        CopyTable(pairs).run(programs)

@@ -50,6 +50,7 @@ def run(root: str, reader_id: str, timeout: float, commands: Any, results: Any) 
     receiver = BroadcastReceiver(root, reader_id=reader_id, timeout=timeout,
                                  fallback_timeout=60.0, address="127.0.0.1")
     results.put(json.dumps({"ready": os.getpid()}))
+    held: dict[str, torch.Tensor] = {}
     while True:
         command = json.loads(commands.get())
         op = command["op"]
@@ -64,9 +65,16 @@ def run(root: str, reader_id: str, timeout: float, commands: Any, results: Any) 
         collector = Collector(die=command.get("die", False))
         if command.get("corrupt"):
             receiver.before_verify = flip_one_byte
-        # "into": {name: [dtype, shape]}: receive into existing tensors allocated here
-        into = {name: torch.full(shape, 7, dtype=getattr(torch, dtype))
-                for name, (dtype, shape) in command.get("into", {}).items()}
+        # "into": {name: [dtype, shape]}: receive into existing tensors allocated here;
+        # "again": into the tensors of the last "into" (minus "replace": fresh tensors)
+        if command.get("again"):
+            into = held
+            for name in command.get("replace", []):
+                into[name] = torch.full_like(into[name], 7)
+        else:
+            into = {name: torch.full(shape, 7, dtype=getattr(torch, dtype))
+                    for name, (dtype, shape) in command.get("into", {}).items()}
+        held = into
         kept = dict(into)  # the same objects must receive the bytes
         try:
             version = receiver.receive(into or collector, timeout=command.get("timeout"))

@@ -305,6 +305,19 @@ def test_receive_into_existing_tensors_verified_bucket_by_bucket(
             got = w.result()
             assert got["source"] == "broadcast" and got["tensors"] == expected(weights3), got
 
+        # the same tensors again (the receiver reuses its copy plans), then with two of them
+        # replaced by new tensors (the plans of their buckets are rebuilt)
+        for version, seed, replace in ((4, 8, []), (5, 9, ["big.bf16", "int8.matrix"])):
+            weights_n = all_dtype_weights(seed)
+            for w in (into, caster):
+                w.send(op="receive", timeout=60, again=True, replace=replace)
+            assert bsender.wait_for_joins(2, 30)
+            assert bsender.push(weights_n) == version
+            for w in (into, caster):
+                got = w.result()
+                assert got["source"] == "broadcast", got
+                assert got["tensors"] == expected(weights_n), version
+
 
 def test_a_damaged_bucket_drained_in_order_up_to_a_short_last_bucket(tmp_path: Any) -> None:
     """Damage in bucket 1 of five (two receive buffers, the last bucket shorter): the drain

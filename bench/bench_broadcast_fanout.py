@@ -390,6 +390,17 @@ def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
     d.collect(range(world), 600)
     out: dict[str, Any] = {"timeout": args.timeout, "victim_rank": victim}
 
+    def push_to(ranks: list[int], hint: int
+                ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        """Push; collect the sender's answer and ``ranks``' takes, each marked exact or not."""
+        d.send([0], op="push", version_hint=hint)
+        push = d.collect([0], 600)[0]
+        takes = d.collect(ranks, 600)
+        for r in ranks:
+            takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
+        push.pop("fingerprints")
+        return push, takes
+
     def one_push(hint: int, victim_cmd: dict[str, Any] | None, who: list[int]
                  ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
         d.send(survivors, op="receive")
@@ -397,14 +408,7 @@ def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
             d.send([victim], **victim_cmd)
         d.send([0], op="join", count=len(who))
         d.collect([0], 600)
-        d.send([0], op="push", version_hint=hint)
-        push = d.collect([0], 600)[0]
-        ranks = survivors + ([victim] if victim_cmd is not None else [])
-        takes = d.collect(ranks, 600)
-        for r in ranks:
-            takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
-        push.pop("fingerprints")
-        return push, takes
+        return push_to(survivors + ([victim] if victim_cmd is not None else []), hint)
 
     def summary(push: dict[str, Any], takes: dict[int, dict[str, Any]]) -> dict[str, Any]:
         return {"push_wall_seconds": push["push_wall_seconds"],
@@ -423,35 +427,20 @@ def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
     # kill: the victim dies at its first tensor
     d.send(survivors, op="receive")
     d.send([victim], op="receive", die=True)
-    d.send([0], op="push", version_hint=4)
-    push = d.collect([0], 600)[0]
-    takes = d.collect(survivors, 600)
-    for r in survivors:
-        takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
-    push.pop("fingerprints")
+    push, takes = push_to(survivors, 4)
     d.procs[victim].join(30)
     out["kill"] = summary(push, takes)
     out["kill"]["victim_exitcode"] = d.procs[victim].exitcode
     d.send(survivors, op="receive")
     d.send([0], op="join", count=len(survivors))
     d.collect([0], 600)
-    d.send([0], op="push", version_hint=5)
-    push = d.collect([0], 600)[0]
-    takes = d.collect(survivors, 600)
-    for r in survivors:
-        takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
-    push.pop("fingerprints")
+    push, takes = push_to(survivors, 5)
     out["after_kill"] = summary(push, takes)
     # a byte flipped on arrival at the first survivor, before verification
     flipped = survivors[0]
     d.send([r for r in survivors if r != flipped], op="receive")
     d.send([flipped], op="receive", flip=True)
-    d.send([0], op="push", version_hint=6)
-    push = d.collect([0], 600)[0]
-    takes = d.collect(survivors, 600)
-    for r in survivors:
-        takes[r]["exact"] = takes[r].pop("fingerprints") == push["fingerprints"]
-    push.pop("fingerprints")
+    push, takes = push_to(survivors, 6)
     out["flip"] = summary(push, takes)
     bound = args.timeout + 2.0
     out["ok"] = (out["stall"]["push_wall_seconds"] < bound

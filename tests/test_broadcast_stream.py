@@ -245,7 +245,6 @@ def test_fused_verify_copy_plan_writes_only_rows_that_verify() -> None:
     pieces = list(zip(dests, offsets, strict=True))
     assert all(paced.VerifyCopy.fits(d, o) for d, o in pieces)
     plan = paced.VerifyCopy(pieces, payload, torch.device("cpu"))
-    assert plan.matches(pieces) and not plan.matches(pieces[:-1])
     bad = torch.zeros(1, dtype=torch.int32)
     words, sums = checksum.words_view(wire, payload), checksum.trailer_view(wire, payload)
     plan.simulate(words, sums, bad)

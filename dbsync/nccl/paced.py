@@ -13,7 +13,7 @@ missing, the same results come from plain torch operations (``available`` says w
 
 Hazards, stated plainly:
 - ``CopyTable`` and ``VerifyCopy`` write through raw device addresses taken from the tensors
-  when the plan was built: check ``matches`` with the live tensors before every run; every
+  when the plan was built: reuse a plan only for the same, unmoved tensors; every
   destination must stay allocated until the work finished on the current stream (the caller
   synchronizes or keeps references), and sources and destinations must not overlap.
 - The kernels are compiled on first use in a process (a second or two per kernel and CTA
@@ -190,12 +190,10 @@ class CopyTable:
     """A reusable plan for copying many (destination, source) pairs of same-dtype, same-shape
     tensors: the pairs that can be copied as int64 words on a CUDA device go into a device
     table copied in one paced launch; the rest are left to ``Tensor.copy_``
-    (``fallback``). Build it once and reuse it while no tensor moves (``matches`` tells)."""
+    (``fallback``). Build it once and reuse it while no tensor moves or is replaced."""
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  probing: bool = False):
-        self.key = tuple((d.data_ptr(), s.data_ptr(), d.numel() * d.element_size())
-                         for d, s in pairs)
         self.device = pairs[0][0].device if pairs else torch.device("cpu")
         paced = probing or available(self.device)
         rows: list[int] = []
@@ -210,13 +208,6 @@ class CopyTable:
         self.items = len(rows) // 3
         self.table = (torch.tensor(rows, dtype=torch.int64).to(self.device)
                       if self.items else None)
-
-    def matches(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether ``pairs`` are at the addresses and of the sizes this plan was built for
-        (check before every ``run``: the plan holds addresses, not the tensors)."""
-        return len(pairs) == len(self.key) and all(
-            d.data_ptr() == a and s.data_ptr() == b and d.numel() * d.element_size() == n
-            for (d, s), (a, b, n) in zip(pairs, self.key, strict=True))
 
     def run(self, programs: int | None = None) -> None:
         """Enqueue every copy on the current stream (no host sync): the word copies in one
@@ -241,13 +232,12 @@ class VerifyCopy:
     ``pieces``: (destination, offset in the bucket) pairs; each destination a contiguous
     uint8 view whose address, offset and length are multiples of 8 (``fits`` tells), the
     pieces in the bucket not overlapping. Built once per bucket layout and destination set
-    (``matches`` tells when to rebuild)."""
+    (the caller rebuilds it when either changes)."""
 
     def __init__(self, pieces: Sequence[tuple[torch.Tensor, int]], payload_bytes: int,
                  device: torch.device):
         import numpy as np
 
-        self.key = tuple((d.data_ptr(), at, d.numel()) for d, at in pieces)
         self.rows = -(-payload_bytes // (ROW_WORDS * 8))
         order = sorted(range(len(pieces)), key=lambda j: pieces[j][1])
         starts = np.array([pieces[j][1] // 8 for j in order], dtype=np.int64)
@@ -271,13 +261,6 @@ class VerifyCopy:
     def fits(dst: torch.Tensor, offset: int) -> bool:
         return (dst.is_contiguous() and dst.data_ptr() % 8 == 0 and offset % 8 == 0
                 and dst.numel() % 8 == 0)
-
-    def matches(self, pieces: Sequence[tuple[torch.Tensor, int]]) -> bool:
-        """Whether ``pieces`` are at the addresses, offsets and sizes this plan was built for
-        (check before every ``run``: the plan holds addresses, not the tensors)."""
-        return len(pieces) == len(self.key) and all(
-            d.data_ptr() == p and at == a and d.numel() == n
-            for (d, at), (p, a, n) in zip(pieces, self.key, strict=True))
 
     def run(self, words: torch.Tensor, sums: torch.Tensor, bad: torch.Tensor,
             programs: int | None = None) -> None:

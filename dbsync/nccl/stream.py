@@ -116,6 +116,28 @@ class IncomingVersion:
             return
         self.verified_buckets += 1
 
+    def _arrived(self, b: int, buckets: list[tuple[int, int]], works: list[Any]
+                 ) -> torch.Tensor:
+        """Wait for bucket ``b`` (bounded; the first one may also wait for the other members
+        to acknowledge) and return its buffer."""
+        k = b % len(self.buffers)
+        group = self.group
+        group.wait(works[k], f"bucket {b} of {len(buckets)} of version {self.header.version}",
+                   2 * group.timeout if b == 0 else None, self.cancelled)
+        works[k] = None
+        return self.buffers[k]
+
+    def _verify_or_drain(self, b: int, buckets: list[tuple[int, int]], works: list[Any],
+                         pace: bool = True) -> None:
+        """Check bucket ``b`` on the host; if damaged, take part in the rest of the stream and
+        raise ``DamagedBucketError`` (the group stays usable)."""
+        lo, hi = buckets[b]
+        self._check(b, self.buffers[b % len(self.buffers)], hi - lo, pace)
+        if self.damaged is not None:
+            self._drain_after(b, buckets, works)
+            self.complete = True  # every collective taken part in
+            raise DamagedBucketError(self.damaged)
+
     def _drain_after(self, b: int, buckets: list[tuple[int, int]], works: list[Any]) -> None:
         """Take part in the broadcasts of the buckets after ``b`` without looking at them, so
         the group stays usable for the other members (and for this one's next push).
@@ -148,20 +170,11 @@ class IncomingVersion:
             self.start()
             works = self._works
             assert works is not None
-            for b, (lo, hi) in enumerate(buckets):
+            for b, (lo, _hi) in enumerate(buckets):
                 k = b % depth
-                what = f"bucket {b} of {len(buckets)} of version {header.version}"
-                # the first bucket may wait for other members to acknowledge
-                group.wait(works[k], what, 2 * group.timeout if b == 0 else None,
-                           self.cancelled)
-                works[k] = None
-                buf = self.buffers[k]
+                buf = self._arrived(b, buckets, works)
                 if self.verify:
-                    self._check(b, buf, hi - lo, pace=b + 1 < len(buckets))
-                    if self.damaged is not None:
-                        self._drain_after(b, buckets, works)
-                        self.complete = True  # every collective taken part in
-                        raise DamagedBucketError(self.damaged)
+                    self._verify_or_drain(b, buckets, works, pace=b + 1 < len(buckets))
                 for i, start, end in plan[b]:
                     entry = entries[i]
                     at = entry.offset + start - lo
@@ -230,11 +243,7 @@ class IncomingVersion:
             assert works is not None
             for b, (lo, hi) in enumerate(buckets):
                 k = b % depth
-                group.wait(works[k], f"bucket {b} of {len(buckets)} of version "
-                           f"{header.version}", 2 * group.timeout if b == 0 else None,
-                           self.cancelled)
-                works[k] = None
-                buf = self.buffers[k]
+                buf = self._arrived(b, buckets, works)
                 plan = self._bucket_plan(b, buf, lo, hi, dest, plans, partial, fused)
                 if isinstance(plan, paced.VerifyCopy):
                     assert bad_rows is not None
@@ -248,11 +257,7 @@ class IncomingVersion:
                 else:
                     table, by_torch = plan
                     if self.verify:
-                        self._check(b, buf, hi - lo)
-                        if self.damaged is not None:
-                            self._drain_after(b, buckets, works)
-                            self.complete = True
-                            raise DamagedBucketError(self.damaged)
+                        self._verify_or_drain(b, buckets, works)
                     table.run()
                     for dst, src in by_torch:
                         dst.copy_(src() if callable(src) else src)

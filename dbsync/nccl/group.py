@@ -6,10 +6,12 @@ Hazards, stated plainly:
 - Every wait is bounded by ``timeout`` (``setup_timeout`` while the group forms). After a
   timeout or error the group is unusable: it is closed (communicator aborted) and a new epoch
   must form.
-- Waits poll the work's completion on the host; no CUDA stream is ever made to wait on a
-  broadcast. A stuck NCCL kernel therefore cannot stall the caller's own stream; it only
-  occupies NCCL's stream until ``close()`` aborts the communicator. (A device-wide
-  ``torch.cuda.synchronize()`` still waits for it: the abort is what ends it.)
+- Waits poll the work's completion on the host; the caller's CUDA streams are never made to
+  wait on a broadcast that has not ended (``after`` orders only a private stream, the one of
+  the receiver's fused pass). A stuck NCCL kernel therefore cannot stall the caller's own
+  stream; it only occupies NCCL's stream (and that private one) until ``close()`` aborts the
+  communicator. (A device-wide ``torch.cuda.synchronize()`` still waits for it: the abort is
+  what ends it.)
 - NCCL: by default PyTorch's NCCL watchdog tears down the whole *process* when a collective
   times out. We create our communicators with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (set only
   while constructing, then restored) so a dead receiver costs the trainer a timeout, not its
@@ -108,6 +110,16 @@ class Group:
         except Exception as exc:
             self.close()
             raise _wrap(exc, "could not start a broadcast") from exc
+
+    def after(self, work: Any) -> None:
+        """Order the current CUDA stream after ``work`` on the device; the host does not wait.
+        Hazard: that stream then stalls until the broadcast ends or ``close()`` aborts the
+        communicator, so use a stream of your own and bound the wait on the host."""
+        try:
+            work.wait()  # NCCL without blocking wait: a stream wait on the broadcast's end
+        except Exception as exc:
+            self.close()
+            raise _wrap(exc, "could not order work after a broadcast") from exc
 
     def wait(self, work: Any, what: str = "a broadcast", timeout: float | None = None,
              cancelled: Callable[[], str | None] | None = None) -> None:

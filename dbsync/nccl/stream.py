@@ -30,7 +30,9 @@ from .errors import BroadcastError
 from .group import Group
 from .layout import Entry, Header, bucket_plan
 
-#: ``before_verify(bucket_index, payload)``: a test hook run on each bucket before it is checked
+#: ``before_verify(bucket_index, payload)``: a test hook run on each bucket before it is checked.
+#: On the fused path it runs when the check is queued, before the bucket landed: it may queue
+#: device work on the payload (it is then ordered before the check) but must not read it.
 BeforeVerify = Callable[[int, torch.Tensor], None]
 
 
@@ -126,6 +128,12 @@ class IncomingVersion:
                    2 * group.timeout if b == 0 else None, self.cancelled)
         works[k] = None
         return self.buffers[k]
+
+    def _landed(self, b: int, buckets: list[tuple[int, int]], work: Any) -> None:
+        """Wait on the host (bounded) until bucket ``b`` landed."""
+        group = self.group
+        group.wait(work, f"bucket {b} of {len(buckets)} of version {self.header.version}",
+                   2 * group.timeout if b == 0 else None, self.cancelled)
 
     def _verify_or_drain(self, b: int, buckets: list[tuple[int, int]], works: list[Any],
                          pace: bool = True) -> None:
@@ -237,34 +245,50 @@ class IncomingVersion:
         bad_rows = torch.zeros(len(buckets), dtype=torch.int32, device=device) if fused else None
         on_device = 0  # buckets verified in the fused pass
         partial: dict[int, torch.Tensor] = {}
+        # The fused passes run on a stream of their own, queued before their bucket lands
+        # (the device starts each the moment its bytes are in); the caller's stream waits for
+        # it only once every bucket landed, so a stuck broadcast never stalls the caller.
+        own = torch.cuda.Stream(device) if fused else None
+        caller = torch.cuda.current_stream(device) if fused else None
         try:
             self.start()
             works = self._works
             assert works is not None
+            if own is not None:
+                own.wait_stream(caller)  # earlier work on the destinations comes first
             for b, (lo, hi) in enumerate(buckets):
                 k = b % depth
-                buf = self._arrived(b, buckets, works)
+                buf = self.buffers[k]
                 plan = self._bucket_plan(b, buf, lo, hi, dest, plans, partial, fused)
                 if isinstance(plan, paced.VerifyCopy):
-                    assert bad_rows is not None
-                    if self.before_verify is not None:
-                        self.before_verify(b, buf[:hi - lo])
-                    last = b + 1 == len(buckets)  # nothing streams after it: full speed
-                    plan.run(checksum.words_view(buf, hi - lo),
-                             checksum.trailer_view(buf, hi - lo), bad_rows[b:b + 1],
-                             paced.programs_for(device, 2.0) if last else None)
+                    assert bad_rows is not None and own is not None
+                    landing = works[k]
+                    with torch.cuda.stream(own):
+                        group.after(landing)
+                        if self.before_verify is not None:
+                            self.before_verify(b, buf[:hi - lo])
+                        last = b + 1 == len(buckets)  # nothing streams after it: full speed
+                        plan.run(checksum.words_view(buf, hi - lo),
+                                 checksum.trailer_view(buf, hi - lo), bad_rows[b:b + 1],
+                                 paced.programs_for(device, 2.0) if last else None)
+                        if b + depth < len(buckets):  # into this buffer once the pass read it
+                            works[k] = self._post(b + depth, buckets)
+                    self._landed(b, buckets, landing)
                     on_device += 1
-                else:
-                    table, by_torch = plan
-                    if self.verify:
-                        self._verify_or_drain(b, buckets, works)
-                    table.run()
-                    for dst, src in by_torch:
-                        dst.copy_(src() if callable(src) else src)
+                    continue
+                buf = self._arrived(b, buckets, works)
+                table, by_torch = plan
+                if self.verify:
+                    self._verify_or_drain(b, buckets, works)
+                table.run()
+                for dst, src in by_torch:
+                    dst.copy_(src() if callable(src) else src)
                 if b + depth < len(buckets):
                     works[k] = self._post(b + depth, buckets)
             if device.type == "cuda" and bad_rows is None:
                 torch.cuda.current_stream(device).synchronize()  # copies into host memory
+            if own is not None and caller is not None:
+                caller.wait_stream(own)  # every bucket landed: this wait ends at once
             if bad_rows is not None:
                 bad = bad_rows.nonzero()  # one host sync for the whole version
                 if bad.numel():
@@ -277,7 +301,9 @@ class IncomingVersion:
             self.complete = True
         finally:
             if not self.complete:
-                group.close()
+                group.close()  # aborting the communicator also ends the waits of ``own``
+                if own is not None and caller is not None:
+                    caller.wait_stream(own)  # a filesystem re-apply writes after stale passes
 
     def _bucket_plan(self, b: int, buf: torch.Tensor, lo: int, hi: int,
                      dest: dict[str, torch.Tensor], plans: dict[int, Any],

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import fileio, gcpause, scatter
-from .copyplan import plan_copy
+from .copyplan import PlanCache
 from .errors import (
     DamagedVersionError,
     DBSyncError,
@@ -306,12 +306,12 @@ class Snapshot:
             dest = target.state_dict(keep_vars=True)
         else:
             dest = target if type(target) is dict else dict(target)
-        plan = plan_copy(self.manifest.tensors, dest, strict)
+        plan = self.receiver.copy_plans.plan(self.manifest.tensors, dest, strict)
         if plan is None:  # something does not fit: say everything that does not
             expected = {n: (tuple(t.shape), t.dtype) for n, t in dest.items()}
             self.check_compatible(expected, allow_missing=() if strict else expected,
                                   cast_floats=True)
-            raise AssertionError("plan_copy and check_compatible disagree")  # pragma: no cover
+            raise AssertionError("the copy plan and check_compatible disagree")  # pragma: no cover
         if not self.leased and not self._verified:
             self.verify()
         if self._missing:
@@ -454,6 +454,8 @@ class Receiver:
         self.loaded_run_id: str | None = None
         self.loaded_at: float | None = None
         self._heads: dict[int, Head] = {}
+        #: the last plan of ``load(module or dict)``, reused load after load of one model
+        self.copy_plans = PlanCache()
         self._tokens = itertools.count(1)
         self._keeper = _LeaseKeeper(self.store, self.reader_id, self.lease_timeout,
                                     report_loaded)

@@ -189,3 +189,48 @@ def test_pushing_a_tensor_without_memory_of_its_own_is_refused_clearly(root):
     with dbsync.Sender(root) as sender, pytest.raises(dbsync.InvalidWeightsError,
                                                       match="no memory of its own"):
         sender.push({"w": TwoTensor(torch.zeros(4), torch.zeros(4))})
+
+
+@pytest.mark.parametrize("read_only", [False, True], ids=["leased", "leaseless"])
+def test_the_copy_plan_is_reused_only_while_the_destinations_stay_the_same(root, read_only):
+    """Load after load into the same tensors reuses the copy plan; a destination replaced by
+    a new tensor, given another dtype, made non-contiguous or tied to another name is planned
+    again, and every load is exact, each in the tensors the caller holds at that moment."""
+    names = [f"w{i}" for i in range(40)]
+
+    def weights(version: int) -> dict[str, torch.Tensor]:
+        return {n: torch.full((3 + i % 4, 5), float(version * 100 + i)) for i, n in
+                enumerate(names)}
+
+    def check(dest: dict[str, torch.Tensor], version: int) -> None:
+        for name, want in weights(version).items():
+            assert torch.equal(dest[name].float(), want), (name, version)
+
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root, read_only=read_only) as rx:
+        dest = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+        sender.push(weights(1))
+        assert rx.load(dest) == 1
+        check(dest, 1)
+        kept = rx.copy_plans._kept
+        assert kept is not None
+        sender.push(weights(2))  # a new version of the same layout, same tensors: reused
+        assert rx.load(dest) == 2
+        check(dest, 2)
+        assert rx.copy_plans._kept is kept
+        old = dest["w3"]
+        dest["w3"] = torch.zeros_like(old)  # a new tensor at another address
+        dest["w4"] = torch.zeros(dest["w4"].shape, dtype=torch.float64)  # cast on the way in
+        dest["w5"] = torch.zeros(tuple(reversed(dest["w5"].shape))).t()  # non-contiguous
+        sender.push(weights(3))
+        assert rx.load(dest) == 3
+        check(dest, 3)
+        assert rx.copy_plans._kept is not kept
+        assert torch.equal(old, weights(2)["w3"])  # the replaced tensor was not written
+        assert dest["w4"].dtype == torch.float64
+        sender.push(weights(4))
+        assert rx.load(dest) == 4  # reused again with the new tensors
+        check(dest, 4)
+        dest.pop("w7")  # a destination missing: refused, listing it, nothing applied
+        with pytest.raises(dbsync.IncompatibleWeightsError, match="w7"):
+            rx.load(dest)
+        assert torch.equal(dest["w6"], weights(4)["w6"])

@@ -3,6 +3,9 @@ receiver's kind of model; each against a limit measured in the same run.
 
     python bench/bench_scale.py [--mib 256] [--counts 256,4000,20000] [--dir DIR] [--json OUT]
 
+Before/after on the same machine: ``PYTHONPATH=DIR python bench/bench_scale.py ...`` imports
+``dbsync`` from DIR (a copy of an older revision); ``config.code`` says which ran.
+
 Sections (all in one process whose soft open-file limit is lowered to 1,024, the common
 default):
 - tensor count: the same bytes as N bf16 tensors: durable push (steady state: both slots
@@ -250,7 +253,8 @@ def main() -> None:
             "machine": {"host": socket.gethostname(), "cpus": os.cpu_count(),
                         "platform": platform.platform(), "torch": torch.__version__},
             "config": {"mib": args.mib, "threads": THREADS, "nofile_soft": 1024,
-                       "dir": base},
+                       "dir": base, "code": os.path.dirname(os.path.dirname(
+                           os.path.abspath(dbsync.__file__)))},
             "tensor_count": tensor_count_section(base, total, counts),
             "async_push": async_section(base, total, counts[0]),
             "load_module": module_section(base, total, counts[0]),

@@ -71,8 +71,12 @@ def tensor_views(tensors: Sequence[Any]) -> list[memoryview]:
     Like ``tensor_bytes``, the views do not keep the tensors alive."""
     if not all(t.is_cpu and t.is_contiguous() for t in tensors):
         raise ValueError("tensor_views needs contiguous CPU tensors")
-    starts = [t.data_ptr() for t in tensors]
-    sizes = [t.nbytes for t in tensors]
+    return views_at([t.data_ptr() for t in tensors], [t.nbytes for t in tensors])
+
+
+def views_at(starts: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+    """Read-only byte views of ``sizes[i]`` bytes at address ``starts[i]`` (see
+    ``tensor_views``; the caller vouches that each range is memory it may read)."""
     used = [(p, n) for p, n in zip(starts, sizes, strict=True) if n]
     if not used:
         return [memoryview(b"") for _ in sizes]
@@ -199,6 +203,7 @@ def write_shards(
     progress: Callable[[int], None] | None = None,
     while_syncing: Callable[[list[str]], None] | None = None,
     gate: Callable[[], object] | None = None,
+    tasks: list[tuple[int, int]] | None = None,
 ) -> list[str]:
     """Write every tensor into its shard in parallel, checksum each from its source bytes,
     and fsync each shard right after its last write (so fsyncs overlap other shards' writes).
@@ -208,8 +213,9 @@ def write_shards(
     ``while_syncing(checksums)`` runs once every write is done, while the fsyncs still run
     (work that needs the checksums, such as building the index, then costs no extra time).
     ``gate()`` is called before every write of up to ``CHUNK_BYTES``; it may block to let
-    more urgent work (the trainer's next snapshot) have the CPU and memory bandwidth."""
-    tasks = _group(placed)
+    more urgent work (the trainer's next snapshot) have the CPU and memory bandwidth.
+    ``tasks``: ``group_writes(placed)``, when the caller kept it from an earlier call."""
+    tasks = group_writes(placed) if tasks is None else tasks
     shards = placed.shards
     remaining = [0] * len(fds)
     for first, _ in tasks:
@@ -247,7 +253,7 @@ def write_shards(
     return sums
 
 
-def _group(placed: Placed) -> list[tuple[int, int]]:
+def group_writes(placed: Placed) -> list[tuple[int, int]]:
     """Tasks as (first, stop) index ranges: a big tensor alone; small neighbours in one shard
     together (up to ``GROUP_BYTES`` and ``GROUP_IOVECS``)."""
     tasks: list[tuple[int, int]] = []

@@ -18,7 +18,6 @@ garbage-collected (in CPython, as soon as the last reference goes).
 
 from __future__ import annotations
 
-import bisect
 import errno
 import logging
 import os
@@ -33,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
-from . import fileio, gcpause, sources
+from . import fileio, gcpause, pushlayout, sources
 from .errors import (
     DBSyncError,
     FormatError,
@@ -48,11 +47,11 @@ from .format import (
     SLOTS,
     Head,
     dtype_name,
-    dump_index,
     plan_shards,
     shard_file,
 )
 from .leases import DEFAULT_LEASE_TIMEOUT, LeaseMonitor, prune_abandoned
+from .pushlayout import LayoutCache, PushLayout
 from .status import loaded_versions, wait_for_receivers
 from .store import WRITING, Store
 
@@ -198,6 +197,7 @@ class Sender:
         self.shard_bytes = SHARD_BYTES
         self._buffers = (_HostBuffer(), _HostBuffer())
         self._next_buffer = 0
+        self._layouts = LayoutCache()
         self._push_lock = threading.Lock()
         #: cleared while a snapshot runs: background writes wait for it (see ``push``)
         self._writes_allowed = threading.Event()
@@ -265,11 +265,19 @@ class Sender:
             raise DBSyncError("this Sender is closed; create a new one")
         with self._push_lock:
             with gcpause.paused():
-                pairs = sources.collect(weights, self.strategy)  # dtype is applied below
+                # The same tensors as a recent push (names, addresses, dtypes, shapes...):
+                # already validated and planned; else validated here, before any I/O.
+                pairs = sources.pairs_of(weights, self.strategy)  # dtype is applied below
+                names = [name for name, _ in pairs]
+                tensor_states = pushlayout.states([t for _, t in pairs])
+                layout = self._layouts.find(names, tensor_states, self.shard_bytes)
+                if layout is None:
+                    sources.validate(pairs)
             adapter = adapter_config if adapter_config is not None else (
                 sources.adapter_config_of(weights))
             self._check_kind("adapter" if adapter is not None else "weights")
-            needs_copy = not blocking or not all(t.is_cpu for _, t in pairs)
+            needs_copy = not blocking or not (all(s[1] for s in tensor_states) if tensor_states
+                                              else all(t.is_cpu for _, t in pairs))
             if needs_copy:
                 buffer = self._buffers[self._next_buffer]
                 self._next_buffer ^= 1
@@ -285,12 +293,18 @@ class Sender:
                         pairs = buffer.snapshot(pairs, self.dtype)
                 finally:
                     self._writes_allowed.set()
+                layout, tensor_states = None, None  # the snapshot's own tensors, found below
             else:
                 buffer = None
-                with gcpause.paused():
-                    pairs = sources.materialize_all(pairs, self.dtype)
+                if layout is None:  # (a kept layout's tensors needed nothing)
+                    with gcpause.paused():
+                        materialized = sources.materialize_all(pairs, self.dtype)
+                    if any(a[1] is not b[1] for a, b in zip(pairs, materialized, strict=True)):
+                        tensor_states = None  # other tensors than the ones looked at
+                    pairs = materialized
             self._abort.clear()
-            future = self._publisher.submit(self._publish, pairs, progress, adapter)
+            future = self._publisher.submit(self._publish, pairs, progress, adapter, layout,
+                                            tensor_states)
             future.add_done_callback(self._on_done if not blocking else self._on_done_quietly)
             if buffer is not None:
                 buffer.user = future
@@ -353,7 +367,8 @@ class Sender:
         self._kind = kind
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
-                 adapter: dict[str, Any] | None = None) -> int:
+                 adapter: dict[str, Any] | None = None, layout: PushLayout | None = None,
+                 tensor_states: list[pushlayout.State] | None = None) -> int:
         t0 = time.perf_counter()
         self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
         lagged = self._wait_for_lag()
@@ -363,8 +378,8 @@ class Sender:
         t1 = time.perf_counter()
 
         with gcpause.paused():
-            sizes = [t.nbytes for _, t in pairs]
-            places, shard_sizes = plan_shards(sizes, self.shard_bytes)
+            layout = layout or self._layout(pairs, tensor_states)
+        sizes, shard_sizes = layout.sizes, layout.shard_sizes
         self._check_space(slot, shard_sizes)
         # From here on the slot is not a complete version: say so before touching its data.
         # (Not fsynced: after a power loss the head still names the other slot, and this
@@ -380,11 +395,11 @@ class Sender:
             def make_index(checksums: list[str]) -> None:  # runs during the shards' fsyncs
                 nonlocal index
                 with gcpause.paused():
-                    columns = _index_columns(pairs, places)
-                    columns["checksum"] = checksums
-                    index = dump_index(self._run_id, version, columns, shard_sizes, adapter)
+                    template = layout.index_template(
+                        lambda: _index_columns(pairs, layout.places), adapter)
+                    index = template.fill(self._run_id, version, checksums)
 
-            self._write(slot, pairs, places, shard_sizes, progress, make_index)
+            self._write(slot, layout, progress, make_index)
             t2 = time.perf_counter()
             keep = {INDEX_FILE, *(shard_file(i) for i in range(len(shard_sizes)))}
             self.store.remove_slot_files(slot, keep)
@@ -446,18 +461,33 @@ class Sender:
             log.warning("push into %s failed and its partial files in slot %s could not be "
                         "removed: %s", self.store.root, slot, exc)
 
-    def _write(self, slot: str, pairs: sources.Pairs, places: list[tuple[int, int]],
-               shard_sizes: list[int], progress: Progress | None,
+    def _layout(self, pairs: sources.Pairs, tensor_states: list[pushlayout.State] | None
+                ) -> PushLayout:
+        """The kept layout of these tensors, or a new one (kept for the next pushes)."""
+        names = [name for name, _ in pairs]
+        tensors = [t for _, t in pairs]
+        if tensor_states is None:
+            tensor_states = pushlayout.states(tensors)
+        layout = self._layouts.find(names, tensor_states, self.shard_bytes)
+        if layout is not None:
+            return layout
+        if tensor_states is None or not all(s[1] and s[5] for s in tensor_states):
+            raise ValueError("the writer needs contiguous CPU tensors")  # pragma: no cover
+        sizes = [t.nbytes for t in tensors]
+        places, shard_sizes = plan_shards(sizes, self.shard_bytes)
+        layout = PushLayout.build(names, tensors, tensor_states, self.shard_bytes, places,
+                                  shard_sizes, sizes)
+        self._layouts.add(layout)
+        return layout
+
+    def _write(self, slot: str, layout: PushLayout, progress: Progress | None,
                while_syncing: Callable[[list[str]], None]) -> None:
         """Write and fsync every shard; ``while_syncing(checksums)`` (every tensor's, in
         order) runs while the last batch of shards is being fsynced."""
-        with gcpause.paused():
-            views = fileio.tensor_views([t for _, t in pairs])
-            shards = [shard for shard, _ in places]
-            offsets = [offset for _, offset in places]
+        shard_sizes = layout.shard_sizes
         on_bytes = None
         if progress is not None:
-            total, done, lock = sum(len(v) for v in views), [0], threading.Lock()
+            total, done, lock = sum(layout.sizes), [0], threading.Lock()
 
             def on_bytes(n: int) -> None:
                 with lock:
@@ -467,11 +497,7 @@ class Sender:
         # Shards are written in batches (bounded open files, ``fileio.SHARDS_OPEN_AT_ONCE``).
         # Tensors fill shards in order, so a batch of shards is a run of tensors.
         checksums: list[str] = []
-        for first in range(0, len(shard_sizes), fileio.SHARDS_OPEN_AT_ONCE):
-            last = min(first + fileio.SHARDS_OPEN_AT_ONCE, len(shard_sizes))
-            lo, hi = bisect.bisect_left(shards, first), bisect.bisect_left(shards, last)
-            batch = fileio.Placed(views[lo:hi], [s - first for s in shards[lo:hi]] if first
-                                  else shards[lo:hi], offsets[lo:hi])
+        for first, last, batch, tasks in layout.batches:
             fds: list[int] = []
             try:
                 for shard in range(first, last):
@@ -480,7 +506,7 @@ class Sender:
                 checksums += fileio.write_shards(
                     fds, batch, self._io, self.durable, on_bytes,
                     (lambda sums, before=checksums: while_syncing(before + sums)) if last_batch
-                    else None, gate=self._writes_allowed.wait)
+                    else None, gate=self._writes_allowed.wait, tasks=tasks)
             finally:
                 for fd in fds:
                     os.close(fd)

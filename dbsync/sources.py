@@ -35,8 +35,8 @@ def collect(weights: Any, strategy: str = "state_dict", dtype: torch.dtype | Non
         raise InvalidWeightsError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise InvalidWeightsError(f"dtype= must be a floating torch dtype, not {dtype!r}")
-    pairs = _pairs_of(weights, strategy)
-    _validate(pairs)
+    pairs = pairs_of(weights, strategy)
+    validate(pairs)
     return pairs if dtype is None else materialize_all(pairs, dtype)
 
 
@@ -45,7 +45,8 @@ def target_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def _pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
+def pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
+    """(name, value) pairs of ``weights``, not yet validated (``validate``)."""
     if isinstance(weights, str | os.PathLike):
         return load_path(os.fspath(weights))
     if isinstance(weights, torch.nn.Module):
@@ -105,7 +106,8 @@ def materialize_all(pairs: Pairs, dtype: torch.dtype | None) -> Pairs:
     return out
 
 
-def _validate(pairs: list[tuple[Any, Any]]) -> None:
+def validate(pairs: list[tuple[Any, Any]]) -> None:
+    """Raise one ``InvalidWeightsError`` naming every entry that cannot be published."""
     if _all_fine(pairs):
         return
     problems: list[str] = []
@@ -139,7 +141,7 @@ def _validate(pairs: list[tuple[Any, Any]]) -> None:
 
 def _all_fine(pairs: list[tuple[Any, Any]]) -> bool:
     """True if every entry is publishable, checked in a few whole-list passes (tens of
-    thousands of tensors in milliseconds); False sends ``_validate`` through the per-entry
+    thousands of tensors in milliseconds); False sends ``validate`` through the per-entry
     checks that name every problem."""
     names = [n for n, _ in pairs]
     if not (all(type(n) is str for n in names) and "" not in names

@@ -234,3 +234,54 @@ def test_the_copy_plan_is_reused_only_while_the_destinations_stay_the_same(root,
         with pytest.raises(dbsync.IncompatibleWeightsError, match="w7"):
             rx.load(dest)
         assert torch.equal(dest["w6"], weights(4)["w6"])
+
+
+def test_a_push_reuses_its_layout_only_while_the_tensors_stay_the_same(root):
+    """Push after push of the same tensors reuses the layout (places, views, index); a tensor
+    reshaped or transposed in place at the same address, replaced, or a value that is not a
+    tensor any more is looked at again: every version reads back exact, with its own shapes,
+    and bad input is refused with nothing written."""
+    base = {f"w{i}": torch.arange(12.0).reshape(3, 4) + i for i in range(30)}
+    weights = dict(base)
+
+    def published(rx: dbsync.Receiver) -> dict[str, torch.Tensor]:
+        with rx.open() as snap:
+            return {n: t.clone() for n, t in snap.tensors()}
+
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
+        assert sender.push(weights) == 1
+        kept = sender._layouts._kept[0]
+        for t in weights.values():
+            t.add_(100)  # the optimizer's in-place update: the same layout
+        assert sender.push(weights) == 2
+        assert sender._layouts._kept[0] is kept
+        assert all(torch.equal(published(rx)[n], t) for n, t in weights.items())
+        weights["w1"] = weights["w1"].view(4, 3)  # same address, another shape
+        weights["w2"] = weights["w2"].t()  # same address, not contiguous
+        weights["w3"] = torch.zeros(5)  # another tensor
+        assert sender.push(weights) == 3
+        got = published(rx)
+        assert got["w1"].shape == (4, 3) and got["w2"].shape == (4, 3)
+        assert all(torch.equal(got[n], t) for n, t in weights.items())
+        weights["w4"] = "not a tensor"  # type: ignore[assignment]
+        with pytest.raises(dbsync.InvalidWeightsError, match="w4"):
+            sender.push(weights)
+        assert rx.latest_version() == 3
+        sender.shard_bytes = 64  # another shard size: planned again
+        weights["w4"] = torch.ones(2)
+        assert sender.push(weights) == 4
+        assert len(rx.manifest().shards) > 1
+        assert all(torch.equal(published(rx)[n], t) for n, t in weights.items())
+
+
+def test_the_index_template_writes_what_dump_index_writes():
+    from dbsync.format import dump_index
+    from dbsync.pushlayout import IndexTemplate
+
+    columns = {"name": ["a", "b\u00e9\x01\"x"], "dtype": ["float32", "bfloat16"],
+               "shape": [[2, 3], []], "shard": [0, 0], "offset": [0, 64]}
+    sums = ["0123456789abcdef", "fedcba9876543210"]
+    for adapter in (None, {"r": 8, "target_modules": ["q_proj"]}):
+        template = IndexTemplate(columns, [80], adapter)
+        want = dump_index("run-\u00e9", 12, {**columns, "checksum": sums}, [80], adapter)
+        assert template.fill("run-\u00e9", 12, sums) == want

@@ -285,3 +285,26 @@ def test_the_index_template_writes_what_dump_index_writes():
         template = IndexTemplate(columns, [80], adapter)
         want = dump_index("run-\u00e9", 12, {**columns, "checksum": sums}, [80], adapter)
         assert template.fill("run-\u00e9", 12, sums) == want
+
+
+def test_an_index_of_the_same_layout_reads_the_same_as_a_fresh_parse(root):
+    """The next version's index (same layout, new checksums) takes the short path; its
+    entries equal what a full parse gives, and a wrong checksum there is still refused."""
+    from dbsync import format as fmt
+
+    weights = {f"w{i}": torch.full((2, i % 3 + 1), float(i)) for i in range(50)}
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
+        sender.push(weights)
+        rx.manifest()  # the layout is remembered
+        weights = {k: v + 1 for k, v in weights.items()}
+        sender.push(weights)
+        slot = rx.store.read_head().slot
+        raw = open(os.path.join(rx.store.slot_dir(slot), fmt.INDEX_FILE), "rb").read()
+        short = fmt.Index.loads(raw)
+        fmt._LAST_LAYOUT[0] = None
+        full = fmt.Index.loads(raw)
+        assert short.tensors == full.tensors and short.tensors[3].checksum == \
+            full.tensors[3].checksum
+        bad = raw.replace(full.tensors[3].checksum.encode(), b"XYZ" * 5 + b"0", 1)
+        with pytest.raises(dbsync.FormatError):
+            fmt.Index.loads(bad)

@@ -267,10 +267,13 @@ class Sender:
             with gcpause.paused():
                 # The same tensors as a recent push (names, addresses, dtypes, shapes...):
                 # already validated and planned; else validated here, before any I/O.
+                # (A background push writes the snapshot's tensors: looked up by the writer.)
                 pairs = sources.pairs_of(weights, self.strategy)  # dtype is applied below
-                names = [name for name, _ in pairs]
-                tensor_states = pushlayout.states([t for _, t in pairs])
-                layout = self._layouts.find(names, tensor_states, self.shard_bytes)
+                layout, tensor_states = None, None
+                if blocking:
+                    tensor_states = pushlayout.states([t for _, t in pairs])
+                    layout = self._layouts.find([name for name, _ in pairs], tensor_states,
+                                                self.shard_bytes)
                 if layout is None:
                     sources.validate(pairs)
             adapter = adapter_config if adapter_config is not None else (

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from .format import TensorEntry, torch_dtype
 from .scatter import MAX_GAP, MAX_IOVECS, SCRATCH_ADDRESS, Read
+from .tensorstate import State, states
 
 #: bytes per read (one thread's task)
 READ_BYTES = 16 << 20
@@ -102,19 +103,13 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
 _LAYOUT = operator.itemgetter(0, 1, 2, 3, 4, 5)  # a TensorEntry without its checksum
 
 
-def _states(targets: list[Any]) -> list[tuple[Any, ...]]:
-    """What a plan depends on, per destination: everything ``plan_copy`` reads of it."""
-    return [(type(t), t.data_ptr(), t.dtype, t.shape, t.is_contiguous(), t.is_cpu,
-             t.is_neg(), t.is_conj()) for t in targets]
-
-
 class _Kept(NamedTuple):
     entries: Sequence[TensorEntry]
     layout: list[tuple[Any, ...]]
     strict: bool
     size: int
     names: list[str]
-    states: list[tuple[Any, ...]]
+    states: list[State]
     raw: dict[int, list[Read]]
     #: positions in ``names`` of the raw destinations and of the tensors torch copies
     raw_at: list[int]
@@ -140,11 +135,9 @@ class PlanCache:
         if (kept is not None and kept.strict == strict and kept.size == len(dest)
                 and kept.layout == layout):
             targets = list(map(dest.get, kept.names))
-            try:  # (``None in targets`` would compare every tensor with None, elementwise)
-                same = _states(targets) == kept.states
-            except (AttributeError, TypeError, RuntimeError):  # a name gone, not a tensor
-                same = False
-            if same:
+            # (None for a name gone or a value that is not a tensor; ``None in targets``
+            # would compare every tensor with None, elementwise)
+            if states(targets) == kept.states:
                 return CopyPlan(kept.raw, [targets[i] for i in kept.raw_at],
                                 [(targets[i], entries[i]) for i in kept.by_torch_at])
         self._kept = None
@@ -156,7 +149,7 @@ class PlanCache:
         where = {id(t): i for i, t in enumerate(targets)}
         by_torch_at = [where[id(t)] for t, _ in plan.by_torch]
         if all(entries[i] is e for i, (_, e) in zip(by_torch_at, plan.by_torch, strict=True)):
-            self._kept = _Kept(entries, layout, strict, len(dest), names, _states(targets),
+            self._kept = _Kept(entries, layout, strict, len(dest), names, states(targets),
                                plan.raw,
                                [where[id(t)] for t in plan.raw_destinations], by_torch_at)
         return plan

@@ -349,16 +349,19 @@ def _parse_tensors(raw: Any, shards: list[int], problems: list[str]) -> list[Ten
     if any(len(col) != count for col in (dtypes, shapes, shard_ids, offsets, sums)):
         problems.append("tensors: every column must have one value per tensor")
         return []
-    columns = (names, dtypes, shapes, shard_ids, offsets, shards)
     memo = _LAST_LAYOUT[0]
     if (memo is not None and _plain_types(names, dtypes, shapes, shard_ids, offsets)
-            and memo[0] == columns and _checksums_ok(sums)):
+            and memo[0] == (names, dtypes, list(map(tuple, shapes)), shard_ids, offsets,
+                            shards)
+            and _checksums_ok(sums)):
         # the next version of the same model: only its checksums are new
         new = tuple.__new__
         return [new(TensorEntry, row + (c,)) for row, c in zip(memo[1], sums, strict=True)]
     fast = _parse_fast(names, dtypes, shapes, shard_ids, offsets, sums, shards)
     if fast is not None:
-        _LAST_LAYOUT[0] = (columns, [e[:6] for e in fast])
+        # (shapes as tuples: containers of atoms only, which the cycle collector untracks)
+        _LAST_LAYOUT[0] = ((names, dtypes, [e.shape for e in fast], shard_ids, offsets,
+                            shards), [e[:6] for e in fast])
         return fast
     return _parse_slow(names, dtypes, shapes, shard_ids, offsets, sums, shards, problems)
 

@@ -24,19 +24,7 @@ from typing import Any
 
 from . import fileio
 from .format import dump_index
-
-#: What a push derives from a tensor, read in one pass: type, device, address, dtype, shape,
-#: contiguity, lazy neg/conj bits, layout (a kept layout is reused only if all are equal)
-State = tuple[Any, ...]
-
-
-def states(tensors: Sequence[Any]) -> list[State] | None:
-    """Every tensor's ``State``, or None if one is not a plain strided tensor with memory."""
-    try:
-        return [(type(t), t.is_cpu, t.data_ptr(), t.dtype, t.shape, t.is_contiguous(),
-                 t.is_neg(), t.is_conj(), t.layout) for t in tensors]
-    except (AttributeError, TypeError, RuntimeError):  # a non-tensor, sparse, no storage
-        return None
+from .tensorstate import State
 
 
 class IndexTemplate:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
-from . import fileio, gcpause, pushlayout, sources
+from . import fileio, gcpause, sources, tensorstate
 from .errors import (
     DBSyncError,
     FormatError,
@@ -271,7 +271,7 @@ class Sender:
                 pairs = sources.pairs_of(weights, self.strategy)  # dtype is applied below
                 layout, tensor_states = None, None
                 if blocking:
-                    tensor_states = pushlayout.states([t for _, t in pairs])
+                    tensor_states = tensorstate.states([t for _, t in pairs])
                     layout = self._layouts.find([name for name, _ in pairs], tensor_states,
                                                 self.shard_bytes)
                 if layout is None:
@@ -371,7 +371,7 @@ class Sender:
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
                  adapter: dict[str, Any] | None = None, layout: PushLayout | None = None,
-                 tensor_states: list[pushlayout.State] | None = None) -> int:
+                 tensor_states: list[tensorstate.State] | None = None) -> int:
         t0 = time.perf_counter()
         self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
         lagged = self._wait_for_lag()
@@ -464,13 +464,13 @@ class Sender:
             log.warning("push into %s failed and its partial files in slot %s could not be "
                         "removed: %s", self.store.root, slot, exc)
 
-    def _layout(self, pairs: sources.Pairs, tensor_states: list[pushlayout.State] | None
+    def _layout(self, pairs: sources.Pairs, tensor_states: list[tensorstate.State] | None
                 ) -> PushLayout:
         """The kept layout of these tensors, or a new one (kept for the next pushes)."""
         names = [name for name, _ in pairs]
         tensors = [t for _, t in pairs]
         if tensor_states is None:
-            tensor_states = pushlayout.states(tensors)
+            tensor_states = tensorstate.states(tensors)
         layout = self._layouts.find(names, tensor_states, self.shard_bytes)
         if layout is not None:
             return layout

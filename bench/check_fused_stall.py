@@ -1,8 +1,9 @@
 """On 2 GPUs: the sender stalls in the middle of a push while the receiver takes it through
 ``receive(params)`` (the fused verify + copy passes, queued on the device before their buckets
 land). The receiver must give up within its timeout, leave its own CUDA stream usable (a
-synchronize returns at once), take the version from the filesystem, exact, and take the next
-version over the broadcast again.
+synchronize returns at once), hold no byte of another bucket in any tensor before the
+filesystem repairs them (passes queued for buckets that never landed write nothing), take the
+version from the filesystem, exact, and take the next version over the broadcast again.
 
     python bench/check_fused_stall.py [--timeout 4] [--out result.json]
 """
@@ -38,6 +39,19 @@ def receiver(root: str, timeout: float, q: Any) -> None:
     torch.cuda.set_device(1)
     rx = BroadcastReceiver(root, device="cuda:1", timeout=timeout, address="127.0.0.1")
     params = {n: torch.zeros(s, device="cuda:1") for n, s in SHAPES.items()}
+    provenance: list[dict[str, Any]] = []
+    load_fs = rx._load_fs
+
+    def checked_load_fs(load_weights: Any, version: int) -> int:
+        # Before the filesystem repairs them: every element of every tensor must hold this
+        # version's value or the one before at that place, never bytes of another bucket.
+        new, old = weights_for(version, "cuda:1"), weights_for(version - 1, "cuda:1")
+        foreign = sum(int((~((params[n] == new[n]) | (params[n] == old[n]))).sum())
+                      for n in SHAPES)
+        provenance.append({"version": version, "foreign_elements": foreign})
+        return load_fs(load_weights, version)
+
+    rx._load_fs = checked_load_fs  # type: ignore[method-assign]
     q.put("ready")
     for _ in range(3):
         t0 = time.monotonic()
@@ -49,7 +63,8 @@ def receiver(root: str, timeout: float, q: Any) -> None:
         expected = weights_for(int(version or 0), "cuda:1")
         exact = all(torch.equal(params[n], expected[n]) for n in SHAPES)
         q.put(json.dumps({"version": version, "source": rx.last_source, "error": rx.last_error,
-                          "seconds": took, "sync_seconds": sync, "exact": exact}))
+                          "seconds": took, "sync_seconds": sync, "exact": exact,
+                          "before_filesystem": provenance[-1:]}))
     rx.close()
 
 
@@ -104,6 +119,7 @@ def main() -> int:
     t1, t2, t3 = out["take_1"], out["take_2"], out["take_3"]
     out["ok"] = (t1["source"] == "broadcast" and t1["exact"] and t2["version"] == 2
                  and t2["source"] == "filesystem" and t2["exact"]
+                 and t2["before_filesystem"][0]["foreign_elements"] == 0
                  and t2["sync_seconds"] < 1.0 and t2["seconds"] < 3 * args.timeout + 5
                  and t3["source"] == "broadcast" and t3["exact"] and t3["version"] == 3)
     print(json.dumps(out, indent=1, default=str))

@@ -135,9 +135,10 @@ class PlanCache:
         if (kept is not None and kept.strict == strict and kept.size == len(dest)
                 and kept.layout == layout):
             targets = list(map(dest.get, kept.names))
-            # (None for a name gone or a value that is not a tensor; ``None in targets``
-            # would compare every tensor with None, elementwise)
-            if states(targets) == kept.states:
+            # (None for a name gone or a value whose attributes do not read, never equal to
+            # a kept state list; ``None in targets`` would compare every tensor with None)
+            now = states(targets)
+            if now is not None and now == kept.states:
                 return CopyPlan(kept.raw, [targets[i] for i in kept.raw_at],
                                 [(targets[i], entries[i]) for i in kept.by_torch_at])
         self._kept = None
@@ -148,8 +149,10 @@ class PlanCache:
         targets = list(map(dest.get, names))
         where = {id(t): i for i, t in enumerate(targets)}
         by_torch_at = [where[id(t)] for t, _ in plan.by_torch]
-        if all(entries[i] is e for i, (_, e) in zip(by_torch_at, plan.by_torch, strict=True)):
-            self._kept = _Kept(entries, layout, strict, len(dest), names, states(targets),
+        kept_states = states(targets)  # None (not kept) for tensors with no plain memory
+        if kept_states is not None and all(
+                entries[i] is e for i, (_, e) in zip(by_torch_at, plan.by_torch, strict=True)):
+            self._kept = _Kept(entries, layout, strict, len(dest), names, kept_states,
                                plan.raw,
                                [where[id(t)] for t in plan.raw_destinations], by_torch_at)
         return plan

@@ -27,6 +27,12 @@ from .format import dump_index
 from .tensorstate import State
 
 
+def adapter_key(adapter: dict[str, Any] | None) -> str:
+    """The adapter configuration as it is now (a dict the caller edits in place between two
+    pushes must not compare equal to itself as it was)."""
+    return json.dumps(adapter, sort_keys=True, default=repr)
+
+
 class IndexTemplate:
     """``format.dump_index``'s bytes with the run id, version and checksums left open: built
     once per layout, filled per push (at 20,000 tensors about 1 ms instead of ~20)."""
@@ -43,7 +49,7 @@ class IndexTemplate:
                 raise AssertionError("index template mark not found")  # pragma: no cover
             parts.append(before)
         self.parts = (*parts, text)
-        self.adapter = adapter
+        self.adapter_key = adapter_key(adapter)
 
     def fill(self, run_id: str, version: int, checksums: list[str]) -> bytes:
         """The index of ``version`` of ``run_id`` with these (hex) checksums."""
@@ -60,7 +66,8 @@ class PushLayout:
 
     names: list[str]
     states: list[State]
-    shard_bytes: int
+    #: the plan's own inputs besides the tensors: shard size and the Sender's dtype
+    settings: tuple[Any, ...]
     sizes: list[int]
     places: list[tuple[int, int]]
     shard_sizes: list[int]
@@ -71,7 +78,7 @@ class PushLayout:
 
     @classmethod
     def build(cls, names: list[str], tensors: Sequence[Any], tensor_states: list[State],
-              shard_bytes: int, places: list[tuple[int, int]], shard_sizes: list[int],
+              settings: tuple[Any, ...], places: list[tuple[int, int]], shard_sizes: list[int],
               sizes: list[int]) -> PushLayout:
         views = fileio.views_at([s[2] for s in tensor_states], sizes)
         shards = [shard for shard, _ in places]
@@ -84,13 +91,13 @@ class PushLayout:
                 views[lo:hi], [s - first for s in shards[lo:hi]] if first else shards[lo:hi],
                 offsets[lo:hi])
             batches.append((first, last, placed, fileio.group_writes(placed)))
-        return cls(names, tensor_states, shard_bytes, sizes, places, shard_sizes, batches)
+        return cls(names, tensor_states, settings, sizes, places, shard_sizes, batches)
 
     def index_template(self, columns: Callable[[], dict[str, list]],
                        adapter: dict[str, Any] | None) -> IndexTemplate:
         """The index template of this layout and ``adapter`` (``columns()``: every column
         but the checksums, called only to build it)."""
-        if self.index is None or self.index.adapter != adapter:
+        if self.index is None or self.index.adapter_key != adapter_key(adapter):
             self.index = IndexTemplate(columns(), self.shard_sizes, adapter)
         return self.index
 
@@ -103,12 +110,13 @@ class LayoutCache:
         self.keep = keep
         self._kept: list[PushLayout] = []
 
-    def find(self, names: list[str], tensor_states: list[State] | None, shard_bytes: int
-             ) -> PushLayout | None:
+    def find(self, names: list[str], tensor_states: list[State] | None,
+             settings: tuple[Any, ...]) -> PushLayout | None:
+        """The kept layout of exactly these names, tensor states and settings, or None."""
         if tensor_states is None:
             return None
         for layout in self._kept:
-            if (layout.shard_bytes == shard_bytes and layout.names == names
+            if (layout.settings == settings and layout.names == names
                     and layout.states == tensor_states):
                 return layout
         return None

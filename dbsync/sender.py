@@ -273,7 +273,7 @@ class Sender:
                 if blocking:
                     tensor_states = tensorstate.states([t for _, t in pairs])
                     layout = self._layouts.find([name for name, _ in pairs], tensor_states,
-                                                self.shard_bytes)
+                                                self._layout_settings())
                 if layout is None:
                     sources.validate(pairs)
             adapter = adapter_config if adapter_config is not None else (
@@ -464,6 +464,9 @@ class Sender:
             log.warning("push into %s failed and its partial files in slot %s could not be "
                         "removed: %s", self.store.root, slot, exc)
 
+    def _layout_settings(self) -> tuple[Any, ...]:
+        return (self.shard_bytes, self.dtype)
+
     def _layout(self, pairs: sources.Pairs, tensor_states: list[tensorstate.State] | None
                 ) -> PushLayout:
         """The kept layout of these tensors, or a new one (kept for the next pushes)."""
@@ -471,15 +474,15 @@ class Sender:
         tensors = [t for _, t in pairs]
         if tensor_states is None:
             tensor_states = tensorstate.states(tensors)
-        layout = self._layouts.find(names, tensor_states, self.shard_bytes)
+        layout = self._layouts.find(names, tensor_states, self._layout_settings())
         if layout is not None:
             return layout
         if tensor_states is None or not all(s[1] and s[5] for s in tensor_states):
             raise ValueError("the writer needs contiguous CPU tensors")  # pragma: no cover
         sizes = [t.nbytes for t in tensors]
         places, shard_sizes = plan_shards(sizes, self.shard_bytes)
-        layout = PushLayout.build(names, tensors, tensor_states, self.shard_bytes, places,
-                                  shard_sizes, sizes)
+        layout = PushLayout.build(names, tensors, tensor_states, self._layout_settings(),
+                                  places, shard_sizes, sizes)
         self._layouts.add(layout)
         return layout
 

@@ -308,3 +308,33 @@ def test_an_index_of_the_same_layout_reads_the_same_as_a_fresh_parse(root):
         bad = raw.replace(full.tensors[3].checksum.encode(), b"XYZ" * 5 + b"0", 1)
         with pytest.raises(dbsync.FormatError):
             fmt.Index.loads(bad)
+
+
+def test_kept_plans_and_layouts_follow_what_changed_in_place(root):
+    """A destination with no plain memory (a wrapper subclass) is never planned from a kept
+    plan; a Sender's dtype changed between pushes converts again; an adapter configuration
+    edited in place between pushes is written as it is now."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    weights = {"w": torch.arange(4.0), "v": torch.arange(3.0)}
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
+        sender.push(weights)
+        dest = {"w": TwoTensor(torch.zeros(4), torch.zeros(4)), "v": torch.zeros(3)}
+        rx.load(dest)
+        dest["v"] = torch.zeros(3)  # replaced: must be written, whatever was kept
+        weights["v"].add_(10)
+        sender.push(weights)
+        rx.load(dest)
+        assert torch.equal(dest["v"], weights["v"]) and torch.equal(dest["w"].a, weights["w"])
+        sender.dtype = torch.bfloat16  # changed after pushes of the same tensors
+        sender.push(weights)
+        assert {e.dtype for e in rx.manifest().tensors} == {"bfloat16"}
+    config = {"r": 8, "target_modules": ["q_proj"]}
+    lora = os.path.join(root, "lora")
+    with dbsync.Sender(lora) as sender, dbsync.Receiver(lora) as rx:
+        adapter = {"base_model.model.q_proj.lora_A.weight": torch.zeros(8, 16)}
+        sender.push(adapter, adapter_config=config)
+        config["r"] = 16
+        config["target_modules"].append("v_proj")
+        sender.push(adapter, adapter_config=config)
+        assert rx.manifest().adapter == {"r": 16, "target_modules": ["q_proj", "v_proj"]}

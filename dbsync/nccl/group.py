@@ -7,15 +7,15 @@ Hazards, stated plainly:
   timeout or error the group is unusable: it is closed (communicator aborted) and a new epoch
   must form.
 - Waits poll the work's completion on the host; the caller's CUDA streams are never made to
-  wait on a broadcast that has not ended (``after`` orders only a private stream, the one of
-  the receiver's fused pass). A stuck NCCL kernel therefore cannot stall the caller's own
-  stream; it only occupies NCCL's stream (and that private one) until ``close()`` aborts the
-  communicator. (A device-wide ``torch.cuda.synchronize()`` still waits for it: the abort is
-  what ends it.)
+  wait on a broadcast that has not ended (``after`` orders only a stream of the receiver's
+  own, the one of its fused pass, taken from PyTorch's stream pool and never the caller's
+  current one). A stuck NCCL kernel therefore cannot stall the caller's own stream; it only
+  occupies NCCL's stream (and that one) until ``close()`` aborts the communicator. (A
+  device-wide ``torch.cuda.synchronize()`` still waits for it: the abort is what ends it.)
 - NCCL: by default PyTorch's NCCL watchdog tears down the whole *process* when a collective
-  times out. We create our communicators with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (set only
-  while constructing, then restored) so a dead receiver costs the trainer a timeout, not its
-  life.
+  times out. We create our communicators with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` and
+  ``TORCH_NCCL_BLOCKING_WAIT=0`` (set only while constructing, then restored) so a dead
+  receiver costs the trainer a timeout, not its life, and every host wait is our own.
 """
 
 from __future__ import annotations
@@ -177,17 +177,22 @@ def _create_nccl(store: Any, rank: int, size: int, device: torch.device,
     # NCCL's kernels get the SMs first: a copy or checksum kernel launched at the same moment
     # (packing the next bucket) must not delay the start of the next broadcast
     opts.is_high_priority_stream = True
+    # Set only while constructing (read then): no watchdog teardown of the process, and no
+    # blocking waits (every host wait here is our own, bounded and cancellable; ``after``
+    # must not block the host)
+    forced = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "0"}
     with _ENV_LOCK:
-        saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+        saved = {name: os.environ.get(name) for name in forced}
+        os.environ.update(forced)
         try:
             with torch.cuda.device(device):
                 pg = ProcessGroupNCCL(store, rank, size, opts)
         finally:
-            if saved is None:
-                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-            else:
-                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     return pg
 
 

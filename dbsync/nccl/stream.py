@@ -20,6 +20,8 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +32,8 @@ from .errors import BroadcastError
 from .group import Group
 from .layout import Entry, Header, bucket_plan
 
+log = logging.getLogger(__name__)
+
 #: ``before_verify(bucket_index, payload)``: a test hook run on each bucket before it is checked.
 #: On the fused path it runs when the check is queued, before the bucket landed: it may queue
 #: device work on the payload (it is then ordered before the check) but must not read it.
@@ -39,6 +43,31 @@ BeforeVerify = Callable[[int, torch.Tensor], None]
 class DamagedBucketError(BroadcastError):
     """A bucket arrived with bytes that do not match the sender's checksum. Nothing ending in
     it was handed out; the rest of the stream was drained, so the group is still usable."""
+
+
+def _own_stream(device: torch.device, caller: Any) -> Any:
+    """A stream from PyTorch's pool for the fused passes, never the caller's current one."""
+    own = torch.cuda.Stream(device)
+    while own == caller:  # the pool hands its streams out in turn: the next one differs
+        own = torch.cuda.Stream(device)
+    return own
+
+
+def _settle(own: Any, caller: Any, timeout: float) -> None:
+    """After a failure: let the caller's stream follow the passes queued on ``own`` (a
+    filesystem re-apply then writes after them), once the host saw them end, at most
+    ``timeout`` seconds (the abort ends their waits); never tie the caller to a stuck one."""
+    done = torch.cuda.Event()
+    done.record(own)
+    deadline = time.monotonic() + timeout
+    while not done.query():
+        if time.monotonic() >= deadline:
+            log.warning("the receive stream's queued passes did not end within %.0f s of the "
+                        "broadcast failing; the caller's stream is not made to wait for them",
+                        timeout)
+            return
+        time.sleep(0.0005)
+    caller.wait_stream(own)
 
 
 def _raw_writable(dst: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
@@ -129,6 +158,14 @@ class IncomingVersion:
         works[k] = None
         return self.buffers[k]
 
+    def _spent(self, buf: torch.Tensor, lo: int, hi: int) -> None:
+        """Invalidate the row sums of the bucket ``buf`` held (on the current stream, before
+        the buffer is posted again). A fused pass queued for a later bucket that then never
+        lands (the stream failed and was aborted) runs on the buffer as it is: no row of it
+        verifies, so nothing of an earlier bucket is written where that bucket's bytes go."""
+        if self.header.has_checksums:
+            checksum.trailer_view(buf, hi - lo).add_(1)
+
     def _landed(self, b: int, buckets: list[tuple[int, int]], work: Any) -> None:
         """Wait on the host (bounded) until bucket ``b`` landed."""
         group = self.group
@@ -178,7 +215,7 @@ class IncomingVersion:
             self.start()
             works = self._works
             assert works is not None
-            for b, (lo, _hi) in enumerate(buckets):
+            for b, (lo, hi) in enumerate(buckets):
                 k = b % depth
                 buf = self._arrived(b, buckets, works)
                 if self.verify:
@@ -207,6 +244,7 @@ class IncomingVersion:
                     yield entry.name, view
                     next_i = i + 1
                 if b + depth < len(buckets):
+                    self._spent(buf, lo, hi)
                     works[k] = self._post(b + depth, buckets)
             while next_i < len(entries):
                 yield self._emit(next_i, empty)
@@ -229,7 +267,9 @@ class IncomingVersion:
         is read once at the end. A damaged bucket then raises ``DamagedBucketError`` after
         the stream ended, having written every row that verified, in that bucket and the
         others: ``dest`` then holds parts of two versions until the caller re-applies the
-        version from the filesystem. Elsewhere (CPU, a cast, a tensor subclass, a tensor on
+        version from the filesystem. If the stream fails, passes already queued for buckets
+        that never landed write nothing (each buffer's row sums are invalidated once used).
+        Elsewhere (CPU, a cast, a tensor subclass, a tensor on
         another device, an odd-sized or misaligned tensor) a bucket is checked on the host
         first, then copied (with verification off: copied unchecked). ``plans``: the
         receiver's cache of per-bucket copy plans."""
@@ -248,8 +288,9 @@ class IncomingVersion:
         # The fused passes run on a stream of their own, queued before their bucket lands
         # (the device starts each the moment its bytes are in); the caller's stream waits for
         # it only once every bucket landed, so a stuck broadcast never stalls the caller.
-        own = torch.cuda.Stream(device) if fused else None
         caller = torch.cuda.current_stream(device) if fused else None
+        own = _own_stream(device, caller) if fused else None
+        settled = False
         try:
             self.start()
             works = self._works
@@ -271,6 +312,7 @@ class IncomingVersion:
                         plan.run(checksum.words_view(buf, hi - lo),
                                  checksum.trailer_view(buf, hi - lo), bad_rows[b:b + 1],
                                  paced.programs_for(device, 2.0) if last else None)
+                        self._spent(buf, lo, hi)
                         if b + depth < len(buckets):  # into this buffer once the pass read it
                             works[k] = self._post(b + depth, buckets)
                     self._landed(b, buckets, landing)
@@ -283,12 +325,14 @@ class IncomingVersion:
                 table.run()
                 for dst, src in by_torch:
                     dst.copy_(src() if callable(src) else src)
+                self._spent(buf, lo, hi)
                 if b + depth < len(buckets):
                     works[k] = self._post(b + depth, buckets)
             if device.type == "cuda" and bad_rows is None:
                 torch.cuda.current_stream(device).synchronize()  # copies into host memory
             if own is not None and caller is not None:
                 caller.wait_stream(own)  # every bucket landed: this wait ends at once
+                settled = True
             if bad_rows is not None:
                 bad = bad_rows.nonzero()  # one host sync for the whole version
                 if bad.numel():
@@ -302,8 +346,8 @@ class IncomingVersion:
         finally:
             if not self.complete:
                 group.close()  # aborting the communicator also ends the waits of ``own``
-                if own is not None and caller is not None:
-                    caller.wait_stream(own)  # a filesystem re-apply writes after stale passes
+            if own is not None and caller is not None and not settled:
+                _settle(own, caller, group.timeout)
 
     def _bucket_plan(self, b: int, buf: torch.Tensor, lo: int, hi: int,
                      dest: dict[str, torch.Tensor], plans: dict[int, Any],

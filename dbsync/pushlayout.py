@@ -30,7 +30,7 @@ from .tensorstate import State
 def adapter_key(adapter: dict[str, Any] | None) -> str:
     """The adapter configuration as it is now (a dict the caller edits in place between two
     pushes must not compare equal to itself as it was)."""
-    return json.dumps(adapter, sort_keys=True, default=repr)
+    return json.dumps(adapter, default=repr)  # (as dump_index writes it: keys unsorted)
 
 
 class IndexTemplate:

@@ -311,9 +311,9 @@ def test_an_index_of_the_same_layout_reads_the_same_as_a_fresh_parse(root):
 
 
 def test_kept_plans_and_layouts_follow_what_changed_in_place(root):
-    """A destination with no plain memory (a wrapper subclass) is never planned from a kept
-    plan; a Sender's dtype changed between pushes converts again; an adapter configuration
-    edited in place between pushes is written as it is now."""
+    """Loads into a wrapper-subclass destination next to a plain one that is then replaced
+    (the new one is written); a Sender's dtype changed between pushes converts again; an
+    adapter configuration edited in place between pushes is written as it is now."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     weights = {"w": torch.arange(4.0), "v": torch.arange(3.0)}

@@ -6,12 +6,10 @@ Hazards, stated plainly:
 - Every wait is bounded by ``timeout`` (``setup_timeout`` while the group forms). After a
   timeout or error the group is unusable: it is closed (communicator aborted) and a new epoch
   must form.
-- Waits poll the work's completion on the host; the caller's CUDA streams are never made to
-  wait on a broadcast that has not ended (``after`` orders only a stream of the receiver's
-  own, the one of its fused pass, taken from PyTorch's stream pool and never the caller's
-  current one). A stuck NCCL kernel therefore cannot stall the caller's own stream; it only
-  occupies NCCL's stream (and that one) until ``close()`` aborts the communicator. (A
-  device-wide ``torch.cuda.synchronize()`` still waits for it: the abort is what ends it.)
+- Waits poll the work's completion on the host; no CUDA stream is ever made to wait on a
+  broadcast. A stuck NCCL kernel therefore cannot stall the caller's own stream; it only
+  occupies NCCL's stream until ``close()`` aborts the communicator. (A device-wide
+  ``torch.cuda.synchronize()`` still waits for it: the abort is what ends it.)
 - NCCL: by default PyTorch's NCCL watchdog tears down the whole *process* when a collective
   times out. We create our communicators with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` and
   ``TORCH_NCCL_BLOCKING_WAIT=0`` (set only while constructing, then restored) so a dead
@@ -111,16 +109,6 @@ class Group:
             self.close()
             raise _wrap(exc, "could not start a broadcast") from exc
 
-    def after(self, work: Any) -> None:
-        """Order the current CUDA stream after ``work`` on the device; the host does not wait.
-        Hazard: that stream then stalls until the broadcast ends or ``close()`` aborts the
-        communicator, so use a stream of your own and bound the wait on the host."""
-        try:
-            work.wait()  # NCCL without blocking wait: a stream wait on the broadcast's end
-        except Exception as exc:
-            self.close()
-            raise _wrap(exc, "could not order work after a broadcast") from exc
-
     def wait(self, work: Any, what: str = "a broadcast", timeout: float | None = None,
              cancelled: Callable[[], str | None] | None = None) -> None:
         """Block the host until ``work`` completed, at most ``timeout`` (default the group's)
@@ -178,8 +166,7 @@ def _create_nccl(store: Any, rank: int, size: int, device: torch.device,
     # (packing the next bucket) must not delay the start of the next broadcast
     opts.is_high_priority_stream = True
     # Set only while constructing (read then): no watchdog teardown of the process, and no
-    # blocking waits (every host wait here is our own, bounded and cancellable; ``after``
-    # must not block the host)
+    # blocking waits (every host wait here is our own, bounded and cancellable)
     forced = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "0"}
     with _ENV_LOCK:
         saved = {name: os.environ.get(name) for name in forced}

@@ -39,7 +39,7 @@ import torch
 
 from ..leases import DEFAULT_LEASE_TIMEOUT
 from ..receiver import Receiver
-from . import checksum
+from . import checksum, paced
 from . import rendezvous as rv
 from .errors import BroadcastError, BroadcastTimeoutError
 from .layout import Header, bucket_plan
@@ -109,6 +109,10 @@ class BroadcastReceiver:
         self._applied_push: tuple[int, int, int] | None = None
         self._buffers: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        if self.device.type == "cuda" and verify:
+            # Compile and check the paced kernels now (seconds, once per device and
+            # process), not inside the first push, where the sender's per-bucket timeout runs.
+            paced.available(self.device)
 
     @property
     def loaded_version(self) -> int | None:

@@ -20,8 +20,6 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,42 +30,13 @@ from .errors import BroadcastError
 from .group import Group
 from .layout import Entry, Header, bucket_plan
 
-log = logging.getLogger(__name__)
-
-#: ``before_verify(bucket_index, payload)``: a test hook run on each bucket before it is checked.
-#: On the fused path it runs when the check is queued, before the bucket landed: it may queue
-#: device work on the payload (it is then ordered before the check) but must not read it.
+#: ``before_verify(bucket_index, payload)``: a test hook run on each bucket before it is checked
 BeforeVerify = Callable[[int, torch.Tensor], None]
 
 
 class DamagedBucketError(BroadcastError):
     """A bucket arrived with bytes that do not match the sender's checksum. Nothing ending in
     it was handed out; the rest of the stream was drained, so the group is still usable."""
-
-
-def _own_stream(device: torch.device, caller: Any) -> Any:
-    """A stream from PyTorch's pool for the fused passes, never the caller's current one."""
-    own = torch.cuda.Stream(device)
-    while own == caller:  # the pool hands its streams out in turn: the next one differs
-        own = torch.cuda.Stream(device)
-    return own
-
-
-def _settle(own: Any, caller: Any, timeout: float) -> None:
-    """After a failure: let the caller's stream follow the passes queued on ``own`` (a
-    filesystem re-apply then writes after them), once the host saw them end, at most
-    ``timeout`` seconds (the abort ends their waits); never tie the caller to a stuck one."""
-    done = torch.cuda.Event()
-    done.record(own)
-    deadline = time.monotonic() + timeout
-    while not done.query():
-        if time.monotonic() >= deadline:
-            log.warning("the receive stream's queued passes did not end within %.0f s of the "
-                        "broadcast failing; the caller's stream is not made to wait for them",
-                        timeout)
-            return
-        time.sleep(0.0005)
-    caller.wait_stream(own)
 
 
 def _raw_writable(dst: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
@@ -158,20 +127,6 @@ class IncomingVersion:
         works[k] = None
         return self.buffers[k]
 
-    def _spent(self, buf: torch.Tensor, lo: int, hi: int) -> None:
-        """Invalidate the row sums of the bucket ``buf`` held (on the current stream, before
-        the buffer is posted again). A fused pass queued for a later bucket that then never
-        lands (the stream failed and was aborted) runs on the buffer as it is: no row of it
-        verifies, so nothing of an earlier bucket is written where that bucket's bytes go."""
-        if self.header.has_checksums:
-            checksum.trailer_view(buf, hi - lo).add_(1)
-
-    def _landed(self, b: int, buckets: list[tuple[int, int]], work: Any) -> None:
-        """Wait on the host (bounded) until bucket ``b`` landed."""
-        group = self.group
-        group.wait(work, f"bucket {b} of {len(buckets)} of version {self.header.version}",
-                   2 * group.timeout if b == 0 else None, self.cancelled)
-
     def _verify_or_drain(self, b: int, buckets: list[tuple[int, int]], works: list[Any],
                          pace: bool = True) -> None:
         """Check bucket ``b`` on the host; if damaged, take part in the rest of the stream and
@@ -215,7 +170,7 @@ class IncomingVersion:
             self.start()
             works = self._works
             assert works is not None
-            for b, (lo, hi) in enumerate(buckets):
+            for b, (lo, _hi) in enumerate(buckets):
                 k = b % depth
                 buf = self._arrived(b, buckets, works)
                 if self.verify:
@@ -244,7 +199,6 @@ class IncomingVersion:
                     yield entry.name, view
                     next_i = i + 1
                 if b + depth < len(buckets):
-                    self._spent(buf, lo, hi)
                     works[k] = self._post(b + depth, buckets)
             while next_i < len(entries):
                 yield self._emit(next_i, empty)
@@ -267,9 +221,7 @@ class IncomingVersion:
         is read once at the end. A damaged bucket then raises ``DamagedBucketError`` after
         the stream ended, having written every row that verified, in that bucket and the
         others: ``dest`` then holds parts of two versions until the caller re-applies the
-        version from the filesystem. If the stream fails, passes already queued for buckets
-        that never landed write nothing (each buffer's row sums are invalidated once used).
-        Elsewhere (CPU, a cast, a tensor subclass, a tensor on
+        version from the filesystem. Elsewhere (CPU, a cast, a tensor subclass, a tensor on
         another device, an odd-sized or misaligned tensor) a bucket is checked on the host
         first, then copied (with verification off: copied unchecked). ``plans``: the
         receiver's cache of per-bucket copy plans."""
@@ -285,54 +237,34 @@ class IncomingVersion:
         bad_rows = torch.zeros(len(buckets), dtype=torch.int32, device=device) if fused else None
         on_device = 0  # buckets verified in the fused pass
         partial: dict[int, torch.Tensor] = {}
-        # The fused passes run on a stream of their own, queued before their bucket lands
-        # (the device starts each the moment its bytes are in); the caller's stream waits for
-        # it only once every bucket landed, so a stuck broadcast never stalls the caller.
-        caller = torch.cuda.current_stream(device) if fused else None
-        own = _own_stream(device, caller) if fused else None
-        settled = False
         try:
             self.start()
             works = self._works
             assert works is not None
-            if own is not None:
-                own.wait_stream(caller)  # earlier work on the destinations comes first
             for b, (lo, hi) in enumerate(buckets):
                 k = b % depth
-                buf = self.buffers[k]
+                buf = self._arrived(b, buckets, works)
                 plan = self._bucket_plan(b, buf, lo, hi, dest, plans, partial, fused)
                 if isinstance(plan, paced.VerifyCopy):
-                    assert bad_rows is not None and own is not None
-                    landing = works[k]
-                    with torch.cuda.stream(own):
-                        group.after(landing)
-                        if self.before_verify is not None:
-                            self.before_verify(b, buf[:hi - lo])
-                        last = b + 1 == len(buckets)  # nothing streams after it: full speed
-                        plan.run(checksum.words_view(buf, hi - lo),
-                                 checksum.trailer_view(buf, hi - lo), bad_rows[b:b + 1],
-                                 paced.programs_for(device, 2.0) if last else None)
-                        self._spent(buf, lo, hi)
-                        if b + depth < len(buckets):  # into this buffer once the pass read it
-                            works[k] = self._post(b + depth, buckets)
-                    self._landed(b, buckets, landing)
+                    assert bad_rows is not None
+                    if self.before_verify is not None:
+                        self.before_verify(b, buf[:hi - lo])
+                    last = b + 1 == len(buckets)  # nothing streams after it: full speed
+                    plan.run(checksum.words_view(buf, hi - lo),
+                             checksum.trailer_view(buf, hi - lo), bad_rows[b:b + 1],
+                             paced.programs_for(device, 2.0) if last else None)
                     on_device += 1
-                    continue
-                buf = self._arrived(b, buckets, works)
-                table, by_torch = plan
-                if self.verify:
-                    self._verify_or_drain(b, buckets, works)
-                table.run()
-                for dst, src in by_torch:
-                    dst.copy_(src() if callable(src) else src)
-                self._spent(buf, lo, hi)
+                else:
+                    table, by_torch = plan
+                    if self.verify:
+                        self._verify_or_drain(b, buckets, works)
+                    table.run()
+                    for dst, src in by_torch:
+                        dst.copy_(src() if callable(src) else src)
                 if b + depth < len(buckets):
                     works[k] = self._post(b + depth, buckets)
             if device.type == "cuda" and bad_rows is None:
                 torch.cuda.current_stream(device).synchronize()  # copies into host memory
-            if own is not None and caller is not None:
-                caller.wait_stream(own)  # every bucket landed: this wait ends at once
-                settled = True
             if bad_rows is not None:
                 bad = bad_rows.nonzero()  # one host sync for the whole version
                 if bad.numel():
@@ -345,9 +277,7 @@ class IncomingVersion:
             self.complete = True
         finally:
             if not self.complete:
-                group.close()  # aborting the communicator also ends the waits of ``own``
-            if own is not None and caller is not None and not settled:
-                _settle(own, caller, group.timeout)
+                group.close()
 
     def _bucket_plan(self, b: int, buf: torch.Tensor, lo: int, hi: int,
                      dest: dict[str, torch.Tensor], plans: dict[int, Any],

@@ -77,7 +77,7 @@ class PushLayout:
     index: IndexTemplate | None = field(default=None)
 
     @classmethod
-    def build(cls, names: list[str], tensors: Sequence[Any], tensor_states: list[State],
+    def build(cls, names: list[str], tensor_states: list[State],
               settings: tuple[Any, ...], places: list[tuple[int, int]], shard_sizes: list[int],
               sizes: list[int]) -> PushLayout:
         views = fileio.views_at([s[2] for s in tensor_states], sizes)
@@ -123,6 +123,3 @@ class LayoutCache:
 
     def add(self, layout: PushLayout) -> None:
         self._kept = [layout, *self._kept][: self.keep]
-
-    def clear(self) -> None:
-        self._kept = []

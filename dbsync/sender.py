@@ -481,8 +481,8 @@ class Sender:
             raise ValueError("the writer needs contiguous CPU tensors")  # pragma: no cover
         sizes = [t.nbytes for t in tensors]
         places, shard_sizes = plan_shards(sizes, self.shard_bytes)
-        layout = PushLayout.build(names, tensors, tensor_states, self._layout_settings(),
-                                  places, shard_sizes, sizes)
+        layout = PushLayout.build(names, tensor_states, self._layout_settings(), places,
+                                  shard_sizes, sizes)
         self._layouts.add(layout)
         return layout
 

@@ -15,6 +15,7 @@ from typing import Any
 #: (type id, is_cpu, address, dtype code, shape, contiguous, neg bit, conj bit)
 State = tuple[Any, ...]
 
+
 class _Codes(dict):
     """dtype -> a small int, assigned on first sight (under a lock: two dtypes never share)."""
 

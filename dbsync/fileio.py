@@ -61,22 +61,15 @@ def tensor_bytes(tensor: Any, writable: bool = False) -> memoryview:
     return _memory_view(tensor.data_ptr(), nbytes, _PYBUF_WRITE if writable else _PYBUF_READ)
 
 
-def tensor_views(tensors: Sequence[Any]) -> list[memoryview]:
-    """Flat byte views of many contiguous CPU tensors (no copy), for tens of thousands of
-    tensors at a fraction of ``tensor_bytes``'s cost: each is a slice of one view over the
-    address range the tensors span.
-
-    Hazard: that one view also spans memory that is not theirs (possibly unmapped); it never
-    leaves this function, and only the slices, each exactly one tensor's bytes, are returned.
-    Like ``tensor_bytes``, the views do not keep the tensors alive."""
-    if not all(t.is_cpu and t.is_contiguous() for t in tensors):
-        raise ValueError("tensor_views needs contiguous CPU tensors")
-    return views_at([t.data_ptr() for t in tensors], [t.nbytes for t in tensors])
-
-
 def views_at(starts: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
-    """Read-only byte views of ``sizes[i]`` bytes at address ``starts[i]`` (see
-    ``tensor_views``; the caller vouches that each range is memory it may read)."""
+    """Read-only byte views of ``sizes[i]`` bytes at address ``starts[i]`` (no copy), for
+    tens of thousands of tensors at a fraction of ``tensor_bytes``'s cost: each is a slice of
+    one view over the address range they span.
+
+    Hazard: the caller vouches that each range is memory it may read (a contiguous CPU
+    tensor's bytes). The one view also spans memory that is not theirs (possibly unmapped); it
+    never leaves this function, and only the slices are returned. Like ``tensor_bytes``, the
+    views do not keep the tensors alive."""
     used = [(p, n) for p, n in zip(starts, sizes, strict=True) if n]
     if not used:
         return [memoryview(b"") for _ in sizes]
@@ -188,11 +181,19 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 # ---- writing a version -------------------------------------------------------------------------
 class Placed(NamedTuple):
-    """Every tensor's bytes and where they go, as columns (index i is tensor i)."""
+    """Every tensor's bytes and where they go, as columns (index i is tensor i), and the
+    writes they are grouped into (``Placed.of`` builds it)."""
 
     views: Sequence[memoryview]
     shards: Sequence[int]
     offsets: Sequence[int]
+    #: (first, stop) index ranges, one write each (see ``group_writes``)
+    tasks: Sequence[tuple[int, int]]
+
+    @classmethod
+    def of(cls, views: Sequence[memoryview], shards: Sequence[int], offsets: Sequence[int]
+           ) -> Placed:
+        return cls(views, shards, offsets, group_writes(views, shards))
 
 
 def write_shards(
@@ -203,7 +204,6 @@ def write_shards(
     progress: Callable[[int], None] | None = None,
     while_syncing: Callable[[list[str]], None] | None = None,
     gate: Callable[[], object] | None = None,
-    tasks: list[tuple[int, int]] | None = None,
 ) -> list[str]:
     """Write every tensor into its shard in parallel, checksum each from its source bytes,
     and fsync each shard right after its last write (so fsyncs overlap other shards' writes).
@@ -213,9 +213,8 @@ def write_shards(
     ``while_syncing(checksums)`` runs once every write is done, while the fsyncs still run
     (work that needs the checksums, such as building the index, then costs no extra time).
     ``gate()`` is called before every write of up to ``CHUNK_BYTES``; it may block to let
-    more urgent work (the trainer's next snapshot) have the CPU and memory bandwidth.
-    ``tasks``: ``group_writes(placed)``, when the caller kept it from an earlier call."""
-    tasks = group_writes(placed) if tasks is None else tasks
+    more urgent work (the trainer's next snapshot) have the CPU and memory bandwidth."""
+    tasks = placed.tasks
     shards = placed.shards
     remaining = [0] * len(fds)
     for first, _ in tasks:
@@ -253,13 +252,13 @@ def write_shards(
     return sums
 
 
-def group_writes(placed: Placed) -> list[tuple[int, int]]:
+def group_writes(views: Sequence[memoryview], shards: Sequence[int]
+                 ) -> list[tuple[int, int]]:
     """Tasks as (first, stop) index ranges: a big tensor alone; small neighbours in one shard
     together (up to ``GROUP_BYTES`` and ``GROUP_IOVECS``)."""
     tasks: list[tuple[int, int]] = []
-    shards = placed.shards
     first = size = 0
-    for i, view in enumerate(placed.views):
+    for i, view in enumerate(views):
         n = len(view)
         if n >= GROUP_BYTES:
             if first < i:
@@ -272,8 +271,8 @@ def group_writes(placed: Placed) -> list[tuple[int, int]]:
             tasks.append((first, i))
             first, size = i, 0
         size += n
-    if first < len(placed.views):
-        tasks.append((first, len(placed.views)))
+    if first < len(views):
+        tasks.append((first, len(views)))
     return tasks
 
 

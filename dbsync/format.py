@@ -402,22 +402,14 @@ def _parse_fast(names: list, dtypes: list, shapes: list, shard_ids: list, offset
     count = len(names)
     if not count:
         return []
-    try:
-        joined = "".join(names)  # TypeError unless every name is a str
-        hexes = "".join(sums)
-        flat = list(itertools.chain.from_iterable(shapes))
-        if not (joined.isascii() and "\x00" not in joined and "" not in names
-                and len(set(names)) == count
-                and set(map(len, sums)) == {16} and hexes.isalnum()
-                and hexes == hexes.lower() and bytes.fromhex(hexes)
-                and set(map(type, shapes)) == {list} and max(map(len, shapes)) <= _MAX_DIMS
-                and set(map(type, flat)) <= {int}
-                and (not flat or (min(flat) >= 0 and max(flat) <= _MAX_INT))
-                and set(map(type, offsets)) == {int} and set(map(type, shard_ids)) == {int}
-                and min(offsets) >= 0 and min(shard_ids) >= 0
-                and max(shard_ids) < len(shards)):
-            return None
-    except (TypeError, ValueError):
+    if not (_plain_types(names, dtypes, shapes, shard_ids, offsets) and _checksums_ok(sums)):
+        return None
+    joined = "".join(names)
+    flat = list(itertools.chain.from_iterable(shapes))
+    if not (joined.isascii() and "\x00" not in joined and "" not in names
+            and len(set(names)) == count and max(map(len, shapes)) <= _MAX_DIMS
+            and (not flat or (min(flat) >= 0 and max(flat) <= _MAX_INT))
+            and min(offsets) >= 0 and min(shard_ids) >= 0 and max(shard_ids) < len(shards)):
         return None
     sizes = DTYPE_SIZES
     align = ALIGN - 1

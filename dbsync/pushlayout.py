@@ -71,9 +71,8 @@ class PushLayout:
     sizes: list[int]
     places: list[tuple[int, int]]
     shard_sizes: list[int]
-    #: per batch of at most ``fileio.SHARDS_OPEN_AT_ONCE`` shards: (first, last, placed,
-    #: the writes small tensors are grouped into)
-    batches: list[tuple[int, int, fileio.Placed, list[tuple[int, int]]]]
+    #: per batch of at most ``fileio.SHARDS_OPEN_AT_ONCE`` shards: (first, last, placed)
+    batches: list[tuple[int, int, fileio.Placed]]
     index: IndexTemplate | None = field(default=None)
 
     @classmethod
@@ -87,10 +86,9 @@ class PushLayout:
         for first in range(0, len(shard_sizes), fileio.SHARDS_OPEN_AT_ONCE):
             last = min(first + fileio.SHARDS_OPEN_AT_ONCE, len(shard_sizes))
             lo, hi = bisect.bisect_left(shards, first), bisect.bisect_left(shards, last)
-            placed = fileio.Placed(
+            batches.append((first, last, fileio.Placed.of(
                 views[lo:hi], [s - first for s in shards[lo:hi]] if first else shards[lo:hi],
-                offsets[lo:hi])
-            batches.append((first, last, placed, fileio.group_writes(placed)))
+                offsets[lo:hi])))
         return cls(names, tensor_states, settings, sizes, places, shard_sizes, batches)
 
     def index_template(self, columns: Callable[[], dict[str, list]],

@@ -279,8 +279,9 @@ class Sender:
             adapter = adapter_config if adapter_config is not None else (
                 sources.adapter_config_of(weights))
             self._check_kind("adapter" if adapter is not None else "weights")
-            needs_copy = not blocking or not (all(s[1] for s in tensor_states) if tensor_states
-                                              else all(t.is_cpu for _, t in pairs))
+            on_cpu = (all(s[1] for s in tensor_states) if tensor_states is not None  # is_cpu
+                      else all(t.is_cpu for _, t in pairs))
+            needs_copy = not blocking or not on_cpu
             if needs_copy:
                 buffer = self._buffers[self._next_buffer]
                 self._next_buffer ^= 1
@@ -503,7 +504,7 @@ class Sender:
         # Shards are written in batches (bounded open files, ``fileio.SHARDS_OPEN_AT_ONCE``).
         # Tensors fill shards in order, so a batch of shards is a run of tensors.
         checksums: list[str] = []
-        for first, last, batch, tasks in layout.batches:
+        for first, last, batch in layout.batches:
             fds: list[int] = []
             try:
                 for shard in range(first, last):
@@ -512,7 +513,7 @@ class Sender:
                 checksums += fileio.write_shards(
                     fds, batch, self._io, self.durable, on_bytes,
                     (lambda sums, before=checksums: while_syncing(before + sums)) if last_batch
-                    else None, gate=self._writes_allowed.wait, tasks=tasks)
+                    else None, gate=self._writes_allowed.wait)
             finally:
                 for fd in fds:
                     os.close(fd)

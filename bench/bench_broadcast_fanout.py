@@ -8,7 +8,10 @@ N processes, measured in the same run.
 
 Each receiver takes every tensor into its own preallocated parameters and synchronizes: by
 default through ``receive(params)`` (dbsync copies, verified bucket by bucket, on a few SMs);
-``--receiver-load copy`` through a load_weights that copies each tensor handed out. Every
+``--receiver-load copy`` through a load_weights that copies each tensor handed out;
+``keep`` / ``windows``: staged as vLLM workers stage, the whole version or only a
+tensor-parallel rank's rows of each tensor (``--window-parts N``), with each receiver's peak
+and held GPU memory per take. Every
 version differs from the one before (a few elements change), and after
 every take each receiver's parameters are compared with the sender's weights by exact int64
 fingerprints (bit-exact, no hash). Sender side: ``broadcast_seconds`` of the push (poll joins,
@@ -75,6 +78,24 @@ def fingerprint(t: torch.Tensor) -> list[int]:
 
 def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     return {n: fingerprint(t) for n, t in tensors.items()}
+
+
+def row_windows(shapes: list[tuple[str, tuple[int, ...]]], part: int, parts: int
+                ) -> dict[str, tuple[int, int]]:
+    """Byte windows of a tensor-parallel rank's rows (``part`` of ``parts``) of each tensor,
+    as a column-parallel weight is sharded: one contiguous range per tensor (bf16)."""
+    out = {}
+    for name, shape in shapes:
+        row_bytes = 2 * math.prod(shape[1:])
+        out[name] = (shape[0] * part // parts * row_bytes,
+                     shape[0] * (part + 1) // parts * row_bytes)
+    return out
+
+
+def window_fingerprints(tensors: dict[str, torch.Tensor], windows: dict[str, tuple[int, int]]
+                        ) -> dict[str, list[int]]:
+    return {n: fingerprint(t.reshape(-1).view(torch.uint8)[lo:hi])
+            for n, t in tensors.items() for lo, hi in [windows[n]]}
 
 
 def free_port() -> int:
@@ -189,9 +210,15 @@ def _sender(args: argparse.Namespace, root: str, commands: Any, results: Any,
                 version = bs.push(weights)
                 wall = time.perf_counter() - t
             stats = dict(bs.last_push_stats)
+            if args.receiver_load == "windows":  # what each receiver keeps of it
+                shapes = [(n, tuple(t.shape)) for n, t in weights.items()]
+                prints: Any = {str(r): window_fingerprints(weights, row_windows(
+                    shapes, (r - 1) % args.window_parts, args.window_parts))
+                    for r in range(1, cmd["world"])}
+            else:
+                prints = fingerprints(weights)
             results.put(json.dumps({"rank": 0, "version": version, "push_wall_seconds": wall,
-                                    "stats": stats, "fingerprints": fingerprints(weights)},
-                                   default=str))
+                                    "stats": stats, "fingerprints": prints}, default=str))
         elif op == "raw":
             times = raw_bucketed(cmd["bytes"], args.bucket_mib * 2**20, args.iters)
             results.put(json.dumps({"rank": 0, "raw": times}))
@@ -230,6 +257,28 @@ def _receiver(rank: int, args: argparse.Namespace, root: str, commands: Any,
                 params[name].copy_(t)
         torch.cuda.synchronize()
 
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    staged: dict[str, Any] = {}
+
+    def keep_windows(incoming: Any) -> None:
+        """As vLLM staging keeps a tensor-parallel rank's reads once it knows them: one
+        allocation of this receiver's windows, filled by the verified copy-out of each bucket
+        and, once the version was applied, reused (with its copy plans) by the next one."""
+        from dbsync.nccl.stream import ByteWindow
+
+        if staged.get("shapes") != shapes:
+            windows = row_windows(shapes, (rank - 1) % args.window_parts, args.window_parts)
+            flat = torch.empty(sum(hi - lo for lo, hi in windows.values()), dtype=torch.uint8,
+                               device=device)
+            dest, at = {}, 0
+            for name, (lo, hi) in windows.items():
+                dest[name] = ByteWindow(lo, hi, flat[at:at + hi - lo])
+                at += hi - lo
+            staged.update(shapes=list(shapes), dest=dest, plans={})
+        incoming.copy_into(staged["dest"], staged["plans"])
+        torch.cuda.synchronize()
+        params.update({n: w.into for n, w in staged["dest"].items()})
+
     def dying(pairs: Any) -> None:
         for _name, _t in pairs:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -243,16 +292,25 @@ def _receiver(rank: int, args: argparse.Namespace, root: str, commands: Any,
             return
         if op == "alloc":
             params.clear()
+            staged.clear()
             torch.cuda.empty_cache()
-            params.update({n: torch.zeros(s, dtype=torch.bfloat16, device=device)
-                           for n, s in model_shapes(cmd["gb"], args.tensors)})
+            shapes[:] = model_shapes(cmd["gb"], args.tensors)
+            if args.receiver_load not in ("keep", "windows"):  # those stage their own
+                params.update({n: torch.zeros(s, dtype=torch.bfloat16, device=device)
+                               for n, s in shapes})
             results.put(json.dumps({"rank": rank, "allocated": True}))
         elif op == "receive":
             if cmd.get("stall"):
                 time.sleep(cmd["stall"])  # not receiving while the sender pushes
             rx.before_verify = flip_one_byte if cmd.get("flip") else None
             target = (dying if cmd.get("die") else
-                      params if args.receiver_load == "into" else load_weights)
+                      params if args.receiver_load == "into" else
+                      keep_windows if args.receiver_load == "windows" else load_weights)
+            if args.receiver_load in ("keep", "windows"):
+                params.clear()  # the last staged version was applied (windows: reused)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
             with profiled(args, rank, cmd.get("profile", False)):
                 t = time.perf_counter()
                 version = rx.receive(target, timeout=600)
@@ -260,9 +318,12 @@ def _receiver(rank: int, args: argparse.Namespace, root: str, commands: Any,
                 if target is params:
                     torch.cuda.synchronize()
                     wall = time.perf_counter() - t
+            held = sum(t.numel() * t.element_size() for t in params.values())
             results.put(json.dumps({
                 "rank": rank, "version": version, "source": rx.last_source,
                 "error": rx.last_error, "stats": rx.last_stats, "wall_seconds": wall,
+                "peak_bytes": torch.cuda.max_memory_allocated(device) - base,
+                "held_bytes": held, "allocated_bytes": torch.cuda.memory_allocated(device),
                 "fingerprints": fingerprints(params)}, default=str))
         elif op == "raw":
             times = raw_bucketed(cmd["bytes"], args.bucket_mib * 2**20, args.iters)
@@ -339,11 +400,13 @@ def measure_size(d: Driver, args: argparse.Namespace, gb: float, seed: int) -> d
         if i == 0:
             d.send([0], op="join", count=world - 1)
             setup = d.collect([0], 600)[0]
-        d.send([0], op="push", version_hint=i, profile=last)
+        d.send([0], op="push", version_hint=i, profile=last, world=world)
         push = d.collect([0], 600)[0]
         take = d.collect(receivers, 600)
         for r in receivers:
-            if args.receiver_load != "iterate":
+            if args.receiver_load == "windows":
+                exact &= take[r]["fingerprints"] == push["fingerprints"][str(r)]
+            elif args.receiver_load != "iterate":
                 exact &= take[r]["fingerprints"] == push["fingerprints"]
             take[r].pop("fingerprints")
         push.pop("fingerprints")
@@ -373,6 +436,15 @@ def measure_size(d: Driver, args: argparse.Namespace, gb: float, seed: int) -> d
         "push_stats": [p["stats"] for p in pushes],
         "push_wall_seconds": [p["push_wall_seconds"] for p in pushes],
         "raw_seconds": raw_times,
+        # on each receiver, during a take (the last version released first, as once applied):
+        # peak bytes allocated above what it held before, and bytes it holds afterwards
+        "receiver_peak_bytes": {str(r): max(takes[i][r]["peak_bytes"] for i in timed)
+                                for r in receivers},
+        "receiver_held_bytes": {str(r): takes[args.iters][r]["held_bytes"] for r in receivers},
+        # everything the receiver process has allocated after the last take (with the bucket
+        # buffers of the non-whole-version modes)
+        "receiver_allocated_bytes": {str(r): takes[args.iters][r]["allocated_bytes"]
+                                     for r in receivers},
         "receiver_seconds": {str(r): v for r, v in recv_s.items()},
         "errors": sorted({str(takes[i][r]["error"]) for i in range(args.iters + 1)
                           for r in receivers}),
@@ -469,13 +541,17 @@ def main() -> int:
     ap.add_argument("--code", default=REPO, help="directory to import dbsync from")
     ap.add_argument("--sender-kwargs", default="{}")
     ap.add_argument("--receiver-kwargs", default="{}")
-    ap.add_argument("--receiver-load", choices=("into", "copy", "keep", "iterate"),
+    ap.add_argument("--window-parts", type=int, default=2,
+                    help="windows: keep 1/N of each tensor's rows (receiver r: part (r-1) %% N)")
+    ap.add_argument("--receiver-load", choices=("into", "copy", "keep", "iterate", "windows"),
                     default="into",
                     help="into: receive(params), dbsync copies into the receiver's own "
                          "parameters; copy: a load_weights that copies each tensor handed out "
                          "into them; keep: keep the tensors handed out (with receiver "
-                         "whole_version, as vLLM staging does); iterate: copy nothing "
-                         "(diagnosis; not bit-checked)")
+                         "whole_version, as vLLM staging does before it knows a worker's "
+                         "reads); windows: keep only a tensor-parallel rank's rows of each "
+                         "tensor (--window-parts), as vLLM staging does once it knows them; "
+                         "iterate: copy nothing (diagnosis; not bit-checked)")
     ap.add_argument("--paced-programs", type=int, default=0,
                     help="CTAs of the receivers' paced kernels (default: dbsync's)")
     ap.add_argument("--paced-step", type=int, default=0, help="tuning: rows per CTA step")

@@ -266,3 +266,105 @@ def test_fused_verify_copy_plan_writes_only_rows_that_verify() -> None:
                 assert int(word.count_nonzero()) == 0, (o, i)
             else:
                 assert torch.equal(word, wire[o + i:o + i + 8]), (o, i)
+
+
+def test_byte_windows_keep_only_their_bytes_and_a_damaged_bucket_is_refused(
+        pair: tuple[Group, Group]) -> None:
+    from dbsync.nccl.stream import ByteWindow, DamagedBucketError
+
+    gen = torch.Generator().manual_seed(5)
+    pairs = [("a", torch.randn(300, 8, generator=gen)),   # 9,600 B: spans many buckets
+             ("b", torch.randn(64, generator=gen)),
+             ("c", torch.randn(16, 16, generator=gen))]
+    header = Header.build(1, 1, 1, 1024, [(n, t.dtype, tuple(t.shape)) for n, t in pairs],
+                          checksum.ALGORITHM)
+    ranges = {"a": (1000, 7400), "b": (0, 0), "c": (0, 1024)}  # across buckets, none, all
+
+    def receive(before_verify: Any = None) -> tuple[dict[str, Any], BaseException | None]:
+        sender, receiver = pair
+        thread = threading.Thread(target=OutgoingStream(torch.device("cpu"), 1024).send,
+                                  args=(sender, header, pairs))
+        thread.start()
+        size = checksum.buffer_bytes(header.bucket_bytes)
+        incoming = IncomingVersion(receiver, header, [torch.empty(size, dtype=torch.uint8)
+                                                      for _ in range(2)], verify=True,
+                                   before_verify=before_verify)
+        dest = {n: ByteWindow(lo, hi, torch.full((hi - lo,), 0xAB, dtype=torch.uint8))
+                for n, (lo, hi) in ranges.items()}
+        failure = None
+        try:
+            incoming.copy_into(dest)
+        except BroadcastError as exc:
+            failure = exc
+        thread.join(30)
+        return dest, failure
+
+    dest, failure = receive()
+    assert failure is None
+    for name, t in pairs:
+        lo, hi = ranges[name]
+        assert torch.equal(dest[name].into, t.reshape(-1).view(torch.uint8)[lo:hi]), name
+
+    def flip(bucket: int, payload: torch.Tensor) -> None:
+        if bucket == 3:  # inside a's window
+            payload[40] ^= 0x01
+
+    _, failure = receive(before_verify=flip)
+    assert isinstance(failure, DamagedBucketError)
+    with pytest.raises(ValueError, match="outside its"):
+        IncomingVersion(pair[1], header, [torch.empty(2048, dtype=torch.uint8)] * 2,
+                        verify=True).copy_into(
+            {"a": ByteWindow(0, 10**6, torch.empty(10**6, dtype=torch.uint8)),
+             "b": ByteWindow(0, 0, torch.empty(0, dtype=torch.uint8)),
+             "c": ByteWindow(0, 0, torch.empty(0, dtype=torch.uint8))})
+
+
+def test_read_windows_record_what_loaders_read_and_the_guard_stops_other_reads() -> None:
+    from dbsync.vllm.reads import OutsideWindowError, ReadGuard, ReadRecorder
+    from dbsync.vllm.staging import WindowedCopy
+
+    # A checkpoint as the filesystem hands it out: views of one shard's memory.
+    shard = torch.arange(4 * 8 + 2 * 8 + 3, dtype=torch.float32)
+    column = shard[:32].view(4, 8)      # this rank: rows 2-3 (column-parallel)
+    row = shard[32:48].view(2, 8)       # this rank: columns 4-7 of every row (row-parallel)
+    unused = shard[48:]                 # never read (e.g. a buffer the model recomputes)
+    p_column, p_row = torch.zeros(2, 8), torch.zeros(2, 4)
+
+    def loader(pairs: Any) -> None:
+        for name, t in pairs:
+            if name == "column":
+                p_column.copy_(t.narrow(0, 2, 2))
+            elif name == "row":
+                p_row.copy_(t.narrow(1, 4, 4))
+
+    recorder = ReadRecorder()
+    with recorder:
+        loader(recorder.tracked([("column", column), ("row", row), ("unused", unused)]))
+    windows = recorder.windows()
+    # byte hulls: rows 2-3 exactly; the row-parallel hull spans from row 0's 5th element to
+    # the end; nothing of the unused tensor
+    assert windows.ranges == {"column": (64, 128), "row": (16, 64), "unused": (0, 0)}
+    assert windows.kept_bytes == 112 and windows.full_bytes == 204
+
+    # Staged as windows (bytes a receiver would copy in), applied under the guard: the
+    # loader gets exactly what it got from the whole checkpoint.
+    staged = WindowedCopy(windows, "cpu")
+    for name, t in (("column", column), ("row", row), ("unused", unused)):
+        lo, hi = windows.ranges[name]
+        staged.dest[name].into.copy_(t.reshape(-1).view(torch.uint8)[lo:hi])
+    want = p_column.clone(), p_row.clone()
+    p_column.zero_()
+    p_row.zero_()
+    guard = ReadGuard(windows)
+    with guard:
+        loader(staged.tensors(guard))
+    assert torch.equal(p_column, want[0]) and torch.equal(p_row, want[1])
+
+    # A loader that reads more than was recorded is stopped before the copy runs.
+    p_column.zero_()
+    guard = ReadGuard(windows)
+    with pytest.raises(OutsideWindowError, match="'column'"), guard:
+        for name, t in staged.tensors(guard):
+            if name == "column":
+                p_column.copy_(t.narrow(0, 1, 2))
+    assert not p_column.any()

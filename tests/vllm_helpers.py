@@ -357,3 +357,55 @@ def flip_a_byte(root: str | Path, index: int = 0) -> None:
         byte = f.read(1)
         f.seek(entry.offset)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+#: The trainer: a BroadcastSender driven by JSON lines on stdin, answering JSON lines.
+TRAINER = r"""
+import json, sys
+from dbsync import Sender
+from dbsync.nccl import BroadcastSender
+
+sender = BroadcastSender(Sender(sys.argv[1]), device="cpu", address="127.0.0.1", timeout=20.0)
+print(json.dumps({"ready": sender.port}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd["op"] == "wait_joins":
+        joined = sender.wait_for_joins(cmd["count"], timeout=cmd["timeout"])
+        print(json.dumps({"joined": joined, "pending": sender.pending_joins()}), flush=True)
+    elif cmd["op"] == "push":
+        version = sender.push(cmd["dir"])
+        print(json.dumps({"version": version, "stats": sender.last_push_stats}, default=str),
+              flush=True)
+    elif cmd["op"] == "close":
+        sender.close()
+        print(json.dumps({"closed": True}), flush=True)
+        break
+"""
+
+
+class Trainer:
+    """A trainer process: a real ``BroadcastSender`` (gloo) on the store at ``root``."""
+
+    def __init__(self, root: Path):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", TRAINER, str(root)], cwd=REPO, env=child_env(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert "ready" in self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the trainer exited with {self.proc.wait(10)}")
+        return json.loads(line)
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)

@@ -60,7 +60,8 @@ class BroadcastReceiver:
     GPUs, 2 on CPU; each the sender's bucket size). ``whole_version``: receive each version
     into its own fresh allocation of the whole version instead (every bucket posted at once);
     the tensors handed out then stay valid after ``receive`` returns, for as long as they are
-    referenced (a staged copy without a second copy)."""
+    referenced (a staged copy without a second copy). It may be changed between receives
+    (each push reads it once; ``IncomingVersion.whole_version`` says how that one came)."""
 
     def __init__(
         self,
@@ -225,11 +226,11 @@ class BroadcastReceiver:
         dest = _destinations(load_weights, header) if usable else None
         if dest is False:  # names, shapes or dtypes do not fit: the filesystem load says how
             usable = False
+        whole = self.whole_version  # read once: it may be changed between pushes
         incoming = IncomingVersion(
-            self.link.group, header, self._receive_buffers(header), verify=self.verify,
-            views=None if self.whole_version else self._views, cancelled=cancelled,
-            plan=cache["plan"],
-            before_verify=self.before_verify)
+            self.link.group, header, self._receive_buffers(header, whole), verify=self.verify,
+            views=None if whole else self._views, cancelled=cancelled,
+            plan=cache["plan"], before_verify=self.before_verify, whole_version=whole)
         try:
             if header.epoch != epoch:
                 raise BroadcastError(f"push header names epoch {header.epoch}, not {epoch}")
@@ -281,8 +282,8 @@ class BroadcastReceiver:
         self.last_source, self.last_error = "broadcast", None
         return header.version
 
-    def _receive_buffers(self, header: Header) -> list[torch.Tensor]:
-        if not self.whole_version:
+    def _receive_buffers(self, header: Header, whole: bool) -> list[torch.Tensor]:
+        if not whole:
             return self._bucket_buffers(header)
         # One fresh allocation per version, one region per bucket: nothing is reused, so
         # what is handed out stays valid; the bucket buffers are not needed meanwhile.

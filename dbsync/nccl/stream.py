@@ -21,6 +21,7 @@ Hazards, stated plainly:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,34 @@ def _raw_writable(dst: torch.Tensor, dtype: torch.dtype, device: torch.device) -
             and not dst.is_neg() and not dst.is_conj())
 
 
+@dataclass(frozen=True)
+class ByteWindow:
+    """A ``copy_into`` destination that keeps only part of a tensor: bytes ``[lo, hi)`` of its
+    published bytes (row-major, as broadcast) land in ``into``, a contiguous uint8 tensor of
+    ``hi - lo`` bytes on the receiving device; the rest of the tensor is received and verified
+    but not kept (``lo == hi``: nothing kept)."""
+
+    lo: int
+    hi: int
+    into: torch.Tensor
+
+    def check(self, entry: Entry, device: torch.device) -> None:
+        """Raise ``ValueError`` unless this window fits ``entry`` and takes raw bytes."""
+        into = self.into
+        if not 0 <= self.lo <= self.hi <= entry.nbytes:
+            raise ValueError(f"window [{self.lo}, {self.hi}) of {entry.name!r} is outside its "
+                             f"{entry.nbytes} bytes")
+        if (into.dtype != torch.uint8 or into.numel() != self.hi - self.lo
+                or not into.is_contiguous() or into.device != device):
+            raise ValueError(f"the window of {entry.name!r} must land in a contiguous uint8 "
+                             f"tensor of {self.hi - self.lo} bytes on {device}")
+
+
+def _target(dst: Any) -> torch.Tensor:
+    """The tensor a ``copy_into`` destination writes into."""
+    return dst.into if isinstance(dst, ByteWindow) else dst
+
+
 def typed(entry: Entry, raw: torch.Tensor) -> torch.Tensor:
     dtype = entry.torch_dtype
     if entry.nbytes == 0:
@@ -65,7 +94,7 @@ class IncomingVersion:
                  verify: bool, views: dict[tuple[Any, ...], torch.Tensor] | None = None,
                  cancelled: Callable[[], str | None] | None = None,
                  plan: list[list[tuple[int, int, int]]] | None = None,
-                 before_verify: BeforeVerify | None = None):
+                 before_verify: BeforeVerify | None = None, whole_version: bool = False):
         self.group = group
         self.plan = bucket_plan(header) if plan is None else plan
         self.views = {} if views is None else views
@@ -74,6 +103,9 @@ class IncomingVersion:
         self.buffers = buffers
         self.verify = verify and header.has_checksums
         self.before_verify = before_verify
+        #: True when ``buffers`` are regions of one allocation of the whole version (handed
+        #: out tensors stay valid), False when they are reused bucket buffers
+        self.whole_version = whole_version
         #: buckets checked against their checksums
         self.verified_buckets = 0
         #: why the version cannot be used (a damaged bucket), else None
@@ -212,7 +244,8 @@ class IncomingVersion:
                   plans: dict[int, Any] | None = None) -> None:
         """Receive the whole version straight into ``dest`` (name -> existing tensor; the
         caller checked that every entry's name is there with its shape, and that dtypes are
-        equal or both floating: cast), instead of iterating. No byte is written before the
+        equal or both floating: cast; or name -> ``ByteWindow``: only those bytes are kept),
+        instead of iterating. No byte is written before the
         checksum row (4 KiB) it lies in verified.
 
         On CUDA with Triton, each bucket is verified and copied out in one paced pass while
@@ -232,6 +265,9 @@ class IncomingVersion:
         buckets = header.buckets()
         depth = len(self.buffers)
         device = self.buffers[0].device
+        for entry in header.entries:
+            if isinstance(dest[entry.name], ByteWindow):
+                dest[entry.name].check(entry, device)
         plans = {} if plans is None else plans
         fused = self.verify and paced.available(device)
         bad_rows = torch.zeros(len(buckets), dtype=torch.int32, device=device) if fused else None
@@ -292,7 +328,7 @@ class IncomingVersion:
         entries = self.header.entries
         pieces = self.plan[b]
         targets = [dest[entries[i].name] for i, _, _ in pieces]
-        state = [(t.data_ptr(), t.dtype, t.is_contiguous()) for t in targets]
+        state = [(t.data_ptr(), t.dtype, t.is_contiguous()) for t in map(_target, targets)]
         cached = plans.get(b)
         # Push after push the same layout lands in the same tensors: reuse the plan without
         # building a byte view per tensor again (microseconds each: at MoE tensor counts,
@@ -306,7 +342,14 @@ class IncomingVersion:
         for i, start, end in pieces:
             entry = entries[i]
             at = entry.offset + start - lo
-            dst = dest[entry.name].detach()
+            window = dest[entry.name]
+            if isinstance(window, ByteWindow):  # only the bytes it keeps, raw (checked)
+                first, stop = max(start, window.lo), min(end, window.hi)
+                if first < stop:
+                    raw.append((window.into[first - window.lo:stop - window.lo],
+                                at + first - start))
+                continue
+            dst = window.detach()
             if _raw_writable(dst, entry.torch_dtype, buf.device):
                 raw.append((dst.reshape(-1).view(torch.uint8)[start:end], at))
             elif start == 0 and end == entry.nbytes:

@@ -167,10 +167,13 @@ class SwapTimings:
     source: str | None = None
     pause_mode: str | None = None
     nbytes: int = 0
+    #: worker rank -> bytes it held staged for this version (broadcast applies only)
+    staged_bytes: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"version": self.version, "source": self.source,
                 "pause_mode": self.pause_mode, "bytes": self.nbytes,
+                "staged_bytes": self.staged_bytes,
                 "read_verify_s": round(self.read_verify_s, 6),
                 "pause_s": round(self.pause_s, 6), "apply_s": round(self.apply_s, 6),
                 "push_to_served_s": None if self.push_to_served_s is None
@@ -469,7 +472,7 @@ class SwapController:
             self.ops.update(update)
             self.ops.finish(str(version))
             timings.apply_s = time.perf_counter() - t_apply
-            timings.source = self._read_reports(version)
+            timings.source, timings.staged_bytes = self._read_reports(version)
             snap.check_unchanged()  # our lease kept the slot; this catches an expired one
             self.ops.reset_prefix_cache()
         except Exception as exc:
@@ -511,11 +514,14 @@ class SwapController:
             os.unlink(os.path.join(self._report_dir, name))
         return self._report_dir
 
-    def _read_reports(self, version: int) -> str | None:
+    def _read_reports(self, version: int) -> tuple[str | None, dict[str, int] | None]:
+        """Where the workers on this host took ``version`` from ("mixed" if they differ), and
+        the bytes each held staged for it (None if none reported any)."""
         if self.transport == "filesystem":
-            return "filesystem"
+            return "filesystem", None
         assert self._report_dir is not None
         sources = set()
+        staged: dict[str, int] = {}
         for name in os.listdir(self._report_dir):
             if not name.endswith(".json"):
                 continue
@@ -526,9 +532,10 @@ class SwapController:
                 continue
             if isinstance(record, dict) and record.get("version") == version:
                 sources.add(str(record.get("source")))
-        if len(sources) > 1:
-            return "mixed"
-        return sources.pop() if sources else None
+                if isinstance(record.get("staged_bytes"), int):
+                    staged[str(record.get("rank"))] = record["staged_bytes"]
+        source = "mixed" if len(sources) > 1 else (sources.pop() if sources else None)
+        return source, staged or None
 
     def _resume(self) -> None:
         if self.state.paused:

@@ -39,7 +39,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,7 @@ from ..errors import DBSyncError
 from ..fileio import write_atomic
 from ..format import Head
 from ..receiver import Receiver
+from .reads import Layout, OutsideWindowError, ReadRecorder, layout_of
 from .transport import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -249,12 +250,31 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                 loaded += 1
                 yield pair
 
+        recorder: ReadRecorder | None = None
+        staged_bytes: int | None = None
+
+        def load(pairs: Iterable[tuple[str, torch.Tensor]], layout: Callable[[], Layout]
+                 ) -> None:
+            """load_weights, recording what it reads when the stager wants to know."""
+            nonlocal recorder
+            if self._stager is not None and self._stager.needs_recording(layout()):
+                recorder = ReadRecorder()
+                with recorder:
+                    self.model.load_weights(counted(recorder.tracked(pairs)))
+            else:
+                self.model.load_weights(counted(pairs))
+
         try:
             staged = None if update_info.head else self._staged(update_info)
             if staged is not None:
-                source = "broadcast"
+                source, staged_bytes = "broadcast", staged.nbytes
                 with _no_mtp_check():
-                    self.model.load_weights(counted(staged.pairs))
+                    if staged.windowed is not None:
+                        with staged.reading() as pairs:
+                            self.model.load_weights(counted(pairs))
+                    else:
+                        assert staged.pairs is not None
+                        load(staged.pairs, lambda: layout_of(staged.pairs))
             else:
                 receiver = Receiver(update_info.root, reader_id=reader_id, verify=False)
                 head = None if update_info.head is None else Head.loads(
@@ -268,12 +288,17 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                     if update_info.verify:
                         snap.verify()
                     with _no_mtp_check():
-                        self.model.load_weights(counted(snap.tensors()))
+                        load(snap.tensors(), lambda: tuple(
+                            (e.name, e.torch_dtype, tuple(e.shape))
+                            for e in snap.manifest.tensors))
                     snap.check_unchanged()
         except BaseException as exc:
             self._abandon()
             if self._stager is not None:  # a retry reads the filesystem
                 self._stager.release(update_info.version)
+                outside = _find_cause(exc, OutsideWindowError)
+                if outside is not None:
+                    self._stager.windows_failed(str(outside))
             marker = PARTIALLY_APPLIED if loaded else NOTHING_APPLIED
             raise ApplyError(
                 f"{marker} version {update_info.version} on worker pid {os.getpid()} "
@@ -284,19 +309,23 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                 receiver.close()
         if self._stager is not None:
             self._stager.release(update_info.version)
+            if recorder is not None:
+                self._stager.record(recorder.windows())
         self.applied_version, self.last_source = update_info.version, source
         log.info("dbsync: worker pid %d applied version %d from the %s", os.getpid(),
                  update_info.version, source)
-        self._report(update_info, source)
+        self._report(update_info, source, staged_bytes)
 
-    def _report(self, update_info: DBSyncUpdateInfo, source: str) -> None:
-        """Tell the controller where the version came from (best effort: a report directory
-        that is not on this host is skipped)."""
+    def _report(self, update_info: DBSyncUpdateInfo, source: str,
+                staged_bytes: int | None) -> None:
+        """Tell the controller where the version came from and, from the broadcast, how many
+        bytes this worker held staged for it (best effort: a report directory that is not on
+        this host is skipped)."""
         if update_info.report is None or not os.path.isdir(update_info.report):
             return
         rank = _worker_rank()
         record = {"version": update_info.version, "source": source, "rank": rank,
-                  "pid": os.getpid()}
+                  "pid": os.getpid(), "staged_bytes": staged_bytes}
         try:
             write_atomic(os.path.join(update_info.report, f"{rank}.json"),
                          json.dumps(record).encode(), durable=False, sync_dir=False)
@@ -317,6 +346,18 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _find_cause(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """``exc`` or the first exception of ``kind`` it was raised from or during."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def configure_logging() -> None:

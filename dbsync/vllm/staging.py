@@ -15,14 +15,29 @@ bucket with a checksum computed on its device), before its tensors are staged: n
 no host hashing. A push the sender did not seal is not staged (the apply reads the filesystem).
 How the bucket checksums relate to the manifest's: see docs/BROADCAST.md.
 
+What is staged: until this worker's first apply, each version is received straight into one
+fresh allocation of the whole version (no bucket buffers, no second copy). That apply records
+which bytes of each tensor this worker's weight loaders read (``reads.ReadRecorder``); under
+tensor parallelism that is this rank's share of most tensors. From then on, when those byte
+windows are at most ``WINDOW_SHARE`` of the version, each version is received through rotating
+bucket buffers, every bucket verified on the device, and only the windows are kept; the apply
+hands the loaders full-shape tensors holding the windows, one tensor at a time, under a guard
+that stops it before any operation reads an unstaged byte (``reads.ReadGuard``).
+
 Hazards, stated plainly:
-- Each version is received straight into one fresh allocation on the receiving device (the
-  staged copy itself: no bucket buffers, no second copy, nothing copied out while the stream
-  runs): the FULL model (not this rank's shard), so a worker briefly holds one extra copy of
-  the model (two while a newer version arrives during an apply). On GPUs that memory must be
-  free besides vLLM's own (lower ``gpu_memory_utilization``). The copy is released once it is
-  applied (or replaced by the next version; a refused or never-applied version stays staged
-  until then).
+- Staged memory on the receiving device: before windows, the FULL version (one extra copy of
+  the model; two while a newer version arrives during an apply), released once applied or
+  replaced; with windows, one allocation of this worker's windows, kept and reused version
+  after version (two or three while versions arrive during applies; at most two spares are
+  kept), plus the receiver's bucket buffers (``depth`` x bucket size, 768 MiB at the
+  defaults), and during an apply one full-shape tensor at a time (vLLM's layerwise reload
+  keeps a layer's tensors until the layer is complete). On GPUs that memory must be free
+  besides vLLM's own (lower ``gpu_memory_utilization``). A refused or never-applied version
+  stays staged until the next one replaces it.
+- Windows rely on the loaders reading through torch operations on the applying thread (see
+  ``reads``); ``DBSYNC_STAGE_WINDOWS=0`` stages whole versions always. A guard trip fails that
+  apply (the controller retries it from the filesystem) and turns windows off for the life of
+  the worker.
 - While staging, this worker is a group member: its thread must keep receiving, and it does,
   but a worker process that stalls (e.g. swapped out) longer than the step timeout is dropped
   from the group; it then reads that version from the filesystem and re-joins.
@@ -36,18 +51,21 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..errors import DBSyncError
 from ..store import Store
+from .reads import ByteWindows, Layout, ReadGuard
 from .transport import check_transport, choose_transport, local_device
 
 log = logging.getLogger(__name__)
@@ -58,17 +76,84 @@ _CHECK_SECONDS = 1.0
 #: keep a core busy next to the engine)
 _MEMBER_POLL_SECONDS = 0.002
 
+#: windows are staged only when they keep at most this share of the version's bytes
+WINDOW_SHARE = 0.75
+#: set to "0" to stage whole versions always
+WINDOWS_ENV = "DBSYNC_STAGE_WINDOWS"
+
 Pairs = list[tuple[str, torch.Tensor]]
+
+
+def windows_enabled() -> bool:
+    return os.environ.get(WINDOWS_ENV, "1") != "0"
+
+
+class WindowedCopy:
+    """One version staged as byte windows: one allocation on the receiving device holding,
+    per tensor, the bytes of it this worker reads (``dest``: the receiver's destinations)."""
+
+    def __init__(self, windows: ByteWindows, device: torch.device | str):
+        from ..nccl.stream import ByteWindow
+
+        self.windows = windows
+        places, total = {}, 0
+        for name, _, _ in windows.layout:
+            lo, hi = windows.ranges[name]
+            places[name] = (total, lo, hi)
+            total += -(-(hi - lo) // 64) * 64
+        self.flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+        self.dest = {name: ByteWindow(lo, hi, self.flat[at:at + hi - lo])
+                     for name, (at, lo, hi) in places.items()}
+        #: the receiver's per-bucket copy plans into this allocation: kept with it, so a
+        #: reused copy lands version after version without planning again (on GPUs a plan
+        #: costs host-device round trips per bucket that would stall the stream)
+        self.plans: dict[int, Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.windows.kept_bytes
+
+    def tensors(self, guard: ReadGuard) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor at full shape, holding its window (the rest is not initialized: the
+        guard stops any read of it), one at a time, tracked by ``guard``."""
+        device = self.flat.device
+        for name, dtype, shape in self.windows.layout:
+            full = torch.empty(shape, dtype=dtype, device=device)
+            window = self.dest[name]
+            if window.hi > window.lo:
+                full.reshape(-1).view(torch.uint8)[window.lo:window.hi].copy_(window.into)
+            yield name, guard.track(name, full)
 
 
 @dataclass
 class Staged:
     """One version received over the broadcast, verified bucket by bucket: its tensors
-    (manifest order) and the digest of the manifest the sender published it under."""
+    (manifest order; whole, or this worker's windows of them) and the digest of the manifest
+    the sender published it under."""
 
     version: int
-    pairs: Pairs
     manifest_digest: str
+    pairs: Pairs | None = None
+    windowed: WindowedCopy | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the receiving device for this version."""
+        if self.windowed is not None:
+            return self.windowed.nbytes
+        assert self.pairs is not None
+        return sum(t.numel() * t.element_size() for _, t in self.pairs)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+        """The (name, tensor) pairs to apply; from windows, inside their ``ReadGuard``."""
+        if self.windowed is None:
+            assert self.pairs is not None
+            yield iter(self.pairs)
+            return
+        guard = ReadGuard(self.windowed.windows)
+        with guard:
+            yield self.windowed.tensors(guard)
 
     def matches(self, root: str) -> str | None:
         """None if the manifest at ``root`` is the one this version was published under,
@@ -118,7 +203,12 @@ class StagingReceiver:
         self._cond = threading.Condition()
         self._staged: Staged | None = None
         self._receiving: int | None = None
-        self._incoming: tuple[int, Pairs] | None = None
+        self._incoming: tuple[int, Pairs | WindowedCopy] | None = None
+        self._windows: ByteWindows | None = None
+        #: the staged version an apply took, until it releases it
+        self._taken: Staged | None = None
+        #: windowed copies that no staged version or apply holds, reused by the next versions
+        self._spare: list[WindowedCopy] = []
         self._floor = self._rx.fs.latest_version() or 0
         self._stop = threading.Event()
         self.last_error: str | None = None
@@ -129,16 +219,56 @@ class StagingReceiver:
     def receiver(self):  # noqa: ANN201 - the BroadcastReceiver (tests set its hooks)
         return self._rx
 
+    @property
+    def windows(self) -> ByteWindows | None:
+        """The byte windows staged of each version (None: whole versions)."""
+        return self._windows
+
+    @windows.setter
+    def windows(self, windows: ByteWindows | None) -> None:
+        # Takes effect from the next push header: the receiver reads whole_version once per
+        # push, and ``_stage`` keeps everything of a layout the windows do not describe.
+        self._windows = windows
+        self._rx.whole_version = windows is None
+
     def _stage(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         from ..nccl.stream import IncomingVersion
 
         if not isinstance(pairs, IncomingVersion) or not pairs.verify:
             raise _NotBroadcast
+        header = pairs.header
         with self._cond:
-            self._receiving = pairs.header.version
-        # views of this version's own receive allocation (``whole_version``): kept as they are
-        kept: Pairs = [(name, tensor.detach()) for name, tensor in pairs]
-        self._incoming = (pairs.header.version, kept)
+            self._receiving = header.version
+        if pairs.whole_version:
+            # views of this version's own receive allocation: kept as they are
+            kept: Pairs = [(name, tensor.detach()) for name, tensor in pairs]
+            self._incoming = (header.version, kept)
+            return
+        layout: Layout = tuple((e.name, e.torch_dtype, tuple(e.shape)) for e in header.entries)
+        windows = self.windows
+        if windows is None or windows.layout != layout:  # another layout: keep all of it
+            windows = ByteWindows(layout, {e.name: (0, e.nbytes) for e in header.entries})
+        copy = self._copy_for(windows)
+        self._incoming = (header.version, copy)
+        pairs.copy_into(copy.dest, copy.plans)
+
+    def _copy_for(self, windows: ByteWindows) -> WindowedCopy:
+        """A spare copy of these windows (its plans kept), else a new one."""
+        with self._cond:
+            while self._spare:
+                copy = self._spare.pop()
+                if copy.windows is windows or copy.windows == windows:
+                    return copy
+        return WindowedCopy(windows, self._rx.device)
+
+    def _retire(self, staged: Staged | WindowedCopy | None) -> None:
+        """Keep the windowed copy of a version nothing holds any more for reuse (at most two
+        spares; caller holds ``_cond``)."""
+        copy = staged.windowed if isinstance(staged, Staged) else staged
+        if (copy is None or (self._staged is not None and self._staged.windowed is copy)
+                or (self._taken is not None and self._taken.windowed is copy)):
+            return
+        self._spare = [copy, *self._spare[:1]]
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -152,7 +282,10 @@ class StagingReceiver:
                         and self._rx.last_source == "broadcast"):
                     # the sender confirms the version once it is on the filesystem
                     digest = self._rx.published(timeout=2 * self.step_timeout)
-                    staged = Staged(version, incoming[1], digest)
+                    kept = incoming[1]
+                    staged = (Staged(version, digest, windowed=kept)
+                              if isinstance(kept, WindowedCopy)
+                              else Staged(version, digest, pairs=kept))
             except _NotBroadcast:
                 # A version reached this receiver through the filesystem only: leave it to the
                 # apply, and wait for the next one.
@@ -164,12 +297,17 @@ class StagingReceiver:
                 if not isinstance(exc, DBSyncError):
                     self._stop.wait(_CHECK_SECONDS)
             with self._cond:
+                if staged is None and self._incoming is not None:  # not staged: reusable
+                    kept = self._incoming[1]
+                    self._retire(kept if isinstance(kept, WindowedCopy) else None)
                 self._incoming, self._receiving = None, None
                 if staged is not None:
-                    self._staged = staged
+                    old, self._staged = self._staged, staged
+                    self._retire(old)
                     self._floor = max(self._floor, staged.version)
-                    log.info("dbsync: worker pid %d staged version %d from the broadcast",
-                             os.getpid(), staged.version)
+                    log.info("dbsync: worker pid %d staged version %d from the broadcast "
+                             "(%d bytes held%s)", os.getpid(), staged.version, staged.nbytes,
+                             "" if staged.windowed is None else ": this worker's reads")
                 self._cond.notify_all()
 
     def take(self, version: int, wait: float = 0.0) -> Staged | None:
@@ -180,13 +318,20 @@ class StagingReceiver:
             while self._receiving == version and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
             staged = self._staged
-        return staged if staged is not None and staged.version == version else None
+            if staged is None or staged.version != version:
+                return None
+            self._taken = staged  # not reused until released
+            return staged
 
     def release(self, version: int) -> None:
-        """Drop the staged copy of ``version`` (applied: the memory is not needed any more)."""
+        """Drop the staged copy of ``version`` (applied, or not to be applied). A windowed
+        copy is kept for reuse by a later version (with its copy plans)."""
         with self._cond:
-            if self._staged is not None and self._staged.version == version:
-                self._staged = None
+            for attr in ("_staged", "_taken"):
+                staged = getattr(self, attr)
+                if staged is not None and staged.version == version:
+                    setattr(self, attr, None)
+                    self._retire(staged)
 
     def close(self) -> None:
         self._stop.set()
@@ -211,6 +356,10 @@ class Stager:
         self._receiver: StagingReceiver | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: what this worker's last recorded apply read, and the windows staged from it
+        self._recorded: ByteWindows | None = None
+        self._windows: ByteWindows | None = None
+        self._windows_off = not windows_enabled()
         if transport == "broadcast":
             self._start_receiver()
         else:
@@ -227,6 +376,7 @@ class Stager:
             if self._receiver is None and not self._stop.is_set():
                 self._receiver = StagingReceiver(self.root, device=self.device,
                                                  step_timeout=self.step_timeout)
+                self._receiver.windows = self._windows
                 log.info("dbsync: worker pid %d joins the broadcast of %s (%s)", os.getpid(),
                          self.root, self.device)
 
@@ -238,6 +388,38 @@ class Stager:
                     return
             except Exception:  # noqa: BLE001 - keep watching; the filesystem path remains
                 log.exception("dbsync: could not start the broadcast receiver")
+
+    def needs_recording(self, layout: Layout) -> bool:
+        """Whether an apply of a version of ``layout`` should record what this worker reads
+        (windows are on and none were recorded for that layout)."""
+        recorded = self._recorded
+        return not self._windows_off and (recorded is None or recorded.layout != layout)
+
+    def record(self, windows: ByteWindows) -> None:
+        """What an apply read: stage only that from now on, if it is at most
+        ``WINDOW_SHARE`` of the version."""
+        if self._windows_off:
+            return
+        self._recorded = windows
+        full, kept = windows.full_bytes, windows.kept_bytes
+        use = windows if kept <= WINDOW_SHARE * full else None
+        self._set_windows(use)
+        log.info("dbsync: worker pid %d reads %d of %d bytes of each version: %s", os.getpid(),
+                 kept, full, "staging only those" if use is not None else "staging it whole")
+
+    def windows_failed(self, why: str) -> None:
+        """An apply from windows read outside them: stage whole versions from now on."""
+        self._windows_off = True
+        self._recorded = None
+        self._set_windows(None)
+        log.warning("dbsync: worker pid %d stages whole versions from now on (%s)",
+                    os.getpid(), why)
+
+    def _set_windows(self, windows: ByteWindows | None) -> None:
+        with self._lock:
+            self._windows = windows
+            if self._receiver is not None:
+                self._receiver.windows = windows
 
     def take(self, version: int, wait: float) -> Staged | None:
         receiver = self._receiver

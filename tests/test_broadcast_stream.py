@@ -319,15 +319,17 @@ def test_byte_windows_keep_only_their_bytes_and_a_damaged_bucket_is_refused(
              "c": ByteWindow(0, 0, torch.empty(0, dtype=torch.uint8))})
 
 
-def test_read_windows_record_what_loaders_read_and_the_guard_stops_other_reads() -> None:
+def test_read_windows_record_what_loaders_read_and_the_guard_stops_other_reads(
+        tmp_path: Any) -> None:
+    from dbsync import Receiver
     from dbsync.vllm.reads import OutsideWindowError, ReadGuard, ReadRecorder
     from dbsync.vllm.staging import WindowedCopy
 
-    # A checkpoint as the filesystem hands it out: views of one shard's memory.
-    shard = torch.arange(4 * 8 + 2 * 8 + 3, dtype=torch.float32)
-    column = shard[:32].view(4, 8)      # this rank: rows 2-3 (column-parallel)
-    row = shard[32:48].view(2, 8)       # this rank: columns 4-7 of every row (row-parallel)
-    unused = shard[48:]                 # never read (e.g. a buffer the model recomputes)
+    weights = {"column": torch.arange(32, dtype=torch.float32).view(4, 8),
+               "row": torch.arange(32, 48, dtype=torch.float32).view(2, 8),
+               "unused": torch.arange(48, 51, dtype=torch.float32)}
+    with Sender(tmp_path, durable=False) as sender:
+        sender.push(weights)
     p_column, p_row = torch.zeros(2, 8), torch.zeros(2, 4)
 
     def loader(pairs: Any) -> None:
@@ -337,9 +339,10 @@ def test_read_windows_record_what_loaders_read_and_the_guard_stops_other_reads()
             elif name == "row":
                 p_row.copy_(t.narrow(1, 4, 4))
 
+    # Recorded on an apply from the filesystem: views of the mapped shard file.
     recorder = ReadRecorder()
-    with recorder:
-        loader(recorder.tracked([("column", column), ("row", row), ("unused", unused)]))
+    with Receiver(tmp_path) as rx, rx.open() as snap, recorder:
+        loader(recorder.tracked(snap.tensors()))
     windows = recorder.windows()
     # byte hulls: rows 2-3 exactly; the row-parallel hull spans from row 0's 5th element to
     # the end; nothing of the unused tensor
@@ -349,7 +352,7 @@ def test_read_windows_record_what_loaders_read_and_the_guard_stops_other_reads()
     # Staged as windows (bytes a receiver would copy in), applied under the guard: the
     # loader gets exactly what it got from the whole checkpoint.
     staged = WindowedCopy(windows, "cpu")
-    for name, t in (("column", column), ("row", row), ("unused", unused)):
+    for name, t in weights.items():
         lo, hi = windows.ranges[name]
         staged.dest[name].into.copy_(t.reshape(-1).view(torch.uint8)[lo:hi])
     want = p_column.clone(), p_row.clone()
@@ -359,6 +362,8 @@ def test_read_windows_record_what_loaders_read_and_the_guard_stops_other_reads()
     with guard:
         loader(staged.tensors(guard))
     assert torch.equal(p_column, want[0]) and torch.equal(p_row, want[1])
+    assert torch.equal(p_column, weights["column"][2:])
+    assert torch.equal(p_row, weights["row"][:, 4:])
 
     # A loader that reads more than was recorded is stopped before the copy runs.
     p_column.zero_()

@@ -228,7 +228,10 @@ class StagingReceiver:
     def windows(self, windows: ByteWindows | None) -> None:
         # Takes effect from the next push header: the receiver reads whole_version once per
         # push, and ``_stage`` keeps everything of a layout the windows do not describe.
-        self._windows = windows
+        with self._cond:
+            if windows != self._windows:
+                self._spare = []  # sized for the old windows: free their memory
+            self._windows = windows
         self._rx.whole_version = windows is None
 
     def _stage(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:

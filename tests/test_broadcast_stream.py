@@ -218,10 +218,69 @@ def test_staging_receiver_stages_verified_versions_under_the_confirmed_manifest(
             assert staged.matches(root) is None
             manifest = sender.store.require_manifest()
             assert staged.manifest_digest == rv.manifest_digest(manifest)
-            forged = Staged(1, staged.pairs, "0" * 64)
+            forged = Staged(1, "0" * 64, pairs=staged.pairs)
             assert "not the one" in (forged.matches(root) or "")
         finally:
             staging.close()
+
+
+def test_staging_receiver_keeps_only_windows_and_a_new_layout_whole(tmp_path: Any) -> None:
+    """With windows set, the staging receiver keeps only those bytes of each version (through
+    bucket buffers, verified), reuses the allocation once a version was released, and stages
+    a version of another layout whole, so that its apply can record again."""
+    pytest.importorskip("vllm")  # dbsync.vllm imports it
+    from dbsync.nccl import BroadcastSender
+    from dbsync.vllm.reads import ByteWindows
+    from dbsync.vllm.staging import Stager, StagingReceiver
+
+    root = str(tmp_path)
+    gen = torch.Generator().manual_seed(4)
+    weights = {f"w{i}": torch.randn(64, 9, generator=gen) for i in range(5)}
+    layout = tuple((n, t.dtype, tuple(t.shape)) for n, t in weights.items())
+    ranges = {n: (i * 8, i * 8 + 576) for i, n in enumerate(weights)}  # 576 of 2,304 bytes
+
+    def staged_version(staging: StagingReceiver, version: int) -> Any:
+        deadline = time.monotonic() + 20
+        while (staged := staging.take(version, wait=5)) is None:
+            assert time.monotonic() < deadline, staging.last_error
+            time.sleep(0.05)  # the sender's confirmation follows its publish
+        return staged
+
+    with Sender(root, durable=False) as sender, BroadcastSender(
+            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT, join_timeout=10,
+            bucket_bytes=1024) as bs:
+        staging = StagingReceiver(root, reader_id="stage", device="cpu", step_timeout=TIMEOUT)
+        try:
+            assert bs.wait_for_joins(1, 20)
+            staging.windows = ByteWindows(layout, ranges)
+            flats = []
+            for version in (1, 2):
+                assert bs.push(weights) == version
+                staged = staged_version(staging, version)
+                assert staged.pairs is None and staged.nbytes == 5 * 576
+                for name, t in weights.items():
+                    lo, hi = ranges[name]
+                    assert torch.equal(staged.windowed.dest[name].into,
+                                       t.reshape(-1).view(torch.uint8)[lo:hi])
+                flats.append(staged.windowed.flat.data_ptr())
+                staging.release(version)  # applied: its allocation is reused
+            assert flats[0] == flats[1]
+            wider = {**weights, "extra": torch.randn(7, generator=gen)}
+            assert bs.push(wider) == 3
+            staged = staged_version(staging, 3)
+            assert staged.nbytes == sum(t.nbytes for t in wider.values())
+            assert all(torch.equal(staged.windowed.dest[n].into, t.reshape(-1).view(torch.uint8))
+                       for n, t in wider.items())
+        finally:
+            staging.close()
+    # the worker's side: that layout was not recorded, so its apply records
+    stager = Stager(root, "auto", device="cpu")
+    try:
+        stager.record(ByteWindows(layout, ranges))
+        assert not stager.needs_recording(layout)
+        assert stager.needs_recording(staged.windowed.windows.layout)
+    finally:
+        stager.close()
 
 
 def test_fused_verify_copy_plan_writes_only_rows_that_verify() -> None:
@@ -365,11 +424,24 @@ def test_read_windows_record_what_loaders_read_and_the_guard_stops_other_reads(
     assert torch.equal(p_column, weights["column"][2:])
     assert torch.equal(p_row, weights["row"][:, 4:])
 
-    # A loader that reads more than was recorded is stopped before the copy runs.
-    p_column.zero_()
-    guard = ReadGuard(windows)
-    with pytest.raises(OutsideWindowError, match="'column'"), guard:
-        for name, t in staged.tensors(guard):
-            if name == "column":
-                p_column.copy_(t.narrow(0, 1, 2))
-    assert not p_column.any()
+    # A loader that reads more than was recorded is stopped before the copy runs, also when
+    # the read is a composite op that inference mode hands to the mode whole.
+    for inference in (False, True):
+        p_column.zero_()
+        guard = ReadGuard(windows)
+        with pytest.raises(OutsideWindowError, match="'column'"), guard, \
+                torch.inference_mode(inference):
+            for name, t in staged.tensors(guard):
+                if name == "column":
+                    p_column.copy_(t.narrow(0, 1, 2).to(torch.float64))
+        assert not p_column.any()
+
+    # Two tracked tensors sharing bytes (one inside the other): a read of the outer one
+    # beyond the inner one is still seen.
+    recorder = ReadRecorder()
+    outer = torch.arange(100, dtype=torch.uint8)
+    recorder.track("outer", outer)
+    recorder.track("inner", outer[10:20])
+    with recorder:
+        outer[30:40].clone()
+    assert recorder.read == {"outer": [30, 40]}

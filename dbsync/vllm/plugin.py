@@ -34,6 +34,7 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -54,7 +55,7 @@ from ..errors import DBSyncError
 from ..fileio import write_atomic
 from ..format import Head
 from ..receiver import Receiver
-from .reads import Layout, OutsideWindowError, ReadRecorder, layout_of
+from .reads import Layout, OutsideWindowError, ReadGuard, ReadRecorder, layout_of
 from .transport import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -185,6 +186,11 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         #: "broadcast" or "filesystem": where the last applied version came from
         self.last_source: str | None = None
         self._stager: Stager | None = None
+        #: the mode the update in progress reads under (a recorder, or the guard of staged
+        #: windows), entered again for ``finish_weight_update``, where vLLM's layerwise reload
+        #: replays deferred loads; and whether to keep what it recorded once the update ends
+        self._reads: ReadRecorder | None = None
+        self._keep_recorded = False
 
     def init_transfer_engine(self, init_info: DBSyncInitInfo) -> None:
         if init_info.root is not None and not os.path.isdir(init_info.root):
@@ -204,12 +210,28 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._reads, self._keep_recorded = None, False
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        reads, self._reads = self._reads, None
+        keep, self._keep_recorded = self._keep_recorded, False
+        try:
+            with reads if reads is not None else contextlib.nullcontext():
+                finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException as exc:
+            self._check_windows(exc)
+            raise
+        if keep and reads is not None and self._stager is not None:
+            self._stager.record(reads.windows())
+
+    def _check_windows(self, exc: BaseException) -> None:
+        """After a failed apply: if it read outside staged windows, stage whole versions."""
+        outside = _find_cause(exc, OutsideWindowError)
+        if outside is not None and self._stager is not None:
+            self._stager.windows_failed(str(outside))
 
     def _staged(self, update_info: DBSyncUpdateInfo) -> Staged | None:
         """The broadcast copy of the requested version, if this worker holds one that matches
@@ -250,18 +272,19 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                 loaded += 1
                 yield pair
 
-        recorder: ReadRecorder | None = None
         staged_bytes: int | None = None
 
-        def load(pairs: Iterable[tuple[str, torch.Tensor]], layout: Callable[[], Layout]
-                 ) -> None:
-            """load_weights, recording what it reads when the stager wants to know."""
-            nonlocal recorder
+        def recorder_for(layout: Callable[[], Layout]) -> ReadRecorder | None:
+            """A recorder when the stager wants to know what this apply reads."""
             if self._stager is not None and self._stager.needs_recording(layout()):
-                recorder = ReadRecorder()
-                with recorder:
-                    self.model.load_weights(counted(recorder.tracked(pairs)))
-            else:
+                return ReadRecorder()
+            return None
+
+        def load(pairs: Iterable[tuple[str, torch.Tensor]], reads: ReadRecorder | None
+                 ) -> None:
+            """load_weights, under ``reads`` when given (kept for finish_weight_update)."""
+            self._reads = reads
+            with reads if reads is not None else contextlib.nullcontext():
                 self.model.load_weights(counted(pairs))
 
         try:
@@ -270,11 +293,15 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                 source, staged_bytes = "broadcast", staged.nbytes
                 with _no_mtp_check():
                     if staged.windowed is not None:
-                        with staged.reading() as pairs:
-                            self.model.load_weights(counted(pairs))
+                        # windows of a layout not recorded yet hold whole tensors: record
+                        windows = staged.windowed.windows
+                        reads = recorder_for(lambda: windows.layout) or ReadGuard(windows)
+                        load(staged.windowed.tensors(reads), reads)
                     else:
                         assert staged.pairs is not None
-                        load(staged.pairs, lambda: layout_of(staged.pairs))
+                        pairs = staged.pairs
+                        reads = recorder_for(lambda: layout_of(pairs))
+                        load(pairs if reads is None else reads.tracked(pairs), reads)
             else:
                 receiver = Receiver(update_info.root, reader_id=reader_id, verify=False)
                 head = None if update_info.head is None else Head.loads(
@@ -288,17 +315,17 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                     if update_info.verify:
                         snap.verify()
                     with _no_mtp_check():
-                        load(snap.tensors(), lambda: tuple(
+                        reads = recorder_for(lambda: tuple(
                             (e.name, e.torch_dtype, tuple(e.shape))
                             for e in snap.manifest.tensors))
+                        tensors = snap.tensors()
+                        load(tensors if reads is None else reads.tracked(tensors), reads)
                     snap.check_unchanged()
         except BaseException as exc:
             self._abandon()
             if self._stager is not None:  # a retry reads the filesystem
                 self._stager.release(update_info.version)
-                outside = _find_cause(exc, OutsideWindowError)
-                if outside is not None:
-                    self._stager.windows_failed(str(outside))
+                self._check_windows(exc)
             marker = PARTIALLY_APPLIED if loaded else NOTHING_APPLIED
             raise ApplyError(
                 f"{marker} version {update_info.version} on worker pid {os.getpid()} "
@@ -309,8 +336,8 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                 receiver.close()
         if self._stager is not None:
             self._stager.release(update_info.version)
-            if recorder is not None:
-                self._stager.record(recorder.windows())
+        # what a recorder saw is kept once finish_weight_update replayed the deferred loads
+        self._keep_recorded = type(self._reads) is ReadRecorder
         self.applied_version, self.last_source = update_info.version, source
         log.info("dbsync: worker pid %d applied version %d from the %s", os.getpid(),
                  update_info.version, source)

@@ -9,10 +9,12 @@ broadcast staging then keeps only those ranges (``ByteWindows``); ``ReadGuard`` 
 later apply from them and stops it before any operation reads a byte outside them.
 
 Hazards, stated plainly:
-- Only operations dispatched through torch on the applying thread are seen. A loader that
-  reads a tensor's memory another way (``tolist()``, NumPy, a C extension given a data pointer,
-  another thread) is not recorded, and the guard cannot stop it: do not use windows with such
-  loaders (``DBSYNC_STAGE_WINDOWS=0`` turns them off).
+- Only operations dispatched through torch on the applying thread, while the mode is entered,
+  are seen. A loader that reads a tensor's memory another way (``tolist()``, NumPy, printing a
+  tensor, DLPack, a C extension given a data pointer, another thread) is not recorded, and the
+  guard cannot stop it: do not use windows with such loaders (``DBSYNC_STAGE_WINDOWS=0`` turns
+  them off). The vLLM backend enters the mode for ``receive_weights`` and again for
+  ``finish_weight_update`` (where vLLM's layerwise reload replays deferred loads).
 - A window is the hull of what was read: a row-parallel weight (this rank's columns of every
   row) spans nearly the whole tensor, so its window saves little.
 - Windows hold for the layout they were recorded on (names, dtypes, shapes) and the engine
@@ -73,23 +75,28 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 class _Intervals:
     """The tracked tensors living in one storage: sorted byte intervals -> name."""
 
-    __slots__ = ("ref", "starts", "ends", "names")
+    __slots__ = ("ref", "starts", "ends", "names", "nested")
 
     def __init__(self, ref: weakref.ref) -> None:
         self.ref = ref
         self.starts: list[int] = []
         self.ends: list[int] = []
         self.names: list[str] = []
+        #: two tracked tensors share bytes: look through every interval
+        self.nested = False
 
     def add(self, start: int, end: int, name: str) -> None:
         at = bisect.bisect_right(self.starts, start)
+        if (at and self.ends[at - 1] > start) or (at < len(self.starts)
+                                                   and self.starts[at] < end):
+            self.nested = True
         self.starts.insert(at, start)
         self.ends.insert(at, end)
         self.names.insert(at, name)
 
     def overlapping(self, lo: int, hi: int) -> Iterator[tuple[str, int, int]]:
         """(name, first, stop) relative to each tracked tensor overlapping [lo, hi)."""
-        at = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        at = 0 if self.nested else max(bisect.bisect_right(self.starts, lo) - 1, 0)
         while at < len(self.starts) and self.starts[at] < hi:
             start, end = self.starts[at], self.ends[at]
             if end > lo:
@@ -165,10 +172,18 @@ class ReadRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         kwargs = kwargs or {}
-        if not func.is_view:  # a view reads nothing; what is done with it is seen later
-            for leaf in tree_leaves((args, kwargs)):
-                for name, first, stop in self._reads(leaf):
-                    self._note(name, first, stop)
+        if func.is_view:
+            # A composite op that may return a view (``to``, ``contiguous``, ``reshape``)
+            # reaches a mode whole under inference mode: run its parts inside this mode, so a
+            # copy it makes is seen. A true view reads nothing (what is done with it is seen).
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+            return func(*args, **kwargs)
+        for leaf in tree_leaves((args, kwargs)):
+            for name, first, stop in self._reads(leaf):
+                self._note(name, first, stop)
         return func(*args, **kwargs)
 
 

@@ -22,7 +22,9 @@ tensor parallelism that is this rank's share of most tensors. From then on, when
 windows are at most ``WINDOW_SHARE`` of the version, each version is received through rotating
 bucket buffers, every bucket verified on the device, and only the windows are kept; the apply
 hands the loaders full-shape tensors holding the windows, one tensor at a time, under a guard
-that stops it before any operation reads an unstaged byte (``reads.ReadGuard``).
+that stops it before any operation reads an unstaged byte (``reads.ReadGuard``). Versions of
+a layout whose reads were not recorded yet are staged whole (windows covering everything) and
+their apply records.
 
 Hazards, stated plainly:
 - Staged memory on the receiving device: before windows, the FULL version (one extra copy of
@@ -30,8 +32,9 @@ Hazards, stated plainly:
   replaced; with windows, one allocation of this worker's windows, kept and reused version
   after version (two or three while versions arrive during applies; at most two spares are
   kept), plus the receiver's bucket buffers (``depth`` x bucket size, 768 MiB at the
-  defaults), and during an apply one full-shape tensor at a time (vLLM's layerwise reload
-  keeps a layer's tensors until the layer is complete). On GPUs that memory must be free
+  defaults), and during an apply full-shape tensors (vLLM's layerwise reload keeps a layer's
+  tensors until the layer is complete, attention layers and layers with padding until the
+  end of the apply: for an MoE layer, every expert at full size). On GPUs that memory must be free
   besides vLLM's own (lower ``gpu_memory_utilization``). A refused or never-applied version
   stays staged until the next one replaces it.
 - Windows rely on the loaders reading through torch operations on the applying thread (see
@@ -51,7 +54,6 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -65,7 +67,7 @@ import torch
 
 from ..errors import DBSyncError
 from ..store import Store
-from .reads import ByteWindows, Layout, ReadGuard
+from .reads import ByteWindows, Layout, ReadRecorder
 from .transport import check_transport, choose_transport, local_device
 
 log = logging.getLogger(__name__)
@@ -113,16 +115,17 @@ class WindowedCopy:
     def nbytes(self) -> int:
         return self.windows.kept_bytes
 
-    def tensors(self, guard: ReadGuard) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each tensor at full shape, holding its window (the rest is not initialized: the
-        guard stops any read of it), one at a time, tracked by ``guard``."""
+    def tensors(self, reads: ReadRecorder) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor at full shape, holding its window (the rest is not initialized: apply
+        them under a ``ReadGuard`` of these windows), made one at a time as the loader asks,
+        each tracked by ``reads``."""
         device = self.flat.device
         for name, dtype, shape in self.windows.layout:
             full = torch.empty(shape, dtype=dtype, device=device)
             window = self.dest[name]
             if window.hi > window.lo:
                 full.reshape(-1).view(torch.uint8)[window.lo:window.hi].copy_(window.into)
-            yield name, guard.track(name, full)
+            yield name, reads.track(name, full)
 
 
 @dataclass
@@ -144,16 +147,6 @@ class Staged:
         assert self.pairs is not None
         return sum(t.numel() * t.element_size() for _, t in self.pairs)
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
-        """The (name, tensor) pairs to apply; from windows, inside their ``ReadGuard``."""
-        if self.windowed is None:
-            assert self.pairs is not None
-            yield iter(self.pairs)
-            return
-        guard = ReadGuard(self.windowed.windows)
-        with guard:
-            yield self.windowed.tensors(guard)
 
     def matches(self, root: str) -> str | None:
         """None if the manifest at ``root`` is the one this version was published under,

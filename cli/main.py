@@ -285,6 +285,8 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
         lines += ["  " + line for line in table(
             ["ID", "HOST", "STATE", "LOADED", "LAG", "LAST SEEN"], rows)]
         lines += [f"  {r['id']} {r['state']}: {r['reason']}" for r in rx if r.get("reason")]
+    for reader_id, problem in info.get("malformed_reader_files", {}).items():
+        lines.append(f"ignored    readers/{reader_id}.json: not a reader's lease ({problem})")
     return lines
 
 

@@ -47,6 +47,8 @@ MIN_LEASE_TIMEOUT = 0.5
 MAX_LEASE_TIMEOUT = 3600.0
 #: A lease found dead is removed once it has stayed dead for this many more timeouts.
 DEAD_LEASE_GRACE = 1.0
+#: a push waiting this long for live readers to release a slot says so at WARNING
+SLOW_HOLDER_WARN_S = 10.0
 READING = "reading"
 IDLE = "idle"
 
@@ -113,6 +115,27 @@ def blocks(lease: dict[str, Any], slot: str, stamp_version: Any) -> bool:
     return True
 
 
+def lease_problem(lease: dict[str, Any]) -> str | None:
+    """Why a reader file is not a lease any dbsync reader writes, or None. Such a file is not
+    listed as a receiver (``dbsync status`` names it); a waiting writer still honours the
+    slots it names, to be safe."""
+    def number(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+    pid, timeout = lease.get("pid"), lease.get("lease_timeout")
+    if not isinstance(lease.get("host"), str) or not lease["host"]:
+        return "no host name"
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return f"pid {str(pid)[:20]!r} is not a process id"
+    if timeout is not None and not (number(timeout)
+                                    and MIN_LEASE_TIMEOUT <= timeout <= MAX_LEASE_TIMEOUT):
+        return f"lease_timeout {str(timeout)[:20]!r} is not a number of seconds in " \
+               f"[{MIN_LEASE_TIMEOUT}, {MAX_LEASE_TIMEOUT}]"
+    if not number(lease.get("updated_at")):
+        return "no time of its last renewal (updated_at)"
+    return None
+
+
 def lease_timeout_of(lease: dict[str, Any], default: float) -> float:
     value = lease.get("lease_timeout")
     if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
@@ -176,6 +199,7 @@ class LeaseMonitor:
         # reader_id -> (beat last seen, when this writer first saw that beat)
         self._seen: dict[str, tuple[Any, float]] = {}
         self._timeouts: dict[str, float] = {}  # reader_id -> its lease's own timeout
+        self._live: dict[str, dict[str, Any]] = {}  # the live leases of the last holders()
 
     def _dead_for(self, reader_id: str, lease: dict[str, Any], now: float) -> float | None:
         """Seconds past death (>= 0) if the lease is dead, else None."""
@@ -224,9 +248,16 @@ class LeaseMonitor:
             del self._timeouts[gone]
         return live, dead
 
+    def _describe(self, reader_id: str) -> str:
+        lease = self._live.get(reader_id, {})
+        return (f"{reader_id} (host {str(lease.get('host'))[:64]}, pid "
+                f"{str(lease.get('pid'))[:16]}, holding version "
+                f"{str(lease.get('version'))[:16]})")
+
     def holders(self, slot: str) -> list[str]:
         """Reader ids whose live lease holds the version ``slot`` holds, right now."""
         live, _ = self.scan()
+        self._live = live
         if not any(slot in held_slots(lease) for lease in live.values()):
             return []
         stamp_version, _ = self.store.read_stamp(slot)
@@ -237,11 +268,21 @@ class LeaseMonitor:
         """Block until no live reader holds ``slot``. Returns the seconds waited. Waits at most
         about the longest lease timeout for a reader that stopped beating."""
         start = self.clock()
-        logged = False
+        told = 0  # 1: said at INFO; 2: warned (a reader holds the slot for long)
         while holding := self.holders(slot):
-            if not logged and self.clock() - start > 1.0:
+            waited = self.clock() - start
+            if told < 1 and waited > 1.0:
                 log.info("waiting for reader(s) %s to release slot %s", ", ".join(holding), slot)
-                logged = True
+                told = 1
+            elif told < 2 and waited > SLOW_HOLDER_WARN_S:
+                log.warning(
+                    "the push has waited %.0f s for reader(s) %s to release slot %s of %s: a "
+                    "writer never overwrites a version a live reader holds. It goes on once they "
+                    "release it, or once they stop renewing their lease (dead after their lease "
+                    "timeout); stop or close those readers to publish now",
+                    waited, "; ".join(self._describe(r) for r in holding), slot,
+                    self.store.root)
+                told = 2
             due = self.expires_in(holding)
             # a small margin past the expiry, so the look that follows finds it dead
             sleep(interval if due is None else min(interval, due + 0.005))

@@ -595,10 +595,17 @@ class Receiver:
                                  "reading again", snap.version, self.reader_id)
                         continue
                     raise
-                if callable(target) and not _is_tensor_container(target):
-                    target(snap.tensors())
-                else:
-                    snap.copy_into(target, threads=threads)
+                except DamagedVersionError as exc:
+                    self._refused(snap.version, exc)
+                    raise
+                try:
+                    if callable(target) and not _is_tensor_container(target):
+                        target(snap.tensors())
+                    else:
+                        snap.copy_into(target, threads=threads)
+                except (IncompatibleWeightsError, DamagedVersionError) as exc:
+                    self._refused(snap.version, exc)
+                    raise
                 if snap.leased:  # a private copy was verified before the apply: it stays good
                     snap.check_unchanged()
                 self.mark_loaded(snap.version, snap.run_id)
@@ -618,6 +625,17 @@ class Receiver:
             self._keeper.refused = None
         if not self.read_only:
             self._keeper.write()
+
+    def _refused(self, version: int, exc: DBSyncError) -> None:
+        """A load refused ``version`` (damaged, or unfit for the target): tell the trainer,
+        unless this reader does not report (a helper reader); never hides ``exc``."""
+        if not self.report_loaded:
+            return
+        try:
+            self.report_refusal(version, f"{type(exc).__name__}: {exc}")
+        except OSError as report_error:
+            log.info("could not record the refusal of version %d in %s: %s", version,
+                     self.store.root, report_error)
 
     def report_refusal(self, version: int, reason: str) -> None:
         """Record that ``version`` was refused or failed to apply, so the trainer sees it

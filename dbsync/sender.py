@@ -42,7 +42,9 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .format import (
+    FORMAT_VERSION,
     INDEX_FILE,
+    MANIFEST_FILE,
     SHARD_BYTES,
     SLOTS,
     Head,
@@ -217,6 +219,13 @@ class Sender:
                             "at version 1", self.store.root, exc)
                 return uuid.uuid4().hex, 0, None
             raw = self.store.read_raw_head_json() or {}
+            found = raw.get("format_version")
+            if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION:
+                # a newer dbsync's store: rewriting it would hide its versions from newer
+                # readers and lose what this dbsync cannot read
+                raise UnsupportedFormatError(
+                    f"{os.path.join(self.store.root, MANIFEST_FILE)} (nothing was written)",
+                    found) from None
             version = raw.get("version") if isinstance(raw.get("version"), int) else 0
             slot = raw.get("slot") if raw.get("slot") in SLOTS else None
             log.info("%s holds format %s; the next push rewrites it in this format and "
@@ -269,6 +278,11 @@ class Sender:
                 # already validated and planned; else validated here, before any I/O.
                 # (A background push writes the snapshot's tensors: looked up by the writer.)
                 pairs = sources.pairs_of(weights, self.strategy)  # dtype is applied below
+                if not pairs:
+                    raise InvalidWeightsError(
+                        "nothing to publish: the weights hold no tensors (an empty state "
+                        "dict?); nothing was written. Every receiver would refuse such a "
+                        "version")
                 layout, tensor_states = None, None
                 if blocking:
                     tensor_states = tensorstate.states([t for _, t in pairs])

@@ -15,6 +15,7 @@ from .leases import (
     DEFAULT_LEASE_TIMEOUT,
     READING,
     held_slots,
+    lease_problem,
     lease_timeout_of,
     pid_alive,
     same_pid_namespace,
@@ -60,13 +61,21 @@ def state_of(lease: dict[str, Any], now: float | None = None) -> str:
     return LIVE if held_slots(lease) or lease.get("state") == READING else IDLE
 
 
-def receivers(store: Store) -> list[dict[str, Any]]:
-    """One record per registered receiver: host, loaded version, lag, last seen, state."""
+def receivers(store: Store, malformed: dict[str, str] | None = None
+              ) -> list[dict[str, Any]]:
+    """One record per registered receiver: host, loaded version, lag, last seen, state.
+    Reader files that are not leases (``leases.lease_problem``) are left out; ``malformed``,
+    if given, gets reader id -> why."""
     head = _head_or_none(store)
     current = None if head is None else head.version
     out = []
     now = time.time()
     for reader_id, lease in sorted(store.read_leases().items()):
+        problem = lease_problem(lease)
+        if problem is not None:
+            if malformed is not None:
+                malformed[reader_id] = problem
+            continue
         loaded = lease.get("loaded_version")
         refused = refusal_of(lease)
         updated = lease.get("updated_at")
@@ -130,7 +139,9 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
 def store_status(store: Store) -> dict[str, Any]:
     head = store.read_head()
     writable = store.writable()
-    base = {"root": store.root, "receivers": receivers(store), "leases_writable": writable}
+    malformed: dict[str, str] = {}
+    base = {"root": store.root, "receivers": receivers(store, malformed),
+            "malformed_reader_files": malformed, "leases_writable": writable}
     if not writable:
         base["note"] = ("this view of the store is read-only: receivers reading through "
                         "read-only views cannot register and are not listed")

@@ -386,8 +386,9 @@ class Store:
                     "publish from the trainer's read-write mount"
                 ) from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise self._not_regular((WRITER_LOCK_FILE,), "not a regular file")
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise self._not_regular((WRITER_LOCK_FILE,), _kind(mode))
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -511,9 +512,11 @@ def _mkdir(path: str) -> None:
     except FileExistsError:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode):
+            links = ("; dbsync never follows links inside a store"
+                     if stat.S_ISLNK(st.st_mode) else "")
             raise FormatError(
-                f"{path} is {_kind(st.st_mode)}, not a directory; dbsync never follows links "
-                "inside a store: remove it"
+                f"{path} is {_kind(st.st_mode)}, not a directory{links}: give the path of a "
+                "store directory (or move what is there out of the way)"
             ) from None
         return
     os.chmod(path, DIR_MODE)  # mkdir's mode is filtered by the umask
@@ -550,4 +553,6 @@ def _kind(mode: int) -> str:
         return "a device"
     if stat.S_ISSOCK(mode):
         return "a socket"
-    return "not a regular file"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a file of an unknown kind"

@@ -315,3 +315,21 @@ def test_status_fleet_view_live_idle_dead_refused(store2):
     assert "receivers  7 (1 live, 3 idle, 1 refused, 2 dead)" in human
     assert "remote-refused refused: version 2: lm_head.weight" in human
     assert "remote-stale dead: lease not refreshed for 130 s" in human
+
+
+def test_status_names_reader_files_that_are_not_leases(store2):
+    """Garbage in readers/ is not counted as a receiver: status names it and says why."""
+    readers = os.path.join(store2, "readers")
+    with open(os.path.join(readers, "empty.json"), "w") as f:
+        f.write("{}")
+    with open(os.path.join(readers, "odd.json"), "w") as f:
+        json.dump({"host": "node-1", "pid": "abc", "lease_timeout": -5,
+                   "updated_at": time.time()}, f)
+    with dbsync.Receiver(store2, reader_id="engine"):
+        human = run("status", store2).stdout
+        as_json = json.loads(run("status", store2, "--json").stdout)
+    assert "receivers  1 (1 idle)" in human
+    assert "ignored    readers/empty.json: not a reader's lease (no host name)" in human
+    assert "readers/odd.json: not a reader's lease (pid 'abc'" in human
+    assert [r["id"] for r in as_json["receivers"]] == ["engine"]
+    assert set(as_json["malformed_reader_files"]) == {"empty", "odd"}

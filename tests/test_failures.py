@@ -175,3 +175,53 @@ def test_helper_reader_loads_are_not_counted_as_receivers(root):
     assert helper.load(lambda pairs: None) == 1 and engine.load(lambda pairs: None) == 1
     helper.load(lambda pairs: None)  # a later lease write must not report it either
     assert receivers_at(helper.store, 1) == ["engine"]
+
+
+def test_empty_weights_are_refused_and_a_newer_format_store_is_not_rewritten(root):
+    with dbsync.Sender(root) as sender:
+        with pytest.raises(dbsync.InvalidWeightsError, match="no tensors"):
+            sender.push({})
+        assert sender.latest_version() is None
+        sender.push({"w": torch.ones(2)})
+    head_path = os.path.join(root, MANIFEST_FILE)
+    head = json.load(open(head_path))
+    head["format_version"] = 99  # written by a newer dbsync
+    with open(head_path, "w") as f:
+        json.dump(head, f)
+    written = open(head_path, "rb").read()
+    with pytest.raises(dbsync.FormatError, match="upgrade dbsync"):
+        dbsync.Sender(root)
+    assert open(head_path, "rb").read() == written
+
+
+def test_a_refused_load_is_reported_to_the_trainer(root):
+    with dbsync.Sender(root) as sender:
+        version = sender.push({"w": torch.ones(2)})
+        with dbsync.Receiver(root, reader_id="plain") as rx:
+            with pytest.raises(dbsync.IncompatibleWeightsError):
+                rx.load({"other": torch.zeros(2)})
+            # the trainer learns at once instead of waiting out its timeout
+            with pytest.raises(dbsync.ReceiverRefusedError, match="plain refused version"):
+                sender.wait_for_receivers(version, 1, timeout=30)
+
+
+def test_a_push_held_up_by_a_live_reader_says_who_holds_it(root, caplog):
+    from dbsync.leases import SLOW_HOLDER_WARN_S, LeaseMonitor
+
+    publish(root, {"w": torch.ones(2)})
+    with dbsync.Receiver(root, reader_id="holder") as rx:
+        snap = rx.open()
+        now = [0.0]
+
+        def sleep(seconds):  # time passes only here; the reader lets go after 12 s
+            now[0] += max(seconds, 0.5)
+            if now[0] > SLOW_HOLDER_WARN_S + 2:
+                snap.close()
+
+        monitor = LeaseMonitor(rx.store, clock=lambda: now[0])
+        with caplog.at_level("INFO", logger="dbsync"):
+            waited = monitor.wait_until_free(snap.manifest.slot, sleep=sleep)
+    assert SLOW_HOLDER_WARN_S < waited < SLOW_HOLDER_WARN_S + 5
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1
+    assert "holder" in warned[0].getMessage() and f"pid {os.getpid()}" in warned[0].getMessage()

@@ -134,10 +134,11 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
     """Publish SRC as the next version in ROOT and print that version.
 
     SRC: a .safetensors file, an HF checkpoint directory (sharded, with
-    model.safetensors.index.json, or not), a torch .pt/.pth/.bin state dict (loaded with
-    weights_only=True: no code runs), or a tensordict memmap directory. Everything is checked
-    before ROOT is touched: a failed push publishes nothing. Ctrl-C before the new version is
-    published publishes nothing (exit 130)."""
+    model.safetensors.index.json, or not), a PEFT LoRA adapter directory
+    (adapter_config.json + adapter_model.safetensors), a torch .pt/.pth/.bin state dict
+    (loaded with weights_only=True: no code runs), or a tensordict memmap directory.
+    Everything is checked before ROOT is touched: a failed push publishes nothing. Ctrl-C
+    before the new version is published publishes nothing (exit 130)."""
     if timeout is not None and wait_for is None:
         raise click.UsageError("--timeout only applies with --wait-for N")
     if max_lag_timeout is not None and max_lag is None:
@@ -241,10 +242,16 @@ def status(root: str, as_json: bool) -> None:
     from .fleet import with_reasons
 
     store = _existing_store(root)
-    manifest, problems = current_problems(store)
-    info = store_status(store)
-    if manifest is not None and info.get("version") != manifest.version:
-        manifest, problems = current_problems(store)  # published meanwhile: look again
+    try:
+        manifest, problems = current_problems(store)
+        info = store_status(store)
+        if manifest is not None and info.get("version") != manifest.version:
+            manifest, problems = current_problems(store)  # published meanwhile: look again
+    except (DBSyncError, OSError) as exc:
+        if as_json:  # a monitoring script still gets one JSON object, saying what failed
+            click.echo(json.dumps({"root": store.root, "error": f"{type(exc).__name__}: {exc}"},
+                                  indent=1, sort_keys=True))
+        raise
     info["problems"] = problems
     info["receivers"] = with_reasons(info["receivers"])
     if as_json:
@@ -299,7 +306,8 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
 @click.option("--count", type=click.IntRange(1), default=None, metavar="N",
               help="Exit after printing N lines (the current version counts as one).")
 def watch(root: str, as_json: bool, poll_interval: float | None, count: int | None) -> None:
-    """Print the current version of ROOT, then a line per new version, until interrupted.
+    """Print the current version of ROOT, then a line per new version, until interrupted
+    (Ctrl-C: exit 130) or --count lines were printed (exit 0).
 
     Versions published faster than they are noticed are reported once, as the newest. A new
     training run at ROOT (a new run id) is reported even though its versions start again."""
@@ -323,14 +331,17 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
         if count is not None and printed[0] >= count:
             done.set()
 
+    interrupted = False
     with Watcher(store.root, on_version, poll_interval=poll_interval):
         try:
             while not done.wait(0.5):
                 pass
         except KeyboardInterrupt:
-            pass
+            interrupted = True
     if closed:
         raise closed[0]
+    if interrupted:  # the way to stop it, but still an interruption (exit 130, as documented)
+        raise click.exceptions.Exit(INTERRUPTED_EXIT)
 
 
 def _version_line(store: Store, version: int, as_json: bool) -> str:
@@ -364,10 +375,14 @@ def verify(root: str, want: int | None, threads: int) -> None:
 
     Registers as a receiver while it reads, so a writer will not reuse the slot meanwhile."""
     from dbsync.errors import DamagedVersionError, LeaseExpiredError
+    from dbsync.format import describe_name
     from dbsync.receiver import Receiver
 
     store = _existing_store(root)
     started = time.monotonic()
+    if store.read_head() is None:  # before registering: nothing is written into a non-store
+        fail(f"no version has been published in {store.root}; nothing to verify (check the "
+             "path: a store holds dbsync.json)")
     with Receiver(store.root) as receiver:
         try:
             snap = receiver.open()
@@ -380,9 +395,9 @@ def verify(root: str, want: int | None, threads: int) -> None:
                      f"{manifest.version}); only the current version can be verified, the "
                      "other slot may be rewritten at any time")
             try:
-                snap.verify(threads=threads)
+                snap.verify(threads=threads, by_reading=True)  # a shard cut short: damaged
             except DamagedVersionError as exc:
-                lines = [f"  {name}: {why}" for name, why in exc.damaged.items()]
+                lines = [f"  {describe_name(name)}: {why}" for name, why in exc.damaged.items()]
                 fail(f"version {manifest.version} in {store.root} is damaged: "
                      f"{len(exc.damaged)} of {len(manifest.tensors)} tensor(s) fail "
                      "verification:\n" + "\n".join(lines) +

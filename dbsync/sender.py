@@ -363,7 +363,7 @@ class Sender:
                 raise StalenessError(
                     f"max_lag={self.max_lag}: after {waited:.1f} s, receiver(s) {listing} are "
                     f"still more than {self.max_lag} version(s) behind version {self._version};"
-                    " nothing was published. See `dbsync status ROOT`"
+                    f" nothing was published. See `dbsync status {self.store.root}`"
                 )
             time.sleep(interval)
             interval = min(interval * 1.5, 0.25)

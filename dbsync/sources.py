@@ -273,9 +273,14 @@ def _load_torch_file(path: str) -> Pairs:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
+        # torch's own message runs to a dozen lines of advice on unpickling code, which
+        # dbsync never does: keep its first sentence
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first.split(". ")[0].rstrip(". ")[:300]
         raise InvalidWeightsError(
-            f"{path} could not be loaded as a plain state dict with weights_only=True ({exc}); "
-            "save it with torch.save(model.state_dict(), path) or convert it to safetensors"
+            f"{path} could not be loaded as a plain state dict with weights_only=True "
+            f"({first}); it may hold a pickled module or other objects: save it with "
+            "torch.save(model.state_dict(), path) or convert it to safetensors"
         ) from None
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]

@@ -256,7 +256,7 @@ def test_watch_on_a_garbled_manifest_warns_once_and_keeps_watching(store2):
         os.replace(path + ".tmp", path)  # repaired: version 2 readable again
         assert json.loads(out.wait_for("version"))["version"] == 2
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 130  # interrupted, as the README says
     finally:
         if proc.poll() is None:
             proc.kill()

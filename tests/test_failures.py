@@ -225,3 +225,18 @@ def test_a_push_held_up_by_a_live_reader_says_who_holds_it(root, caplog):
     warned = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1
     assert "holder" in warned[0].getMessage() and f"pid {os.getpid()}" in warned[0].getMessage()
+
+
+def test_verify_by_reading_reports_a_shard_cut_short_while_held(root):
+    """A shard truncated under a leased snapshot (only a process breaking the protocol can)
+    is reported as damaged by a reading verify (dbsync verify's), instead of SIGBUS."""
+    publish(root, {"a": torch.ones(4096), "b": torch.full((4096,), 2.0)})
+    with dbsync.Receiver(root) as rx, rx.open() as snap:
+        assert snap.leased
+        snap.verify(by_reading=True)  # intact: passes
+        path, offset = shard_of(root, "b")
+        os.truncate(path, offset + 100)
+        with pytest.raises(dbsync.DamagedVersionError) as err:
+            snap.verify(by_reading=True)
+    assert list(err.value.damaged) == ["b"]
+    assert "shorter than the manifest" in err.value.damaged["b"]

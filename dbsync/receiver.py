@@ -51,7 +51,7 @@ from .errors import (
     StoreRewoundError,
 )
 from .fileio import ShardView, checksum, wait_all
-from .format import Head, Manifest, check_reader_id, describe_name
+from .format import Head, Manifest, check_reader_id, describe_name, shard_file
 from .leases import DEFAULT_LEASE_TIMEOUT, IDLE, READING, host_identity
 from .store import Store
 
@@ -181,6 +181,13 @@ class Snapshot:
                                             private_copy=not leased)
             except FileNotFoundError:
                 bad_shards[i] = "its shard file is missing"
+            except PermissionError as exc:  # not damage: this user may not read it
+                self.close()
+                raise DBSyncError(
+                    f"{os.path.join(store.slot_dir(manifest.slot), shard_file(i))}: "
+                    f"{exc.strerror or exc} for this process (uid {os.getuid()}); nothing is "
+                    "known to be damaged: read the store as a user who may read its files"
+                ) from None
             except (OSError, FormatError) as exc:
                 bad_shards[i] = f"shard {i}: {exc}"
         for entry in manifest.tensors:

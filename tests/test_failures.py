@@ -240,3 +240,28 @@ def test_verify_by_reading_reports_a_shard_cut_short_while_held(root):
             snap.verify(by_reading=True)
     assert list(err.value.damaged) == ["b"]
     assert "shorter than the manifest" in err.value.damaged["b"]
+
+
+def test_a_shard_this_user_may_not_read_is_not_called_damaged(root):
+    """A verify by a process that may not read a shard (root without its file-access
+    override, as a locked-down container runs) is told so, not told to publish again."""
+    import shutil
+    import subprocess
+    import sys
+
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or setpriv is None:
+        pytest.skip("needs root and util-linux setpriv to drop the file-access override")
+    publish(root, {"a": torch.ones(8)})
+    path, _ = shard_of(root, "a")
+    os.chmod(path, 0o000)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    drop = "-dac_override,-dac_read_search"
+    out = subprocess.run(
+        [setpriv, "--bounding-set", drop, "--inh-caps", drop, sys.executable, "-c",
+         "from cli.main import main; main()", "verify", str(root)],
+        capture_output=True, text=True, cwd=repo, timeout=120,
+        env={**os.environ, "PYTHONPATH": repo})
+    assert out.returncode == 1, out
+    assert "nothing is known to be damaged" in out.stderr and "Permission denied" in out.stderr
+    assert "fail verification" not in out.stderr and "Publish again" not in out.stderr

@@ -200,9 +200,11 @@ def test_staging_receiver_stages_verified_versions_under_the_confirmed_manifest(
     root = str(tmp_path)
     gen = torch.Generator().manual_seed(9)
     weights = {f"w{i}": torch.randn(64, 9, generator=gen) for i in range(5)}
+    # 4 KiB buckets: two tensors span buckets, fewer bytes than the two bucket buffers, so the
+    # version is received whole (``whole_holds_less``)
     with Sender(root, durable=False) as sender, BroadcastSender(
             sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT, join_timeout=10,
-            bucket_bytes=1024) as bs:
+            bucket_bytes=4096) as bs:
         staging = StagingReceiver(root, reader_id="stage", device="cpu", step_timeout=TIMEOUT)
         try:
             assert bs.wait_for_joins(1, 20)
@@ -222,6 +224,23 @@ def test_staging_receiver_stages_verified_versions_under_the_confirmed_manifest(
             assert "not the one" in (forged.matches(root) or "")
         finally:
             staging.close()
+
+
+def test_staging_receives_whole_versions_only_when_that_holds_less() -> None:
+    pytest.importorskip("vllm")  # dbsync.vllm imports it
+    from dbsync.vllm.staging import whole_holds_less
+
+    def header(bucket: int, sizes: list[int]) -> Header:
+        return Header.build(1, 1, 1, bucket, [(f"t{i}", torch.uint8, (n,))
+                                              for i, n in enumerate(sizes)], checksum.ALGORITHM)
+
+    # nothing spans a bucket boundary: whole (no duplicate, no bucket buffers)
+    assert whole_holds_less(header(1 << 20, [1 << 19] * 8), depth=3)
+    # big tensors across boundaries (each duplicated) outweigh three 1 MiB buffers
+    assert not whole_holds_less(header(1 << 20, [3 << 20, 3 << 20]), depth=3)
+    # small tensors across small buckets: their copies hold less than three buffers
+    assert whole_holds_less(header(4096, [5000, 5000]), depth=3)
+    assert not whole_holds_less(header(4096, [5000] * 4), depth=3)
 
 
 def test_staging_receiver_keeps_only_windows_and_a_new_layout_whole(tmp_path: Any) -> None:

@@ -60,8 +60,8 @@ class BroadcastReceiver:
     GPUs, 2 on CPU; each the sender's bucket size). ``whole_version``: receive each version
     into its own fresh allocation of the whole version instead (every bucket posted at once);
     the tensors handed out then stay valid after ``receive`` returns, for as long as they are
-    referenced (a staged copy without a second copy). It may be changed between receives
-    (each push reads it once; ``IncomingVersion.whole_version`` says how that one came)."""
+    referenced (a staged copy without a second copy); a callable taking the push ``Header``
+    decides per push (``IncomingVersion.whole_version`` says how each one came)."""
 
     def __init__(
         self,
@@ -78,7 +78,7 @@ class BroadcastReceiver:
         report_loaded: bool = True,
         fs_verify: bool | None = None,
         depth: int | None = None,
-        whole_version: bool = False,
+        whole_version: bool | Callable[[Header], bool] = False,
     ):
         # report_loaded=False: loads are not reported in the lease (helper readers).
         # fs_verify: checksum verification of filesystem loads (default: ``verify``).
@@ -226,7 +226,8 @@ class BroadcastReceiver:
         dest = _destinations(load_weights, header) if usable else None
         if dest is False:  # names, shapes or dtypes do not fit: the filesystem load says how
             usable = False
-        whole = self.whole_version  # read once: it may be changed between pushes
+        whole = (self.whole_version(header) if callable(self.whole_version)
+                 else self.whole_version)  # decided once per push
         incoming = IncomingVersion(
             self.link.group, header, self._receive_buffers(header, whole), verify=self.verify,
             views=None if whole else self._views, cancelled=cancelled,

@@ -15,8 +15,11 @@ bucket with a checksum computed on its device), before its tensors are staged: n
 no host hashing. A push the sender did not seal is not staged (the apply reads the filesystem).
 How the bucket checksums relate to the manifest's: see docs/BROADCAST.md.
 
-What is staged: until this worker's first apply, each version is received straight into one
-fresh allocation of the whole version (no bucket buffers, no second copy). That apply records
+What is staged: until this worker's first apply, each version is staged whole, received
+either straight into one fresh allocation of the whole version (no bucket buffers, no second
+copy; but each tensor that spans two buckets is assembled into an allocation of its own) or,
+when those assembled tensors would hold more than the bucket buffers, through the buffers into
+a copy of its own (``whole_holds_less`` decides per push). That apply records
 which bytes of each tensor this worker's weight loaders read (``reads.ReadRecorder``); under
 tensor parallelism that is this rank's share of most tensors. From then on, when those byte
 windows are at most ``WINDOW_SHARE`` of the version, each version is received through rotating
@@ -54,6 +57,7 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import socket
@@ -61,7 +65,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,6 +73,9 @@ from ..errors import DBSyncError
 from ..store import Store
 from .reads import ByteWindows, Layout, ReadRecorder
 from .transport import check_transport, choose_transport, local_device
+
+if TYPE_CHECKING:
+    from ..nccl.layout import Header
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +95,21 @@ Pairs = list[tuple[str, torch.Tensor]]
 
 def windows_enabled() -> bool:
     return os.environ.get(WINDOWS_ENV, "1") != "0"
+
+
+def whole_holds_less(header: Header, depth: int) -> bool:
+    """Whether receiving this push into one allocation of the whole version holds fewer bytes
+    than receiving it through ``depth`` bucket buffers into a copy of its own: the whole-version
+    allocation duplicates every tensor that spans two buckets (assembled apart from the
+    checksum rows between them); the other way needs the bucket buffers besides."""
+    from ..nccl import checksum
+
+    ends = [hi for _, hi in header.buckets()][:-1]
+    spanning = sum(e.nbytes for e in header.entries
+                   if bisect.bisect_right(ends, e.offset)
+                   != bisect.bisect_left(ends, e.offset + e.nbytes))
+    size = min(header.bucket_bytes, max(header.total_bytes, 1))
+    return spanning <= depth * checksum.buffer_bytes(size)
 
 
 class WindowedCopy:
@@ -182,6 +204,7 @@ class StagingReceiver:
         self.device = device or local_device()
         self.step_timeout = step_timeout
         reader_id = reader_id or f"{socket.gethostname()}-{os.getpid()}-vllm-staging"
+        self._windows: ByteWindows | None = None  # read by _whole_for at each push
         self._rx = BroadcastReceiver(root, reader_id=reader_id, device=self.device,
                                      verify=True, timeout=step_timeout,
                                      fallback_timeout=2 * step_timeout,
@@ -190,14 +213,13 @@ class StagingReceiver:
                                      # hashing of filesystem deliveries (refused at their first
                                      # tensor anyway)
                                      report_loaded=False, fs_verify=False,
-                                     # received straight into the staged copy: no bucket
-                                     # buffers, no second copy on the device
-                                     whole_version=True)
+                                     # per push: straight into the staged copy, or the
+                                     # windows (``_whole_for``)
+                                     whole_version=self._whole_for)
         self._cond = threading.Condition()
         self._staged: Staged | None = None
         self._receiving: int | None = None
         self._incoming: tuple[int, Pairs | WindowedCopy] | None = None
-        self._windows: ByteWindows | None = None
         #: the staged version an apply took, until it releases it
         self._taken: Staged | None = None
         #: windowed copies that no staged version or apply holds, reused by the next versions
@@ -219,13 +241,18 @@ class StagingReceiver:
 
     @windows.setter
     def windows(self, windows: ByteWindows | None) -> None:
-        # Takes effect from the next push header: the receiver reads whole_version once per
-        # push, and ``_stage`` keeps everything of a layout the windows do not describe.
+        # Takes effect from the next push header (``_whole_for``); ``_stage`` keeps everything
+        # of a layout the windows do not describe.
         with self._cond:
             if windows != self._windows:
                 self._spare = []  # sized for the old windows: free their memory
             self._windows = windows
-        self._rx.whole_version = windows is None
+
+    def _whole_for(self, header: Header) -> bool:
+        """How to receive this push: into one fresh allocation of the whole version (True), or
+        through the bucket buffers into a windowed copy (False): windows when this worker has
+        them, else whichever holds less (``whole_holds_less``)."""
+        return self._windows is None and whole_holds_less(header, self._rx.depth)
 
     def _stage(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         from ..nccl.stream import IncomingVersion

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from dbsync import IncompatibleWeightsError, Sender
+from dbsync.store import Store
 from tests.vllm_helpers import Trainer, engine_kwargs, greedy, tiny_model
 
 pytest.importorskip("vllm")
@@ -38,7 +39,9 @@ def test_broadcast_over_gloo_then_filesystem(llm: Any, tmp_path: Path) -> None:
     store.mkdir()  # readers never create a store; the trainer's Sender fills it
     fresh_b = greedy(llm)
     with dbsync_vllm.attach(llm, store, watch=False, transport="auto") as att:
-        trainer = Trainer(store)
+        # 64 KiB buckets: the tiny model's bigger tensors span them, so the worker stages
+        # through its bucket buffers into a copy of its own (whole_holds_less)
+        trainer = Trainer(store, bucket_bytes=64 << 10)
         try:
             # "auto" found ROOT/broadcast.json offering gloo, and this CPU worker asked to join.
             assert trainer.ask(op="wait_joins", count=1, timeout=30)["joined"]
@@ -51,6 +54,8 @@ def test_broadcast_over_gloo_then_filesystem(llm: Any, tmp_path: Path) -> None:
             assert status["source"] == "broadcast" and status["transport"] == "auto"
             assert status["timings"]["source"] == "broadcast"
             assert llm.get_weight_version() == str(pushed["version"])
+            assert status["timings"]["staged_bytes"] == {
+                "0": Store(store).read_manifest().total_bytes}
             via_broadcast_a = greedy(llm)
             assert via_broadcast_a != fresh_b
 

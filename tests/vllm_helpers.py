@@ -365,7 +365,9 @@ import json, sys
 from dbsync import Sender
 from dbsync.nccl import BroadcastSender
 
-sender = BroadcastSender(Sender(sys.argv[1]), device="cpu", address="127.0.0.1", timeout=20.0)
+options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+sender = BroadcastSender(Sender(sys.argv[1]), device="cpu", address="127.0.0.1", timeout=20.0,
+                         **options)
 print(json.dumps({"ready": sender.port}), flush=True)
 for line in sys.stdin:
     cmd = json.loads(line)
@@ -384,12 +386,13 @@ for line in sys.stdin:
 
 
 class Trainer:
-    """A trainer process: a real ``BroadcastSender`` (gloo) on the store at ``root``."""
+    """A trainer process: a real ``BroadcastSender`` (gloo) on the store at ``root``, made
+    with ``sender_options`` (e.g. ``bucket_bytes``)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, **sender_options: Any):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", TRAINER, str(root)], cwd=REPO, env=child_env(),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [sys.executable, "-c", TRAINER, str(root), json.dumps(sender_options)], cwd=REPO,
+            env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert "ready" in self._answer()
 
     def _answer(self) -> dict[str, Any]:

@@ -293,9 +293,12 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                 source, staged_bytes = "broadcast", staged.nbytes
                 with _no_mtp_check():
                     if staged.windowed is not None:
-                        # windows of a layout not recorded yet hold whole tensors: record
+                        # windows of a layout not recorded yet hold whole tensors: record;
+                        # windows holding everything need no guard
                         windows = staged.windowed.windows
-                        reads = recorder_for(lambda: windows.layout) or ReadGuard(windows)
+                        reads = recorder_for(lambda: windows.layout) or (
+                            None if windows.kept_bytes == windows.full_bytes
+                            else ReadGuard(windows))
                         load(staged.windowed.tensors(reads), reads)
                     else:
                         assert staged.pairs is not None

@@ -137,17 +137,17 @@ class WindowedCopy:
     def nbytes(self) -> int:
         return self.windows.kept_bytes
 
-    def tensors(self, reads: ReadRecorder) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, reads: ReadRecorder | None) -> Iterator[tuple[str, torch.Tensor]]:
         """Each tensor at full shape, holding its window (the rest is not initialized: apply
-        them under a ``ReadGuard`` of these windows), made one at a time as the loader asks,
-        each tracked by ``reads``."""
+        them under a ``ReadGuard`` of these windows, unless they hold everything), made one at
+        a time as the loader asks, each tracked by ``reads`` if given."""
         device = self.flat.device
         for name, dtype, shape in self.windows.layout:
             full = torch.empty(shape, dtype=dtype, device=device)
             window = self.dest[name]
             if window.hi > window.lo:
                 full.reshape(-1).view(torch.uint8)[window.lo:window.hi].copy_(window.into)
-            yield name, reads.track(name, full)
+            yield name, full if reads is None else reads.track(name, full)
 
 
 @dataclass

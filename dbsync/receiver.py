@@ -259,10 +259,14 @@ class Snapshot:
         shard files (reopened, each checked to be the file mapped), a bounded number of
         shards open at a time."""
         by_shard: dict[int, list[Any]] = {}
-        for entry in entries:
-            by_shard.setdefault(entry.shard, []).append(entry)
-        shards = sorted(by_shard)
         bad: list[tuple[Any, str]] = []
+        for entry in entries:
+            if not entry.nbytes:  # (its shard may be missing)
+                if entry.checksum != _EMPTY_CHECKSUM:
+                    bad.append((entry, f"checksum {_EMPTY_CHECKSUM} != {entry.checksum}"))
+            elif entry.shard in self._shards:
+                by_shard.setdefault(entry.shard, []).append(entry)
+        shards = sorted(by_shard)
 
         def run(fd: int, group: Sequence[Any]) -> list[tuple[Any, str]]:
             found = []
@@ -288,9 +292,14 @@ class Snapshot:
         with ThreadPoolExecutor(max(1, threads)) as pool:
             for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
                 batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
-                fds = self._reopen(batch)
                 try:
-                    futures = []
+                    fds = self._reopen(batch)
+                except FileNotFoundError:  # removed while held: damage, named by tensor
+                    bad += [(e, "its shard file was removed while the version was held")
+                            for shard in batch for e in by_shard[shard]]
+                    continue
+                futures: list[Any] = []
+                try:
                     for shard in batch:
                         group = by_shard[shard]
                         for a, b in _task_bounds([e.nbytes for e in group]):
@@ -299,6 +308,11 @@ class Snapshot:
                     for future in futures:
                         bad += future.result()
                 finally:
+                    for future in futures:  # interrupted: no task may read a closed fd
+                        future.cancel()
+                    for future in futures:
+                        if not future.cancelled():
+                            future.exception()
                     for fd in fds.values():
                         os.close(fd)
         return bad

@@ -139,6 +139,23 @@ def _index_columns(pairs: sources.Pairs, places: list[tuple[int, int]]) -> dict[
     }
 
 
+def _refuse_newer_format(root: str | os.PathLike[str]) -> None:
+    """Raise ``UnsupportedFormatError`` if ``root`` holds a head written by a newer dbsync:
+    rewriting it would hide its versions from newer readers. Reads only; an unreadable head
+    is left to the Sender (it starts a new run)."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return
+    try:
+        raw = Store(root, create=False).read_raw_head_json() or {}
+    except (OSError, FormatError):
+        return
+    found = raw.get("format_version")
+    if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{os.path.join(os.path.abspath(root), MANIFEST_FILE)} (nothing was written)", found)
+
+
 class Sender:
     """Publishes versions into ``root``. One Sender per store (it takes the writer lock).
 
@@ -169,6 +186,7 @@ class Sender:
             raise DBSyncError("num_threads must be at least 1")
         if max_lag is not None and max_lag < 0:
             raise DBSyncError("max_lag must be >= 0 (or None for no bound)")
+        _refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)
         self.dtype = dtype
         self.strategy = strategy
@@ -219,13 +237,6 @@ class Sender:
                             "at version 1", self.store.root, exc)
                 return uuid.uuid4().hex, 0, None
             raw = self.store.read_raw_head_json() or {}
-            found = raw.get("format_version")
-            if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION:
-                # a newer dbsync's store: rewriting it would hide its versions from newer
-                # readers and lose what this dbsync cannot read
-                raise UnsupportedFormatError(
-                    f"{os.path.join(self.store.root, MANIFEST_FILE)} (nothing was written)",
-                    found) from None
             version = raw.get("version") if isinstance(raw.get("version"), int) else 0
             slot = raw.get("slot") if raw.get("slot") in SLOTS else None
             log.info("%s holds format %s; the next push rewrites it in this format and "
@@ -279,10 +290,7 @@ class Sender:
                 # (A background push writes the snapshot's tensors: looked up by the writer.)
                 pairs = sources.pairs_of(weights, self.strategy)  # dtype is applied below
                 if not pairs:
-                    raise InvalidWeightsError(
-                        "nothing to publish: the weights hold no tensors (an empty state "
-                        "dict?); nothing was written. Every receiver would refuse such a "
-                        "version")
+                    sources.validate(pairs)  # raises: nothing to publish
                 layout, tensor_states = None, None
                 if blocking:
                     tensor_states = tensorstate.states([t for _, t in pairs])

@@ -108,6 +108,10 @@ def materialize_all(pairs: Pairs, dtype: torch.dtype | None) -> Pairs:
 
 def validate(pairs: list[tuple[Any, Any]]) -> None:
     """Raise one ``InvalidWeightsError`` naming every entry that cannot be published."""
+    if not pairs:
+        raise InvalidWeightsError(
+            "nothing to publish: the weights hold no tensors (an empty state dict?); nothing "
+            "was written or sent")
     if _all_fine(pairs):
         return
     problems: list[str] = []

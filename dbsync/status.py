@@ -105,7 +105,13 @@ def _head_or_none(store: Store) -> Any:
 
 def receivers_at(store: Store, version: int) -> list[str]:
     """Ids of receivers that report ``version`` or newer loaded (reads only the leases)."""
-    return sorted(r for r, v in loaded_versions(store.read_leases()).items() if v >= version)
+    return sorted(r for r, v in loaded_versions(_leases(store)).items() if v >= version)
+
+
+def _leases(store: Store) -> dict[str, dict[str, Any]]:
+    """The reader files that are leases (``leases.lease_problem``): what status lists and
+    what waiting for receivers counts."""
+    return {r: lease for r, lease in store.read_leases().items() if lease_problem(lease) is None}
 
 
 def wait_for_receivers(store: Store, version: int, count: int, timeout: float | None = None,
@@ -116,7 +122,7 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
     writer lock: any process may wait."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        leases = store.read_leases()
+        leases = _leases(store)
         loaded = loaded_versions(leases)
         if sum(1 for v in loaded.values() if v >= version) >= count:
             return True

@@ -178,6 +178,10 @@ def test_helper_reader_loads_are_not_counted_as_receivers(root):
 
 
 def test_empty_weights_are_refused_and_a_newer_format_store_is_not_rewritten(root):
+    from dbsync import sources
+
+    with pytest.raises(dbsync.InvalidWeightsError, match="no tensors"):
+        sources.collect({})  # what a BroadcastSender checks before it sends anything
     with dbsync.Sender(root) as sender:
         with pytest.raises(dbsync.InvalidWeightsError, match="no tensors"):
             sender.push({})
@@ -230,7 +234,8 @@ def test_a_push_held_up_by_a_live_reader_says_who_holds_it(root, caplog):
 def test_verify_by_reading_reports_a_shard_cut_short_while_held(root):
     """A shard truncated under a leased snapshot (only a process breaking the protocol can)
     is reported as damaged by a reading verify (dbsync verify's), instead of SIGBUS."""
-    publish(root, {"a": torch.ones(4096), "b": torch.full((4096,), 2.0)})
+    publish(root, {"a": torch.ones(4096), "b": torch.full((4096,), 2.0),
+                   "empty": torch.ones(0)})
     with dbsync.Receiver(root) as rx, rx.open() as snap:
         assert snap.leased
         snap.verify(by_reading=True)  # intact: passes

@@ -5,6 +5,7 @@ tensor is handed out), and the sender's membership bookkeeping."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import subprocess
@@ -188,42 +189,56 @@ def test_the_controller_side_imports_no_broadcast_machinery() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+@contextlib.contextmanager
+def sender_and_staging(root: str, bucket_bytes: int) -> Iterator[tuple[Any, Any, Any]]:
+    """(Sender, BroadcastSender over gloo, a vLLM worker's StagingReceiver that joined it)."""
+    from dbsync.nccl import BroadcastSender
+    from dbsync.vllm.staging import StagingReceiver
+
+    with Sender(root, durable=False) as sender, BroadcastSender(
+            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT, join_timeout=10,
+            bucket_bytes=bucket_bytes) as bs:
+        staging = StagingReceiver(root, reader_id="stage", device="cpu", step_timeout=TIMEOUT)
+        try:
+            assert bs.wait_for_joins(1, 20)
+            yield sender, bs, staging
+        finally:
+            staging.close()
+
+
+def staged_version(staging: Any, version: int) -> Any:
+    """The staged copy of ``version``, once the sender confirmed publishing it."""
+    deadline = time.monotonic() + 20
+    while (staged := staging.take(version, wait=5)) is None:
+        assert time.monotonic() < deadline, staging.last_error
+        time.sleep(0.05)  # the sender's confirmation follows its publish
+    return staged
+
+
 def test_staging_receiver_stages_verified_versions_under_the_confirmed_manifest(
         tmp_path: Any) -> None:
     """The vLLM worker's staging receiver (no engine needed): each broadcast version is staged
     verified, bound to the digest of the manifest the sender confirmed; a manifest with other
     checksums under the same version number is refused."""
     pytest.importorskip("vllm")  # dbsync.vllm imports it
-    from dbsync.nccl import BroadcastSender
-    from dbsync.vllm.staging import Staged, StagingReceiver
+    from dbsync.vllm.staging import Staged
 
     root = str(tmp_path)
     gen = torch.Generator().manual_seed(9)
     weights = {f"w{i}": torch.randn(64, 9, generator=gen) for i in range(5)}
     # 4 KiB buckets: two tensors span buckets, fewer bytes than the two bucket buffers, so the
     # version is received whole (``whole_holds_less``)
-    with Sender(root, durable=False) as sender, BroadcastSender(
-            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT, join_timeout=10,
-            bucket_bytes=4096) as bs:
-        staging = StagingReceiver(root, reader_id="stage", device="cpu", step_timeout=TIMEOUT)
-        try:
-            assert bs.wait_for_joins(1, 20)
-            assert bs.push(weights) == 1
-            staged = staging.take(1, wait=20)
-            deadline = time.monotonic() + 20
-            while staged is None and time.monotonic() < deadline:
-                time.sleep(0.05)  # the confirmation follows the publish
-                staged = staging.take(1)
-            assert staged is not None and staging.last_error is None
-            assert [n for n, _ in staged.pairs] == list(weights)
-            assert all(torch.equal(t, weights[n]) for n, t in staged.pairs)
-            assert staged.matches(root) is None
-            manifest = sender.store.require_manifest()
-            assert staged.manifest_digest == rv.manifest_digest(manifest)
-            forged = Staged(1, "0" * 64, pairs=staged.pairs)
-            assert "not the one" in (forged.matches(root) or "")
-        finally:
-            staging.close()
+    with sender_and_staging(root, bucket_bytes=4096) as (sender, bs, staging):
+        assert bs.push(weights) == 1
+        staged = staged_version(staging, 1)
+        assert staging.last_error is None
+        assert [n for n, _ in staged.pairs] == list(weights)
+        assert all(torch.equal(t, weights[n]) for n, t in staged.pairs)
+        assert staged.matches(root) is None
+        manifest = sender.store.require_manifest()
+        assert staged.manifest_digest == rv.manifest_digest(manifest)
+        forged = Staged(1, "0" * 64, pairs=staged.pairs)
+        assert "not the one" in (forged.matches(root) or "")
 
 
 def test_staging_receives_whole_versions_only_when_that_holds_less() -> None:
@@ -248,9 +263,8 @@ def test_staging_receiver_keeps_only_windows_and_a_new_layout_whole(tmp_path: An
     bucket buffers, verified), reuses the allocation once a version was released, and stages
     a version of another layout whole, so that its apply can record again."""
     pytest.importorskip("vllm")  # dbsync.vllm imports it
-    from dbsync.nccl import BroadcastSender
     from dbsync.vllm.reads import ByteWindows
-    from dbsync.vllm.staging import Stager, StagingReceiver
+    from dbsync.vllm.staging import Stager
 
     root = str(tmp_path)
     gen = torch.Generator().manual_seed(4)
@@ -258,40 +272,26 @@ def test_staging_receiver_keeps_only_windows_and_a_new_layout_whole(tmp_path: An
     layout = tuple((n, t.dtype, tuple(t.shape)) for n, t in weights.items())
     ranges = {n: (i * 8, i * 8 + 576) for i, n in enumerate(weights)}  # 576 of 2,304 bytes
 
-    def staged_version(staging: StagingReceiver, version: int) -> Any:
-        deadline = time.monotonic() + 20
-        while (staged := staging.take(version, wait=5)) is None:
-            assert time.monotonic() < deadline, staging.last_error
-            time.sleep(0.05)  # the sender's confirmation follows its publish
-        return staged
-
-    with Sender(root, durable=False) as sender, BroadcastSender(
-            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT, join_timeout=10,
-            bucket_bytes=1024) as bs:
-        staging = StagingReceiver(root, reader_id="stage", device="cpu", step_timeout=TIMEOUT)
-        try:
-            assert bs.wait_for_joins(1, 20)
-            staging.windows = ByteWindows(layout, ranges)
-            flats = []
-            for version in (1, 2):
-                assert bs.push(weights) == version
-                staged = staged_version(staging, version)
-                assert staged.pairs is None and staged.nbytes == 5 * 576
-                for name, t in weights.items():
-                    lo, hi = ranges[name]
-                    assert torch.equal(staged.windowed.dest[name].into,
-                                       t.reshape(-1).view(torch.uint8)[lo:hi])
-                flats.append(staged.windowed.flat.data_ptr())
-                staging.release(version)  # applied: its allocation is reused
-            assert flats[0] == flats[1]
-            wider = {**weights, "extra": torch.randn(7, generator=gen)}
-            assert bs.push(wider) == 3
-            staged = staged_version(staging, 3)
-            assert staged.nbytes == sum(t.nbytes for t in wider.values())
-            assert all(torch.equal(staged.windowed.dest[n].into, t.reshape(-1).view(torch.uint8))
-                       for n, t in wider.items())
-        finally:
-            staging.close()
+    with sender_and_staging(root, bucket_bytes=1024) as (_, bs, staging):
+        staging.windows = ByteWindows(layout, ranges)
+        flats = []
+        for version in (1, 2):
+            assert bs.push(weights) == version
+            staged = staged_version(staging, version)
+            assert staged.pairs is None and staged.nbytes == 5 * 576
+            for name, t in weights.items():
+                lo, hi = ranges[name]
+                assert torch.equal(staged.windowed.dest[name].into,
+                                   t.reshape(-1).view(torch.uint8)[lo:hi])
+            flats.append(staged.windowed.flat.data_ptr())
+            staging.release(version)  # applied: its allocation is reused
+        assert flats[0] == flats[1]
+        wider = {**weights, "extra": torch.randn(7, generator=gen)}
+        assert bs.push(wider) == 3
+        staged = staged_version(staging, 3)
+        assert staged.nbytes == sum(t.nbytes for t in wider.values())
+        assert all(torch.equal(staged.windowed.dest[n].into, t.reshape(-1).view(torch.uint8))
+                   for n, t in wider.items())
     # the worker's side: that layout was not recorded, so its apply records
     stager = Stager(root, "auto", device="cpu")
     try:

@@ -397,10 +397,17 @@ def verify(root: str, want: int | None, threads: int) -> None:
             try:
                 snap.verify(threads=threads, by_reading=True)  # a shard cut short: damaged
             except DamagedVersionError as exc:
-                lines = [f"  {describe_name(name)}: {why}" for name, why in exc.damaged.items()]
+                by_reason: dict[str, list[str]] = {}
+                for name, why in exc.damaged.items():
+                    by_reason.setdefault(why, []).append(name)
+                lines = []
+                for why, names in by_reason.items():
+                    lines.append(f"  {why}:")
+                    lines += [f"    {describe_name(name)}" for name in names]
                 fail(f"version {manifest.version} in {store.root} is damaged: "
                      f"{len(exc.damaged)} of {len(manifest.tensors)} tensor(s) fail "
-                     "verification:\n" + "\n".join(lines) +
+                     "verification (small neighbours share one checksum: each damaged range "
+                     "names all of its tensors):\n" + "\n".join(lines) +
                      f"\nPublish again to replace it (dbsync push SRC {root}).")
             except LeaseExpiredError:
                 _stamp_failure(store, root)

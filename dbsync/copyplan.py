@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from .format import TensorEntry, torch_dtype
 from .scatter import MAX_GAP, MAX_IOVECS, SCRATCH_ADDRESS, Read
-from .tensorstate import State, states
+from .tensorstate import States
 
 #: bytes per read (one thread's task)
 READ_BYTES = 16 << 20
@@ -100,7 +100,7 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
     return CopyPlan(raw, raw_destinations, by_torch)
 
 
-_LAYOUT = operator.itemgetter(0, 1, 2, 3, 4, 5)  # a TensorEntry without its checksum
+_LAYOUT = operator.itemgetter(0, 1, 2, 3, 4, 5)  # a TensorEntry without its range
 
 
 class _Kept(NamedTuple):
@@ -109,7 +109,7 @@ class _Kept(NamedTuple):
     strict: bool
     size: int
     names: list[str]
-    states: list[State]
+    states: States
     raw: dict[int, list[Read]]
     #: positions in ``names`` of the raw destinations and of the tensors torch copies
     raw_at: list[int]
@@ -137,8 +137,7 @@ class PlanCache:
             targets = list(map(dest.get, kept.names))
             # (None for a name gone or a value whose attributes do not read, never equal to
             # a kept state list; ``None in targets`` would compare every tensor with None)
-            now = states(targets)
-            if now is not None and now == kept.states:
+            if kept.states.matches(targets):
                 return CopyPlan(kept.raw, [targets[i] for i in kept.raw_at],
                                 [(targets[i], entries[i]) for i in kept.by_torch_at])
         self._kept = None
@@ -149,7 +148,7 @@ class PlanCache:
         targets = list(map(dest.get, names))
         where = {id(t): i for i, t in enumerate(targets)}
         by_torch_at = [where[id(t)] for t, _ in plan.by_torch]
-        kept_states = states(targets)  # None (not kept) for tensors with no plain memory
+        kept_states = States.of(targets)  # None (not kept) for tensors with no plain memory
         if kept_states is not None and all(
                 entries[i] is e for i, (_, e) in zip(by_torch_at, plan.by_torch, strict=True)):
             self._kept = _Kept(entries, layout, strict, len(dest), names, kept_states,

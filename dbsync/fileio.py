@@ -205,10 +205,11 @@ def write_shards(
     while_syncing: Callable[[list[str]], None] | None = None,
     gate: Callable[[], object] | None = None,
 ) -> list[str]:
-    """Write every tensor into its shard in parallel, checksum each from its source bytes,
+    """Write every tensor into its shard in parallel, checksum each write's range (its
+    tensors and the zero padding between them, see ``group_writes``) from the source bytes,
     and fsync each shard right after its last write (so fsyncs overlap other shards' writes).
-    Returns the checksums in order. Raises the first worker error after all workers have
-    stopped; shards may then be partly written (the caller must not publish).
+    Returns the checksums of ``placed.tasks`` in order. Raises the first worker error after
+    all workers have stopped; shards may then be partly written (the caller must not publish).
 
     ``while_syncing(checksums)`` runs once every write is done, while the fsyncs still run
     (work that needs the checksums, such as building the index, then costs no extra time).
@@ -221,10 +222,10 @@ def write_shards(
         remaining[shards[first]] += 1
     lock = threading.Lock()
     syncs: list[Future[None]] = []
-    sums: list[str] = [""] * len(placed.views)
+    sums: list[str] = [""] * len(tasks)
 
-    def run(task: tuple[int, int]) -> None:
-        _write_task(fds, placed, task, sums, progress, gate)
+    def run(number: int, task: tuple[int, int]) -> None:
+        sums[number] = _write_task(fds, placed, task, progress, gate)
         if durable:
             shard = shards[task[0]]
             start = placed.offsets[task[0]]
@@ -236,7 +237,7 @@ def write_shards(
             if last:
                 syncs.append(pool.submit(os.fsync, fds[shard]))
 
-    futures = [pool.submit(run, task) for task in tasks]
+    futures = [pool.submit(run, number, task) for number, task in enumerate(tasks)]
     try:
         wait_all(futures)
         if while_syncing is not None:
@@ -255,7 +256,8 @@ def write_shards(
 def group_writes(views: Sequence[memoryview], shards: Sequence[int]
                  ) -> list[tuple[int, int]]:
     """Tasks as (first, stop) index ranges: a big tensor alone; small neighbours in one shard
-    together (up to ``GROUP_BYTES`` and ``GROUP_IOVECS``)."""
+    together (up to ``GROUP_BYTES`` and ``GROUP_IOVECS``). Each task's bytes, padding
+    included, are one checked range of the index (``range_columns``)."""
     tasks: list[tuple[int, int]] = []
     first = size = 0
     for i, view in enumerate(views):
@@ -276,9 +278,27 @@ def group_writes(views: Sequence[memoryview], shards: Sequence[int]
     return tasks
 
 
-def _write_task(fds: Sequence[int], placed: Placed, task: tuple[int, int], sums: list[str],
+def range_columns(placed: Placed, first_shard: int = 0) -> tuple[list[int], list[list[int]]]:
+    """The checked range of every tensor (its task's number) and the ranges' shard, offset
+    and nbytes columns, for the tasks of ``placed`` (whose shards count from
+    ``first_shard``)."""
+    of_tensor = [0] * len(placed.views)
+    shards: list[int] = []
+    offsets: list[int] = []
+    sizes: list[int] = []
+    for number, (first, stop) in enumerate(placed.tasks):
+        of_tensor[first:stop] = [number] * (stop - first)
+        start = placed.offsets[first]
+        shards.append(placed.shards[first] + first_shard)
+        offsets.append(start)
+        sizes.append(placed.offsets[stop - 1] + len(placed.views[stop - 1]) - start)
+    return of_tensor, [shards, offsets, sizes]
+
+
+def _write_task(fds: Sequence[int], placed: Placed, task: tuple[int, int],
                 progress: Callable[[int], None] | None, gate: Callable[[], object] | None
-                ) -> None:
+                ) -> str:
+    """Write one task's tensors and return the xxh3 of its range (padding included)."""
     if gate is not None:
         gate()
     first, stop = task
@@ -293,11 +313,9 @@ def _write_task(fds: Sequence[int], placed: Placed, task: tuple[int, int], sums:
             _pwrite_all(fd, [piece], offsets[first] + start)
             if progress is not None:
                 progress(len(piece))
-        sums[first] = checksum(data)
-        return
+        return checksum(data)
     iov: list[memoryview] = []
     gaps = _GAPS
-    digest = xxhash.xxh3_64_hexdigest
     end = offsets[first]
     for i in range(first, stop):
         data, offset = views[i], offsets[i]
@@ -305,10 +323,14 @@ def _write_task(fds: Sequence[int], placed: Placed, task: tuple[int, int], sums:
             iov.append(gaps[offset - end])  # alignment padding, < ALIGN bytes
         iov.append(data)
         end = offset + len(data)
-        sums[i] = digest(data)
+    hasher = xxhash.xxh3_64()
+    update = hasher.update
+    for data in iov:  # (one update per piece: a streamed xxh3 equals one over the range)
+        update(data)
     _pwrite_all(fd, iov, offsets[first])
     if progress is not None:
         progress(end - offsets[first])
+    return hasher.hexdigest()
 
 
 def _pwrite_all(fd: int, iov: list[memoryview], offset: int) -> None:

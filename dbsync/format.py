@@ -24,7 +24,7 @@ from .errors import FormatError, UnsupportedFormatError
 
 FORMAT_NAME = "dbsync"
 INDEX_FORMAT_NAME = "dbsync-index"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 CHECKSUM_ALGORITHM = "xxh3_64"
 SLOTS = ("a", "b")
 KINDS = ("weights", "adapter")
@@ -131,8 +131,8 @@ def _check_header(data: Any, name: str, source: str) -> None:
 
 
 class TensorEntry(NamedTuple):
-    """One tensor of a version: where its bytes lie and their checksum. A named tuple: an
-    index of 90,000 tensors is built and read in a fraction of a second."""
+    """One tensor of a version: where its bytes lie and which checked range holds them. A
+    named tuple: an index of 90,000 tensors is built and read in a fraction of a second."""
 
     name: str
     dtype: str
@@ -140,7 +140,9 @@ class TensorEntry(NamedTuple):
     nbytes: int
     shard: int
     offset: int
-    checksum: str
+    #: index of the ``CheckedRange`` holding this tensor's bytes (-1: a tensor of no bytes
+    #: may belong to none)
+    range: int
 
     @property
     def torch_dtype(self) -> Any:
@@ -149,6 +151,18 @@ class TensorEntry(NamedTuple):
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+class CheckedRange(NamedTuple):
+    """A run of bytes of one shard and its xxh3_64: one big tensor, or neighbouring small
+    tensors together with the zero padding between them. Hashing a few large ranges instead of
+    every small tensor lets a reader verify a version in a few calls that run in parallel
+    threads, whatever its tensor count."""
+
+    shard: int
+    offset: int
+    nbytes: int
+    checksum: str
 
 
 @dataclass(frozen=True)
@@ -227,6 +241,7 @@ class Manifest:
     head: Head
     tensors: tuple[TensorEntry, ...]
     shards: tuple[int, ...]
+    ranges: tuple[CheckedRange, ...]
     adapter: dict[str, Any] | None = None
 
     @property
@@ -259,7 +274,14 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        total = self.__dict__.get("_total_bytes")
+        if total is None:  # (frozen: cached through __dict__; 20,000 entries add up slowly)
+            total = self.__dict__["_total_bytes"] = sum(t.nbytes for t in self.tensors)
+        return total
+
+    def tensors_in(self, ranges: set[int]) -> list[TensorEntry]:
+        """The tensors with bytes that lie in any of ``ranges`` (indexes into ``self.ranges``)."""
+        return [t for t in self.tensors if t.range in ranges and t.nbytes]
 
     def entry(self, name: str) -> TensorEntry:
         for t in self.tensors:
@@ -276,6 +298,7 @@ class Index:
     version: int
     tensors: tuple[TensorEntry, ...]
     shards: tuple[int, ...]  # size in bytes of shard i
+    ranges: tuple[CheckedRange, ...]
     adapter: dict[str, Any] | None = None
 
     @classmethod
@@ -306,7 +329,8 @@ class Index:
                 problems.append(f"shards[{i}] must be {{file: {shard_file(i)!r}, nbytes}}")
                 continue
             shards.append(s["nbytes"])
-        entries = _parse_tensors(data.get("tensors"), shards, problems)
+        ranges = _parse_ranges(data.get("ranges"), shards, problems)
+        entries = _parse_tensors(data.get("tensors"), shards, ranges, problems)
         adapter = data.get("adapter")
         if adapter is not None and not isinstance(adapter, dict):
             problems.append("adapter must be an object or null")
@@ -314,72 +338,124 @@ class Index:
             more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
             raise FormatError(f"{source} is invalid: " + "; ".join(problems[:20]) + more
                               + "; publish again from the trainer")
-        return cls(run_id, version, tuple(entries), tuple(shards), adapter)
+        return cls(run_id, version, tuple(entries), tuple(shards), tuple(ranges), adapter)
 
 
-_COLUMNS = ("name", "dtype", "shape", "shard", "offset", "checksum")
+_COLUMNS = ("name", "dtype", "shape", "shard", "offset", "range")
+_RANGE_COLUMNS = ("shard", "offset", "nbytes", "checksum")
 
 
 def dump_index(run_id: str, version: int, columns: dict[str, list[Any]],
-               shards: Sequence[int], adapter: dict[str, Any] | None) -> bytes:
+               ranges: dict[str, list[Any]], shards: Sequence[int],
+               adapter: dict[str, Any] | None) -> bytes:
     """The bytes of ``index.json`` from its tensor columns (one list per field of
-    ``TensorEntry`` but ``nbytes``, in apply order): writers build columns directly, with no
-    per-tensor object."""
+    ``TensorEntry`` but ``nbytes``, in apply order) and its range columns (one list per field
+    of ``CheckedRange``): writers build columns directly, with no per-tensor object."""
     return json.dumps({
         "format": INDEX_FORMAT_NAME, "format_version": FORMAT_VERSION,
         "run_id": run_id, "version": version,
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "shards": [{"file": shard_file(i), "nbytes": n} for i, n in enumerate(shards)],
         "tensors": {c: columns[c] for c in _COLUMNS},
+        "ranges": {c: ranges[c] for c in _RANGE_COLUMNS},
         "adapter": adapter,
     }, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
+def _parse_ranges(raw: Any, shards: list[int], problems: list[str]) -> list[CheckedRange]:
+    """Validate the checked ranges: each inside its shard, in shard and offset order, none
+    overlapping another (so a verify hashes each stored byte at most once, whatever an index
+    claims), each checksum 16 lower-case hex digits."""
+    if not (isinstance(raw, dict) and all(isinstance(raw.get(c), list) for c in _RANGE_COLUMNS)):
+        problems.append(f"ranges must be an object of lists {list(_RANGE_COLUMNS)}")
+        return []
+    shard_ids, offsets, sizes, sums = (raw[c] for c in _RANGE_COLUMNS)
+    if not len(shard_ids) == len(offsets) == len(sizes) == len(sums):
+        problems.append("ranges: every column must have one value per range")
+        return []
+    memo = _LAST_RANGES[0]
+    if memo is not None and memo[0] == (shard_ids, offsets, sizes, shards) and set(
+            map(type, itertools.chain(shard_ids, offsets, sizes))) <= {int} and _checksums_ok(
+            sums):
+        new = tuple.__new__  # the next version of the same layout: only its checksums are new
+        return [new(CheckedRange, row + (c,)) for row, c in zip(memo[1], sums, strict=True)]
+    out: list[CheckedRange] = []
+    hexdigits = _HEX64.fullmatch
+    end_shard, end = -1, 0
+    before = len(problems)
+    for i, (shard, offset, nbytes, digest) in enumerate(zip(shard_ids, offsets, sizes, sums,
+                                                                      strict=True)):
+        if not (_is_int(shard) and shard < len(shards) and _is_int(offset)
+                and _is_int(nbytes) and offset + nbytes <= shards[shard]):
+            problems.append(f"ranges[{i}] must lie inside a listed shard (shard "
+                            f"{str(shard)[:30]}, offset {str(offset)[:30]}, nbytes "
+                            f"{str(nbytes)[:30]})")
+            continue
+        if shard < end_shard or (shard == end_shard and offset < end):
+            problems.append(f"ranges[{i}] overlaps or precedes the range before it (ranges go "
+                            "in shard and offset order, never overlapping)")
+            continue
+        if type(digest) is not str or not hexdigits(digest):
+            problems.append(f"ranges[{i}].checksum must be 16 hex digits")
+            continue
+        end_shard, end = shard, offset + nbytes
+        out.append(CheckedRange(shard, offset, nbytes, digest))
+    if len(problems) == before:
+        _LAST_RANGES[0] = ((shard_ids, offsets, sizes, shards), [r[:3] for r in out])
+    return out
 
 
-def _parse_tensors(raw: Any, shards: list[int], problems: list[str]) -> list[TensorEntry]:
+#: The position columns and shard sizes of the last ranges that passed ``_parse_ranges``.
+_LAST_RANGES: list[Any] = [None]
+
+
+
+
+def _parse_tensors(raw: Any, shards: list[int], ranges: list[CheckedRange],
+                   problems: list[str]) -> Sequence[TensorEntry]:
     """Validate the index's tensor columns and build the entries. A whole-column fast path
     (a few C-level passes) accepts a well-formed index; anything else goes through the
-    per-tensor checks that name every problem."""
+    per-tensor checks that name every problem. Every tensor with bytes must lie inside the
+    checked range it names."""
     if not (isinstance(raw, dict) and all(isinstance(raw.get(c), list) for c in _COLUMNS)):
         problems.append(f"tensors must be an object of lists {list(_COLUMNS)}")
         return []
-    names, dtypes, shapes, shard_ids, offsets, sums = (raw[c] for c in _COLUMNS)
+    columns = tuple(raw[c] for c in _COLUMNS)
+    names = columns[0]
     count = len(names)
-    if any(len(col) != count for col in (dtypes, shapes, shard_ids, offsets, sums)):
+    if any(len(col) != count for col in columns[1:]):
         problems.append("tensors: every column must have one value per tensor")
         return []
+    bounds = [(r.shard, r.offset, r.offset + r.nbytes) for r in ranges]
     memo = _LAST_LAYOUT[0]
-    if (memo is not None and _plain_types(names, dtypes, shapes, shard_ids, offsets)
-            and memo[0] == (names, dtypes, list(map(tuple, shapes)), shard_ids, offsets,
-                            shards)
-            and _checksums_ok(sums)):
-        # the next version of the same model: only its checksums are new
-        new = tuple.__new__
-        return [new(TensorEntry, row + (c,)) for row, c in zip(memo[1], sums, strict=True)]
-    fast = _parse_fast(names, dtypes, shapes, shard_ids, offsets, sums, shards)
+    if (memo is not None and _plain_types(*columns)
+            and memo[0] == (*columns[:2], list(map(tuple, columns[2])), *columns[3:], shards,
+                            bounds)):
+        return memo[1]  # the next version of the same model: the same entries
+    fast = _parse_fast(*columns, shards, bounds)
     if fast is not None:
         # (shapes as tuples: containers of atoms only, which the cycle collector untracks)
-        _LAST_LAYOUT[0] = ((names, dtypes, [e.shape for e in fast], shard_ids, offsets,
-                            shards), [e[:6] for e in fast])
+        fast = tuple(fast)  # (kept as is: readers can tell the same entries by identity)
+        _LAST_LAYOUT[0] = ((*columns[:2], [e.shape for e in fast], *columns[3:], shards,
+                            bounds), fast)
         return fast
-    return _parse_slow(names, dtypes, shapes, shard_ids, offsets, sums, shards, problems)
+    return _parse_slow(*columns, shards, bounds, problems)
 
 
-#: The layout columns (every column but the checksums, and the shard sizes) of the last index
-#: that passed ``_parse_fast``, with its entries but their checksums: an index whose columns
-#: are equal to those is as valid, and is read without checking and sizing every entry again.
+#: The columns and shard and range bounds of the last index that passed ``_parse_fast``, with
+#: its entries: an index whose columns are equal to those is as valid, and is read without
+#: checking and sizing every entry again (its entries hold no checksum: they are the same).
 _LAST_LAYOUT: list[Any] = [None]
 
 
-def _plain_types(names: list, dtypes: list, shapes: list, shard_ids: list, offsets: list
-                 ) -> bool:
+def _plain_types(names: list, dtypes: list, shapes: list, shard_ids: list, offsets: list,
+                 range_ids: list) -> bool:
     """Every value of the exact JSON type a valid index has (``==`` alone would take
     ``true`` for 1 and ``4.0`` for 4)."""
     if not (set(map(type, shapes)) <= {list} and set(map(type, names)) <= {str}
             and set(map(type, dtypes)) <= {str}):
         return False
-    return set(map(type, itertools.chain(shard_ids, offsets,
+    return set(map(type, itertools.chain(shard_ids, offsets, range_ids,
                                          itertools.chain.from_iterable(shapes)))) <= {int}
 
 
@@ -395,36 +471,45 @@ def _checksums_ok(sums: list) -> bool:
 
 
 def _parse_fast(names: list, dtypes: list, shapes: list, shard_ids: list, offsets: list,
-                sums: list, shards: list[int]) -> list[TensorEntry] | None:
+                range_ids: list, shards: list[int], bounds: list[tuple[int, int, int]]
+                ) -> list[TensorEntry] | None:
     """The entries if every column is well formed, else None (nothing is reported here).
     Whole-column checks run at C speed (``join``, ``set(map(type, ...))``, ``min``/``max``):
     an index of 20,000 tensors is read in a few tens of milliseconds."""
     count = len(names)
     if not count:
         return []
-    if not (_plain_types(names, dtypes, shapes, shard_ids, offsets) and _checksums_ok(sums)):
+    if not _plain_types(names, dtypes, shapes, shard_ids, offsets, range_ids):
         return None
     joined = "".join(names)
     flat = list(itertools.chain.from_iterable(shapes))
     if not (joined.isascii() and "\x00" not in joined and "" not in names
             and len(set(names)) == count and max(map(len, shapes)) <= _MAX_DIMS
             and (not flat or (min(flat) >= 0 and max(flat) <= _MAX_INT))
-            and min(offsets) >= 0 and min(shard_ids) >= 0 and max(shard_ids) < len(shards)):
+            and min(offsets) >= 0 and min(shard_ids) >= 0 and max(shard_ids) < len(shards)
+            and min(range_ids) >= -1 and max(range_ids) < len(bounds)):
         return None
     sizes = DTYPE_SIZES
     align = ALIGN - 1
     entries = []
     append = entries.append
-    for name, dt, shape, shard, offset, checksum in zip(names, dtypes, shapes, shard_ids,
-                                                        offsets, sums, strict=True):
+    for name, dt, shape, shard, offset, rid in zip(names, dtypes, shapes, shard_ids, offsets,
+                                                   range_ids, strict=True):
         itemsize = sizes.get(dt) if type(dt) is str else None
         if itemsize is None:
             return None
         nbytes = math.prod(shape) * itemsize
-        if offset & align or nbytes > _MAX_INT or offset + nbytes > shards[shard] or (
-                not nbytes and _strides_overflow(shape)):
+        if offset & align or nbytes > _MAX_INT or offset + nbytes > shards[shard]:
             return None
-        append(TensorEntry(name, dt, tuple(shape), nbytes, shard, offset, checksum))
+        if nbytes:
+            if rid < 0:
+                return None
+            r_shard, r_start, r_end = bounds[rid]
+            if r_shard != shard or offset < r_start or offset + nbytes > r_end:
+                return None
+        elif _strides_overflow(shape):
+            return None
+        append(TensorEntry(name, dt, tuple(shape), nbytes, shard, offset, rid))
     return entries
 
 
@@ -436,16 +521,16 @@ def _strides_overflow(shape: list[int]) -> bool:
 
 
 def _parse_slow(names: list, dtypes: list, shapes: list, shard_ids: list, offsets: list,
-                sums: list, shards: list[int], problems: list[str]) -> list[TensorEntry]:
+                range_ids: list, shards: list[int], bounds: list[tuple[int, int, int]],
+                problems: list[str]) -> list[TensorEntry]:
     count = len(names)
     sizes = DTYPE_SIZES
-    hexdigits = _HEX64.fullmatch
     nshards = len(shards)
     entries: list[TensorEntry] = []
     seen: set[str] = set()
     for i in range(count):
-        name, dt, shape, shard, offset, checksum = (names[i], dtypes[i], shapes[i],
-                                                    shard_ids[i], offsets[i], sums[i])
+        name, dt, shape, shard, offset, rid = (names[i], dtypes[i], shapes[i], shard_ids[i],
+                                               offsets[i], range_ids[i])
         if type(name) is not str or not name or "\x00" in name or (
                 not name.isascii() and name_problem(name)):
             problems.append(f"tensors[{i}].name: {name_problem(name) or 'invalid'}")
@@ -484,14 +569,19 @@ def _parse_slow(names: list, dtypes: list, shapes: list, shard_ids: list, offset
             problems.append(f"tensors[{i}]: bytes [{offset}, {offset + nbytes}) lie outside "
                             f"shard {shard} ({shards[shard]} bytes)")
             continue
-        if type(checksum) is not str or not hexdigits(checksum):
-            problems.append(f"tensors[{i}].checksum must be 16 hex digits")
+        if type(rid) is not int or not -1 <= rid < len(bounds):
+            problems.append(f"tensors[{i}].range {str(rid)[:30]} is not a listed range")
+            continue
+        if nbytes and (rid < 0 or bounds[rid][0] != shard or offset < bounds[rid][1]
+                       or offset + nbytes > bounds[rid][2]):
+            problems.append(f"tensors[{i}]: bytes [{offset}, {offset + nbytes}) of shard "
+                            f"{shard} lie outside the checked range it names ({rid})")
             continue
         if name in seen:
             problems.append(f"tensors[{i}]: name {describe_name(name)} appears twice")
             continue
         seen.add(name)
-        entries.append(TensorEntry(name, dt, tuple(shape), nbytes, shard, offset, checksum))
+        entries.append(TensorEntry(name, dt, tuple(shape), nbytes, shard, offset, rid))
     return entries
 
 

@@ -4,7 +4,8 @@ Push after push a trainer publishes the same tensors: the same names, and tensor
 addresses with the same dtype, shape and strides (updated in place by the optimizer; the
 staging buffer's views of a background push lie at the same places every time). Everything a
 push derives from that alone (which shard and offset each tensor goes to, the byte view it is
-written from, the grouping of small tensors into writes, the index but for its checksums) is
+written from, the grouping of small tensors into writes and checked ranges, the index but for
+its checksums) is
 kept in a ``PushLayout`` and reused while one per-tensor pass finds every tensor as it was.
 At 20,000 tensors that pass costs a fraction of validating, planning and indexing again.
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from . import fileio
 from .format import dump_index
-from .tensorstate import State
+from .tensorstate import States
 
 
 def adapter_key(adapter: dict[str, Any] | None) -> str:
@@ -37,11 +38,12 @@ class IndexTemplate:
     """``format.dump_index``'s bytes with the run id, version and checksums left open: built
     once per layout, filled per push (at 20,000 tensors about 1 ms instead of ~20)."""
 
-    def __init__(self, columns: dict[str, list], shards: Sequence[int],
+    def __init__(self, columns: dict[str, list], ranges: dict[str, list], shards: Sequence[int],
                  adapter: dict[str, Any] | None):
         marks = [f"\x01{os.urandom(8).hex()}{i}" for i in range(3)]
-        columns = {**columns, "checksum": marks[2]}  # type: ignore[dict-item]
-        text = dump_index(marks[0], marks[1], columns, shards, adapter)  # type: ignore[arg-type]
+        ranges = {**ranges, "checksum": marks[2]}  # type: ignore[dict-item]
+        text = dump_index(marks[0], marks[1], columns, ranges, shards,  # type: ignore[arg-type]
+                          adapter)
         parts: list[bytes] = []
         for mark in marks:
             before, sep, text = text.partition(json.dumps(mark).encode())
@@ -52,7 +54,7 @@ class IndexTemplate:
         self.adapter_key = adapter_key(adapter)
 
     def fill(self, run_id: str, version: int, checksums: list[str]) -> bytes:
-        """The index of ``version`` of ``run_id`` with these (hex) checksums."""
+        """The index of ``version`` of ``run_id`` with these (hex) checksums of its ranges."""
         p = self.parts
         run = json.dumps(run_id, ensure_ascii=False).encode("utf-8")
         # hex digests: nothing to escape (json.dumps of 20,000 of them costs milliseconds)
@@ -65,7 +67,7 @@ class PushLayout:
     """Everything one push derives from its names and tensor states (see the module)."""
 
     names: list[str]
-    states: list[State]
+    states: States
     #: the plan's own inputs besides the tensors: shard size and the Sender's dtype
     settings: tuple[Any, ...]
     sizes: list[int]
@@ -73,13 +75,17 @@ class PushLayout:
     shard_sizes: list[int]
     #: per batch of at most ``fileio.SHARDS_OPEN_AT_ONCE`` shards: (first, last, placed)
     batches: list[tuple[int, int, fileio.Placed]]
+    #: each tensor's checked range, and the ranges' shard, offset and nbytes columns (one
+    #: range per write task, in the order ``fileio.write_shards`` returns their checksums)
+    range_of_tensor: list[int]
+    range_columns: dict[str, list[int]]
     index: IndexTemplate | None = field(default=None)
 
     @classmethod
-    def build(cls, names: list[str], tensor_states: list[State],
+    def build(cls, names: list[str], tensor_states: States,
               settings: tuple[Any, ...], places: list[tuple[int, int]], shard_sizes: list[int],
               sizes: list[int]) -> PushLayout:
-        views = fileio.views_at([s[2] for s in tensor_states], sizes)
+        views = fileio.views_at(tensor_states.addresses, sizes)
         shards = [shard for shard, _ in places]
         offsets = [offset for _, offset in places]
         batches = []
@@ -89,14 +95,25 @@ class PushLayout:
             batches.append((first, last, fileio.Placed.of(
                 views[lo:hi], [s - first for s in shards[lo:hi]] if first else shards[lo:hi],
                 offsets[lo:hi])))
-        return cls(names, tensor_states, settings, sizes, places, shard_sizes, batches)
+        range_of_tensor: list[int] = []
+        columns: list[list[int]] = [[], [], []]
+        for first, _, placed in batches:
+            of_tensor, batch_columns = fileio.range_columns(placed, first)
+            before = len(columns[0])
+            range_of_tensor += [r + before for r in of_tensor] if before else of_tensor
+            for column, more in zip(columns, batch_columns, strict=True):
+                column += more
+        return cls(names, tensor_states, settings, sizes, places, shard_sizes, batches,
+                   range_of_tensor, dict(zip(("shard", "offset", "nbytes"), columns,
+                                             strict=True)))
 
     def index_template(self, columns: Callable[[], dict[str, list]],
                        adapter: dict[str, Any] | None) -> IndexTemplate:
-        """The index template of this layout and ``adapter`` (``columns()``: every column
-        but the checksums, called only to build it)."""
+        """The index template of this layout and ``adapter`` (``columns()``: the tensor
+        columns but ``range``, called only to build it)."""
         if self.index is None or self.index.adapter_key != adapter_key(adapter):
-            self.index = IndexTemplate(columns(), self.shard_sizes, adapter)
+            self.index = IndexTemplate({**columns(), "range": self.range_of_tensor},
+                                       self.range_columns, self.shard_sizes, adapter)
         return self.index
 
 
@@ -108,14 +125,13 @@ class LayoutCache:
         self.keep = keep
         self._kept: list[PushLayout] = []
 
-    def find(self, names: list[str], tensor_states: list[State] | None,
-             settings: tuple[Any, ...]) -> PushLayout | None:
-        """The kept layout of exactly these names, tensor states and settings, or None."""
-        if tensor_states is None:
-            return None
+    def find(self, names: list[str], tensors: Sequence[Any], settings: tuple[Any, ...]
+             ) -> PushLayout | None:
+        """The kept layout of exactly these names, settings and tensors in the states it
+        was built for, or None."""
         for layout in self._kept:
             if (layout.settings == settings and layout.names == names
-                    and layout.states == tensor_states):
+                    and layout.states.matches(tensors)):
                 return layout
         return None
 

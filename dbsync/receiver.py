@@ -190,9 +190,10 @@ class Snapshot:
                 ) from None
             except (OSError, FormatError) as exc:
                 bad_shards[i] = f"shard {i}: {exc}"
-        for entry in manifest.tensors:
-            if entry.nbytes and entry.shard in bad_shards:
-                self._missing[entry.name] = bad_shards[entry.shard]
+        if bad_shards:
+            for entry in manifest.tensors:
+                if entry.nbytes and entry.shard in bad_shards:
+                    self._missing[entry.name] = bad_shards[entry.shard]
         if bad_shards and not self._missing:  # shards no tensor uses: still damage
             self._missing.update({f"<shard {i}>": why for i, why in bad_shards.items()})
 
@@ -213,16 +214,25 @@ class Snapshot:
         a leased slot) kills this process with SIGBUS. ``by_reading=True`` hashes what
         ``preadv`` returns instead (a little slower: one more copy); a shard that shrank is
         then reported as damaged (``dbsync verify`` reads this way)."""
-        entries = self.manifest.tensors
-        if self._missing:
-            entries = tuple(e for e in entries if e.name not in self._missing)
+        ranges = self.manifest.ranges
+        present = self._shards
+        todo = [i for i, r in enumerate(ranges) if r.shard in present]
         if by_reading and self.leased:
-            results = self._hash_by_reading(entries, threads)
+            bad = self._hash_by_reading(todo, threads)
         else:
-            results = self._hash_views(entries, threads)
+            bad = self._hash_views(todo, threads)
+        for i, r in enumerate(ranges):
+            if r.shard not in present and (not r.nbytes and r.checksum != _EMPTY_CHECKSUM):
+                bad[i] = f"checksum {_EMPTY_CHECKSUM} != {r.checksum}"
         damaged = dict(self._missing)
-        for entry, why in results:
-            damaged[entry.name] = why
+        if bad:
+            for entry in self.manifest.tensors_in(set(bad)):
+                damaged.setdefault(entry.name, bad[entry.range])
+            named = {e.range for e in self.manifest.tensors_in(set(bad))}
+            for i in sorted(set(bad) - named):  # damage no tensor lies in: still damage
+                r = ranges[i]
+                damaged[f"<bytes [{r.offset}, {r.offset + r.nbytes}) of shard {r.shard}>"] = \
+                    bad[i]
         self.check_unchanged()
         if damaged:
             names = ", ".join(describe_name(n) for n in list(damaged)[:10])
@@ -237,56 +247,57 @@ class Snapshot:
             )
         self._verified = True
 
-    def _hash_views(self, entries: Sequence[Any], threads: int) -> list[tuple[Any, str]]:
+    def _hash_views(self, todo: list[int], threads: int) -> dict[int, str]:
+        """{range: why} of every checked range in ``todo`` whose bytes in the shards' views
+        do not hash to its checksum. Ranges are a few MiB (xxh3 releases the GIL), so the
+        threads hash in parallel whatever the tensor count."""
+        ranges = self.manifest.ranges
         views = {i: shard.view() for i, shard in self._shards.items()}
 
-        def run(bounds: tuple[int, int]) -> list[tuple[Any, str]]:
+        def run(bounds: tuple[int, int]) -> list[tuple[int, str]]:
             bad = []
-            for entry in entries[bounds[0]:bounds[1]]:
-                got = (checksum(views[entry.shard][entry.offset:entry.offset + entry.nbytes])
-                       if entry.nbytes else _EMPTY_CHECKSUM)  # (its shard may be missing)
-                if got != entry.checksum:
-                    bad.append((entry, f"checksum {got} != {entry.checksum}"))
+            for i in todo[bounds[0]:bounds[1]]:
+                r = ranges[i]
+                got = checksum(views[r.shard][r.offset:r.offset + r.nbytes])
+                if got != r.checksum:
+                    bad.append((i, _mismatch(got, r)))
             return bad
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            return list(itertools.chain.from_iterable(
-                pool.map(run, _task_bounds([e.nbytes for e in entries]))))
+            return dict(itertools.chain.from_iterable(
+                pool.map(run, _task_bounds([ranges[i].nbytes for i in todo]))))
 
-    def _hash_by_reading(self, entries: Sequence[Any], threads: int
-                         ) -> list[tuple[Any, str]]:
-        """(entry, why) of every bad entry, hashing ``preadv`` reads of the
-        shard files (reopened, each checked to be the file mapped), a bounded number of
+    def _hash_by_reading(self, todo: list[int], threads: int) -> dict[int, str]:
+        """{range: why} of every bad checked range in ``todo``, hashing ``preadv`` reads of
+        the shard files (reopened, each checked to be the file mapped), a bounded number of
         shards open at a time."""
-        by_shard: dict[int, list[Any]] = {}
-        bad: list[tuple[Any, str]] = []
-        for entry in entries:
-            if not entry.nbytes:  # (its shard may be missing)
-                if entry.checksum != _EMPTY_CHECKSUM:
-                    bad.append((entry, f"checksum {_EMPTY_CHECKSUM} != {entry.checksum}"))
-            elif entry.shard in self._shards:
-                by_shard.setdefault(entry.shard, []).append(entry)
+        ranges = self.manifest.ranges
+        by_shard: dict[int, list[int]] = {}
+        for i in todo:
+            by_shard.setdefault(ranges[i].shard, []).append(i)
         shards = sorted(by_shard)
+        bad: dict[int, str] = {}
 
-        def run(fd: int, group: Sequence[Any]) -> list[tuple[Any, str]]:
+        def run(fd: int, group: Sequence[int]) -> list[tuple[int, str]]:
             found = []
-            buf = bytearray(min(fileio.CHUNK_BYTES, max(e.nbytes for e in group) or 1))
+            buf = bytearray(min(fileio.CHUNK_BYTES, max(ranges[i].nbytes for i in group) or 1))
             view = memoryview(buf)
-            for entry in group:
+            for i in group:
+                r = ranges[i]
                 hasher = xxhash.xxh3_64()
                 done = 0
-                while done < entry.nbytes:
-                    piece = view[:min(len(buf), entry.nbytes - done)]
-                    got = os.preadv(fd, [piece], entry.offset + done)
+                while done < r.nbytes:
+                    piece = view[:min(len(buf), r.nbytes - done)]
+                    got = os.preadv(fd, [piece], r.offset + done)
                     if got <= 0:
                         break
                     hasher.update(piece[:got])
                     done += got
-                if done < entry.nbytes:
-                    found.append((entry, "its shard file is shorter than the manifest says "
-                                         "(truncated while it was held?)"))
-                elif (got_sum := hasher.hexdigest()) != entry.checksum:
-                    found.append((entry, f"checksum {got_sum} != {entry.checksum}"))
+                if done < r.nbytes:
+                    found.append((i, "its shard file is shorter than the manifest says "
+                                     "(truncated while it was held?)"))
+                elif (got_sum := hasher.hexdigest()) != r.checksum:
+                    found.append((i, _mismatch(got_sum, r)))
             return found
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
@@ -295,18 +306,18 @@ class Snapshot:
                 try:
                     fds = self._reopen(batch)
                 except FileNotFoundError:  # removed while held: damage, named by tensor
-                    bad += [(e, "its shard file was removed while the version was held")
-                            for shard in batch for e in by_shard[shard]]
+                    bad.update((i, "its shard file was removed while the version was held")
+                               for shard in batch for i in by_shard[shard])
                     continue
                 futures: list[Any] = []
                 try:
                     for shard in batch:
                         group = by_shard[shard]
-                        for a, b in _task_bounds([e.nbytes for e in group]):
+                        for a, b in _task_bounds([ranges[i].nbytes for i in group]):
                             futures.append(pool.submit(run, fds[shard], group[a:b]))
                     wait_all(futures)
                     for future in futures:
-                        bad += future.result()
+                        bad.update(future.result())
                 finally:
                     for future in futures:  # interrupted: no task may read a closed fd
                         future.cancel()
@@ -372,11 +383,14 @@ class Snapshot:
 
         return TensorDict(dict(self.tensors()), batch_size=[])
 
-    def copy_into(self, target: Any, threads: int = 8, strict: bool = True) -> int:
+    def copy_into(self, target: Any, threads: int = 8, strict: bool = True,
+                  verify: bool = False) -> int:
         """Copy this version into the existing tensors of ``target`` (an ``nn.Module``'s
         parameters and buffers by ``state_dict`` name, or a dict of tensors), in parallel
         threads; names and shapes are checked before the first byte is copied. Floating dtypes
-        are cast. Returns the bytes copied.
+        are cast. Returns the bytes copied. ``verify``: check every checksum first (as
+        ``verify()``, in other threads while the copy is planned); damage is reported before
+        a mismatch of names or shapes, and nothing is copied after either.
 
         Tensors of the same dtype land by scatter reads from the shard files (leased) or
         memory copies from the verified private copy (leaseless); the rest through torch.
@@ -391,14 +405,18 @@ class Snapshot:
             dest = target.state_dict(keep_vars=True)
         else:
             dest = target if type(target) is dict else dict(target)
-        plan = self.receiver.copy_plans.plan(self.manifest.tensors, dest, strict)
-        if plan is None:  # something does not fit: say everything that does not
-            expected = {n: (tuple(t.shape), t.dtype) for n, t in dest.items()}
-            self.check_compatible(expected, allow_missing=() if strict else expected,
-                                  cast_floats=True)
-            raise AssertionError("the copy plan and check_compatible disagree")  # pragma: no cover
-        if not self.leased and not self._verified:
-            self.verify()
+        if (verify or not self.leased) and not self._verified:
+            # Hashing releases the GIL; planning (a look at every destination) holds it.
+            with ThreadPoolExecutor(1) as one:
+                checking = one.submit(self.verify)
+                try:
+                    plan = self._plan_copy(dest, strict)
+                except BaseException:
+                    checking.result()  # damage first: it says more than a mismatch
+                    raise
+                checking.result()
+        else:
+            plan = self._plan_copy(dest, strict)
         if self._missing:
             raise DamagedVersionError(f"version {self.version} is missing shards",
                                       self._missing)
@@ -432,6 +450,15 @@ class Snapshot:
             wait_all(futures)
         torch.autograd.graph.increment_version(plan.raw_destinations)
         return self.manifest.total_bytes
+
+    def _plan_copy(self, dest: dict[str, Any], strict: bool) -> Any:
+        plan = self.receiver.copy_plans.plan(self.manifest.tensors, dest, strict)
+        if plan is None:  # something does not fit: say everything that does not
+            expected = {n: (tuple(t.shape), t.dtype) for n, t in dest.items()}
+            self.check_compatible(expected, allow_missing=() if strict else expected,
+                                  cast_floats=True)
+            raise AssertionError("the copy plan and check_compatible disagree")  # pragma: no cover
+        return plan
 
     def _reopen(self, shards: list[int], keep_open: bool = True) -> dict[int, int]:
         """Open these shards again (for scatter reads); each must be the file verified.
@@ -491,6 +518,11 @@ class Snapshot:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _mismatch(got: str, r: Any) -> str:
+    return (f"checksum {got} != {r.checksum} (its checked range: bytes [{r.offset}, "
+            f"{r.offset + r.nbytes}) of shard {r.shard})")
 
 
 def _task_bounds(sizes: list[int]) -> list[tuple[int, int]]:
@@ -671,23 +703,20 @@ class Receiver:
     def _load(self, target: LoadWeights | Any, verify: bool, threads: int) -> int:
         for attempt in range(_LEASELESS_RETRIES):
             with self.open() as snap:
+                container = not callable(target) or _is_tensor_container(target)
                 try:
-                    if verify or not snap.leased:
-                        snap.verify()
+                    if container:
+                        snap.copy_into(target, threads=threads, verify=verify)
+                    else:
+                        if verify or not snap.leased:
+                            snap.verify()
+                        target(snap.tensors())
                 except _SlotReused:
                     if attempt + 1 < _LEASELESS_RETRIES:
                         log.info("version %d was replaced while %s read it without a lease; "
                                  "reading again", snap.version, self.reader_id)
                         continue
                     raise
-                except DamagedVersionError as exc:
-                    self._refused(snap.version, exc)
-                    raise
-                try:
-                    if callable(target) and not _is_tensor_container(target):
-                        target(snap.tensors())
-                    else:
-                        snap.copy_into(target, threads=threads)
                 except (IncompatibleWeightsError, DamagedVersionError) as exc:
                     self._refused(snap.version, exc)
                     raise

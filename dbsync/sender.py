@@ -129,7 +129,7 @@ def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor]) -> None
 
 
 def _index_columns(pairs: sources.Pairs, places: list[tuple[int, int]]) -> dict[str, list]:
-    """Every column of the index but the checksums (see ``format.dump_index``)."""
+    """The index's tensor columns but ``range`` (see ``format.dump_index``)."""
     return {
         "name": [name for name, _ in pairs],
         "dtype": [dtype_name(t.dtype) for _, t in pairs],
@@ -291,18 +291,16 @@ class Sender:
                 pairs = sources.pairs_of(weights, self.strategy)  # dtype is applied below
                 if not pairs:
                     sources.validate(pairs)  # raises: nothing to publish
-                layout, tensor_states = None, None
+                layout = None
                 if blocking:
-                    tensor_states = tensorstate.states([t for _, t in pairs])
-                    layout = self._layouts.find([name for name, _ in pairs], tensor_states,
-                                                self._layout_settings())
+                    layout = self._layouts.find([name for name, _ in pairs],
+                                                [t for _, t in pairs], self._layout_settings())
                 if layout is None:
                     sources.validate(pairs)
             adapter = adapter_config if adapter_config is not None else (
                 sources.adapter_config_of(weights))
             self._check_kind("adapter" if adapter is not None else "weights")
-            on_cpu = (all(s[1] for s in tensor_states) if tensor_states is not None  # is_cpu
-                      else all(t.is_cpu for _, t in pairs))
+            on_cpu = layout is not None or all(t.is_cpu for _, t in pairs)  # (kept: on CPU)
             needs_copy = not blocking or not on_cpu
             if needs_copy:
                 buffer = self._buffers[self._next_buffer]
@@ -319,18 +317,14 @@ class Sender:
                         pairs = buffer.snapshot(pairs, self.dtype)
                 finally:
                     self._writes_allowed.set()
-                layout, tensor_states = None, None  # the snapshot's own tensors, found below
+                layout = None  # the snapshot's own tensors, found by the writer
             else:
                 buffer = None
                 if layout is None:  # (a kept layout's tensors needed nothing)
                     with gcpause.paused():
-                        materialized = sources.materialize_all(pairs, self.dtype)
-                    if any(a[1] is not b[1] for a, b in zip(pairs, materialized, strict=True)):
-                        tensor_states = None  # other tensors than the ones looked at
-                    pairs = materialized
+                        pairs = sources.materialize_all(pairs, self.dtype)
             self._abort.clear()
-            future = self._publisher.submit(self._publish, pairs, progress, adapter, layout,
-                                            tensor_states)
+            future = self._publisher.submit(self._publish, pairs, progress, adapter, layout)
             future.add_done_callback(self._on_done if not blocking else self._on_done_quietly)
             if buffer is not None:
                 buffer.user = future
@@ -393,8 +387,8 @@ class Sender:
         self._kind = kind
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
-                 adapter: dict[str, Any] | None = None, layout: PushLayout | None = None,
-                 tensor_states: list[tensorstate.State] | None = None) -> int:
+                 adapter: dict[str, Any] | None = None, layout: PushLayout | None = None
+                 ) -> int:
         t0 = time.perf_counter()
         self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
         lagged = self._wait_for_lag()
@@ -404,7 +398,7 @@ class Sender:
         t1 = time.perf_counter()
 
         with gcpause.paused():
-            layout = layout or self._layout(pairs, tensor_states)
+            layout = layout or self._layout(pairs)
         sizes, shard_sizes = layout.sizes, layout.shard_sizes
         self._check_space(slot, shard_sizes)
         # From here on the slot is not a complete version: say so before touching its data.
@@ -490,17 +484,15 @@ class Sender:
     def _layout_settings(self) -> tuple[Any, ...]:
         return (self.shard_bytes, self.dtype)
 
-    def _layout(self, pairs: sources.Pairs, tensor_states: list[tensorstate.State] | None
-                ) -> PushLayout:
+    def _layout(self, pairs: sources.Pairs) -> PushLayout:
         """The kept layout of these tensors, or a new one (kept for the next pushes)."""
         names = [name for name, _ in pairs]
         tensors = [t for _, t in pairs]
-        if tensor_states is None:
-            tensor_states = tensorstate.states(tensors)
-        layout = self._layouts.find(names, tensor_states, self._layout_settings())
+        layout = self._layouts.find(names, tensors, self._layout_settings())
         if layout is not None:
             return layout
-        if tensor_states is None or not all(s[1] and s[5] for s in tensor_states):
+        tensor_states = tensorstate.States.of(tensors)
+        if tensor_states is None or not tensor_states.all_cpu_contiguous:
             raise ValueError("the writer needs contiguous CPU tensors")  # pragma: no cover
         sizes = [t.nbytes for t in tensors]
         places, shard_sizes = plan_shards(sizes, self.shard_bytes)
@@ -511,8 +503,8 @@ class Sender:
 
     def _write(self, slot: str, layout: PushLayout, progress: Progress | None,
                while_syncing: Callable[[list[str]], None]) -> None:
-        """Write and fsync every shard; ``while_syncing(checksums)`` (every tensor's, in
-        order) runs while the last batch of shards is being fsynced."""
+        """Write and fsync every shard; ``while_syncing(checksums)`` (every checked range's,
+        in order) runs while the last batch of shards is being fsynced."""
         shard_sizes = layout.shard_sizes
         on_bytes = None
         if progress is not None:

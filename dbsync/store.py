@@ -222,7 +222,8 @@ class Store:
                 return None
             index = self.read_index(head.slot, head)
             if index is not None:
-                return Manifest(head, index.tensors, index.shards, index.adapter)
+                return Manifest(head, index.tensors, index.shards, index.ranges,
+                                index.adapter)
             if self.read_head() == head:
                 raise FormatError(
                     f"{self.slot_dir(head.slot)}/{INDEX_FILE} is missing or does not match "
@@ -246,7 +247,7 @@ class Store:
                     "publish again from the trainer"
                 )
             return None
-        return Manifest(head, index.tensors, index.shards, index.adapter)
+        return Manifest(head, index.tensors, index.shards, index.ranges, index.adapter)
 
     def require_manifest(self) -> Manifest:
         manifest = self.read_manifest()

@@ -93,16 +93,20 @@ def test_receiver_on_empty_store_says_what_to_do(root):
         receiver.load(lambda pairs: None)
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+@pytest.mark.parametrize("damage", ["corrupt", "padding", "truncate", "delete"])
 def test_damaged_version_never_reaches_load_weights(root, damage):
-    publish(root, {"a": torch.randn(100), "b": torch.randn(50), "c": torch.randn(10)})
+    """Small neighbours share one checked range (padding included): damage to any of its
+    bytes names every tensor in it. A tensor of 4 MiB or more is checked alone."""
+    publish(root, {"a": torch.randn(1 << 20), "b": torch.randn(50), "c": torch.randn(10)})
     (path, offset_b), (_, offset_c) = shard_of(root, "b"), shard_of(root, "c")
-    if damage == "corrupt":
-        for offset in (offset_b, offset_c):
+    assert offset_c - offset_b == 256  # b's 200 bytes, then 56 bytes of zero padding
+    if damage in ("corrupt", "padding"):
+        for offset in ((offset_b + 17, offset_c + 17) if damage == "corrupt"
+                       else (offset_b + 230,)):
             with open(path, "r+b") as f:
-                f.seek(offset + 17)
+                f.seek(offset)
                 byte = f.read(1)
-                f.seek(offset + 17)
+                f.seek(offset)
                 f.write(bytes([byte[0] ^ 0xFF]))
     elif damage == "truncate":
         os.truncate(path, 12)
@@ -113,9 +117,11 @@ def test_damaged_version_never_reaches_load_weights(root, damage):
         dbsync.Receiver(root).load(lambda pairs: calls.append(list(pairs)))
     assert calls == []
     # one error naming every damaged tensor (a shard that is gone or cut damages all of them)
-    expected = {"b", "c"} if damage == "corrupt" else {"a", "b", "c"}
+    expected = {"b", "c"} if damage in ("corrupt", "padding") else {"a", "b", "c"}
     assert set(err.value.damaged) == expected
     assert "b, c" in str(err.value)
+    if damage != "delete":
+        assert all("checksum" in why or "shard" in why for why in err.value.damaged.values())
 
 
 def test_manifest_pointing_outside_the_slot_is_refused(root):
@@ -234,8 +240,8 @@ def test_a_push_held_up_by_a_live_reader_says_who_holds_it(root, caplog):
 def test_verify_by_reading_reports_a_shard_cut_short_while_held(root):
     """A shard truncated under a leased snapshot (only a process breaking the protocol can)
     is reported as damaged by a reading verify (dbsync verify's), instead of SIGBUS."""
-    publish(root, {"a": torch.ones(4096), "b": torch.full((4096,), 2.0),
-                   "empty": torch.ones(0)})
+    publish(root, {"a": torch.ones(1 << 20), "b": torch.full((4096,), 2.0),
+                   "empty": torch.ones(0)})  # (b shares its checked range with empty only)
     with dbsync.Receiver(root) as rx, rx.open() as snap:
         assert snap.leased
         snap.verify(by_reading=True)  # intact: passes
@@ -270,3 +276,36 @@ def test_a_shard_this_user_may_not_read_is_not_called_damaged(root):
     assert out.returncode == 1, out
     assert "nothing is known to be damaged" in out.stderr and "Permission denied" in out.stderr
     assert "fail verification" not in out.stderr and "Publish again" not in out.stderr
+
+
+def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
+    """A store written by the previous format (one checksum per tensor): readers say what to
+    do and apply nothing; a Sender continues its version numbers in format 3, which readers
+    then load."""
+    weights = {"a": torch.randn(64), "b": torch.randn(3, 5)}
+    publish(root, weights)
+    head_path = os.path.join(root, MANIFEST_FILE)
+    head = json.load(open(head_path))
+    index_path = os.path.join(root, "slots", head["slot"], "index.json")
+    index = json.load(open(index_path))
+    tensors = index["tensors"]
+    del tensors["range"], index["ranges"]  # version 2's own columns instead
+    tensors["checksum"] = ["0123456789abcdef"] * len(tensors["name"])
+    index["format_version"] = head["format_version"] = 2
+    raw = json.dumps(index).encode()
+    open(index_path, "wb").write(raw)
+    head["index"].update(nbytes=len(raw), checksum=xxhash.xxh3_64_hexdigest(raw))
+    open(head_path, "w").write(json.dumps(head))
+
+    calls = []
+    with dbsync.Receiver(root) as rx:
+        with pytest.raises(dbsync.FormatError, match="older dbsync in format 2.*Publish once"):
+            rx.load(lambda pairs: calls.append(1))
+    assert calls == []
+    with dbsync.Sender(root) as sender:
+        assert sender.push({k: v + 1 for k, v in weights.items()}) == 2
+    got = {}
+    with dbsync.Receiver(root) as rx:
+        assert rx.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 2
+    assert all(torch.equal(got[k], v + 1) for k, v in weights.items())
+    assert json.load(open(head_path))["format_version"] == 3

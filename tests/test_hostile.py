@@ -395,8 +395,9 @@ _WRONG = [None, True, -1, 1.5, "x", [], {}, [1, 2], {"a": 1}, 2**70]
 _HEAD_FIELDS = ["format", "format_version", "run_id", "version", "slot", "kind", "created_at",
                 "index", "tensor_count", "total_bytes"]
 _INDEX_FIELDS = ["format", "format_version", "run_id", "version", "checksum_algorithm",
-                 "shards", "tensors", "adapter"]
-_TENSOR_FIELDS = ["name", "dtype", "shape", "shard", "offset", "checksum"]
+                 "shards", "tensors", "ranges", "adapter"]
+_TENSOR_FIELDS = ["name", "dtype", "shape", "shard", "offset", "range"]
+_RANGE_FIELDS = ["shard", "offset", "nbytes", "checksum"]
 
 
 def _set(path: list[Any], value: Any) -> Callable[[dict], None]:
@@ -416,6 +417,13 @@ def _set_tensor(field: str, value: Any) -> Callable[[dict], None]:
             tensors[field][0] = value
         else:
             tensors[0][field] = value
+    return edit
+
+
+def _set_range(field: str, value: Any) -> Callable[[dict], None]:
+    """Set a field of the index's first checked range."""
+    def edit(index: dict) -> None:
+        index["ranges"][field][0] = value
     return edit
 
 
@@ -458,6 +466,9 @@ def _garbled_cases(columnar: bool = True) -> list[tuple[str, dict[str, Any]]]:
         ("shard offset outside", {"index": _set_tensor("offset", 1 << 40)}),
         ("shard missing from list", {"index": _set_tensor("shard", 7)}),
         ("tensors is a list of objects", {"index": _set(["tensors"], [{"name": "a"}])}),
+        ("a tensor outside the range it names", {"index": _set_tensor("range", 1)}),
+        ("ranges overlap", {"index": lambda i: [column.append(column[0])
+                                                for column in i["ranges"].values()]}),
     ]
     for field in _HEAD_FIELDS:
         for n, value in enumerate(_WRONG):
@@ -474,10 +485,13 @@ def _garbled_cases(columnar: bool = True) -> list[tuple[str, dict[str, Any]]]:
     if columnar:
         cases.append(("columns of different lengths",
                       {"index": lambda i: i["tensors"]["name"].pop()}))
+    for field in _RANGE_FIELDS:
+        for n, value in enumerate(_WRONG):
+            cases.append((f"range.{field}={n}", {"index": _set_range(field, value)}))
     for field in _TENSOR_FIELDS + ([] if columnar else ["nbytes"]):
         wrong = _WRONG if field != "shape" else [
             v for v in _WRONG if v not in ([], [1, 2])] + [[-1], ["4"], [True], [4.0], [2**70]]
-        for n, value in enumerate(wrong):  # ([] and [1, 2] are shapes: checksums refuse them)
+        for n, value in enumerate(wrong):
             if field == "name" and value == "x":
                 continue  # a valid name: the writer is trusted with names and contents
             cases.append((f"tensor.{field}={n}", {"index": _set_tensor(field, value)}))
@@ -528,8 +542,7 @@ def test_impossible_shapes_refused_before_apply(root, shape):
         def add_impossible(index: dict) -> None:
             # after three good tensors: a partial apply would hand those over first
             _append_tensor(index, {"name": "impossible", "dtype": "float32", "shape": shape,
-                                   "shard": 0, "offset": 0,
-                                   "checksum": xxhash.xxh3_64_hexdigest(b"")})
+                                   "shard": 0, "offset": 0, "range": -1})
 
         forge(root, index=add_impossible)
         refused(lambda: rx.load(serving))
@@ -670,13 +683,13 @@ def test_store_modes_ignore_the_umask(root):
 
 _GOOD_COLUMNS = {"name": ["a", "b", "c"], "dtype": ["float32", "bfloat16", "int8"],
                  "shape": [[2, 3], [4], []], "shard": [0, 0, 1], "offset": [0, 64, 0],
-                 "checksum": ["0123456789abcdef"] * 3}
+                 "range": [0, 0, 1]}
+_GOOD_RANGES = {"shard": [0, 1], "offset": [0, 0], "nbytes": [72, 1],
+                "checksum": ["0123456789abcdef"] * 2}
 
 
 @pytest.mark.parametrize("column, row, value", [
-    ("checksum", 1, "0123456789ABCDEF"), ("checksum", 1, "0123456789abcde"),
-    ("checksum", 1, "0123456789abcdef0"), ("checksum", 1, "0123456789abcde "),
-    ("checksum", 1, "0123456789abcdeg"), ("checksum", 1, 5),
+    ("range", 1, 1), ("range", 1, -1), ("range", 1, 2), ("range", 1, True), ("range", 0, "0"),
     ("shape", 0, [True, 3]), ("shape", 0, [-1, 3]), ("shape", 0, [2.0, 3]), ("shape", 0, "ab"),
     ("shape", 0, [2**40, 2**40]), ("offset", 1, -64), ("offset", 1, 65), ("offset", 0, False),
     ("offset", 1, 128), ("shard", 2, 2), ("shard", 2, -1), ("shard", 0, False),
@@ -688,9 +701,30 @@ def test_every_garbled_index_column_is_named_whatever_the_parse_path(column, row
     exactly what the per-tensor checks accept. One bad cell: refused, and named."""
     from dbsync.format import Index, dump_index
 
-    good = dump_index("0" * 32, 1, _GOOD_COLUMNS, [128, 64], None)
+    good = dump_index("0" * 32, 1, _GOOD_COLUMNS, _GOOD_RANGES, [128, 64], None)
     assert [e.name for e in Index.loads(good).tensors] == ["a", "b", "c"]
     columns = json.loads(json.dumps(_GOOD_COLUMNS))
     columns[column][row] = value
     with pytest.raises(FormatError, match=rf"index.json is invalid: tensors\[{row}\]"):
-        Index.loads(dump_index("0" * 32, 1, columns, [128, 64], None))
+        Index.loads(dump_index("0" * 32, 1, columns, _GOOD_RANGES, [128, 64], None))
+
+
+@pytest.mark.parametrize("column, row, value", [
+    ("checksum", 1, "0123456789ABCDEF"), ("checksum", 1, "0123456789abcde"),
+    ("checksum", 1, "0123456789abcdef0"), ("checksum", 1, "0123456789abcde "),
+    ("checksum", 1, "0123456789abcdeg"), ("checksum", 1, 5), ("shard", 1, 2),
+    ("shard", 1, -1), ("shard", 1, False), ("offset", 1, 64), ("nbytes", 0, 129),
+    ("nbytes", 1, -1), ("offset", 1, 1.0),
+])
+def test_every_garbled_checked_range_is_named(column, row, value):
+    """The checked ranges must lie inside their shards, in order, never overlapping, each with
+    a well-formed checksum; one bad cell is refused and named (also on the short path taken
+    for the next version of a layout already read)."""
+    from dbsync.format import Index, dump_index
+
+    good = dump_index("0" * 32, 1, _GOOD_COLUMNS, _GOOD_RANGES, [128, 64], None)
+    assert len(Index.loads(good).ranges) == 2  # (now remembered for the short path)
+    ranges = json.loads(json.dumps(_GOOD_RANGES))
+    ranges[column][row] = value
+    with pytest.raises(FormatError, match=rf"index.json is invalid: ranges\[{row}\]"):
+        Index.loads(dump_index("0" * 32, 1, _GOOD_COLUMNS, ranges, [128, 64], None))

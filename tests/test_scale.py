@@ -279,17 +279,20 @@ def test_the_index_template_writes_what_dump_index_writes():
     from dbsync.pushlayout import IndexTemplate
 
     columns = {"name": ["a", "b\u00e9\x01\"x"], "dtype": ["float32", "bfloat16"],
-               "shape": [[2, 3], []], "shard": [0, 0], "offset": [0, 64]}
+               "shape": [[2, 3], []], "shard": [0, 0], "offset": [0, 64], "range": [0, 1]}
+    ranges = {"shard": [0, 0], "offset": [0, 64], "nbytes": [24, 0]}
     sums = ["0123456789abcdef", "fedcba9876543210"]
     for adapter in (None, {"r": 8, "target_modules": ["q_proj"]}):
-        template = IndexTemplate(columns, [80], adapter)
-        want = dump_index("run-\u00e9", 12, {**columns, "checksum": sums}, [80], adapter)
+        template = IndexTemplate(columns, ranges, [80], adapter)
+        want = dump_index("run-\u00e9", 12, columns, {**ranges, "checksum": sums}, [80],
+                          adapter)
         assert template.fill("run-\u00e9", 12, sums) == want
 
 
 def test_an_index_of_the_same_layout_reads_the_same_as_a_fresh_parse(root):
     """The next version's index (same layout, new checksums) takes the short path; its
-    entries equal what a full parse gives, and a wrong checksum there is still refused."""
+    entries and ranges equal what a full parse gives, and a wrong checksum there is still
+    refused."""
     from dbsync import format as fmt
 
     weights = {f"w{i}": torch.full((2, i % 3 + 1), float(i)) for i in range(50)}
@@ -301,11 +304,10 @@ def test_an_index_of_the_same_layout_reads_the_same_as_a_fresh_parse(root):
         slot = rx.store.read_head().slot
         raw = open(os.path.join(rx.store.slot_dir(slot), fmt.INDEX_FILE), "rb").read()
         short = fmt.Index.loads(raw)
-        fmt._LAST_LAYOUT[0] = None
+        fmt._LAST_LAYOUT[0] = fmt._LAST_RANGES[0] = None
         full = fmt.Index.loads(raw)
-        assert short.tensors == full.tensors and short.tensors[3].checksum == \
-            full.tensors[3].checksum
-        bad = raw.replace(full.tensors[3].checksum.encode(), b"XYZ" * 5 + b"0", 1)
+        assert short.tensors == full.tensors and short.ranges == full.ranges
+        bad = raw.replace(full.ranges[0].checksum.encode(), b"XYZ" * 5 + b"0", 1)
         with pytest.raises(dbsync.FormatError):
             fmt.Index.loads(bad)
 

@@ -404,8 +404,9 @@ def verify(root: str, want: int | None, threads: int) -> None:
                 for why, names in by_reason.items():
                     lines.append(f"  {why}:")
                     lines += [f"    {describe_name(name)}" for name in names]
+                tensors = sum(1 for t in manifest.tensors if t.name in exc.damaged)
                 fail(f"version {manifest.version} in {store.root} is damaged: "
-                     f"{len(exc.damaged)} of {len(manifest.tensors)} tensor(s) fail "
+                     f"{tensors} of {len(manifest.tensors)} tensor(s) fail "
                      "verification (small neighbours share one checksum: each damaged range "
                      "names all of its tensors):\n" + "\n".join(lines) +
                      f"\nPublish again to replace it (dbsync push SRC {root}).")

@@ -329,8 +329,11 @@ class Index:
                 problems.append(f"shards[{i}] must be {{file: {shard_file(i)!r}, nbytes}}")
                 continue
             shards.append(s["nbytes"])
+        before = len(problems)
         ranges = _parse_ranges(data.get("ranges"), shards, problems)
-        entries = _parse_tensors(data.get("tensors"), shards, ranges, problems)
+        # (after a bad range the others' positions shift: tensors are then not held to them)
+        entries = _parse_tensors(data.get("tensors"), shards,
+                                 ranges if len(problems) == before else None, problems)
         adapter = data.get("adapter")
         if adapter is not None and not isinstance(adapter, dict):
             problems.append("adapter must be an object or null")
@@ -411,7 +414,7 @@ _LAST_RANGES: list[Any] = [None]
 
 
 
-def _parse_tensors(raw: Any, shards: list[int], ranges: list[CheckedRange],
+def _parse_tensors(raw: Any, shards: list[int], ranges: list[CheckedRange] | None,
                    problems: list[str]) -> Sequence[TensorEntry]:
     """Validate the index's tensor columns and build the entries. A whole-column fast path
     (a few C-level passes) accepts a well-formed index; anything else goes through the
@@ -426,6 +429,8 @@ def _parse_tensors(raw: Any, shards: list[int], ranges: list[CheckedRange],
     if any(len(col) != count for col in columns[1:]):
         problems.append("tensors: every column must have one value per tensor")
         return []
+    if ranges is None:  # the ranges were refused: report the tensors' own problems only
+        return _parse_slow(*columns, shards, None, problems)
     bounds = [(r.shard, r.offset, r.offset + r.nbytes) for r in ranges]
     memo = _LAST_LAYOUT[0]
     if (memo is not None and _plain_types(*columns)
@@ -521,7 +526,7 @@ def _strides_overflow(shape: list[int]) -> bool:
 
 
 def _parse_slow(names: list, dtypes: list, shapes: list, shard_ids: list, offsets: list,
-                range_ids: list, shards: list[int], bounds: list[tuple[int, int, int]],
+                range_ids: list, shards: list[int], bounds: list[tuple[int, int, int]] | None,
                 problems: list[str]) -> list[TensorEntry]:
     count = len(names)
     sizes = DTYPE_SIZES
@@ -559,21 +564,19 @@ def _parse_slow(names: list, dtypes: list, shapes: list, shard_ids: list, offset
         if type(offset) is not int or offset < 0 or offset % ALIGN:
             problems.append(f"tensors[{i}].offset must be a non-negative multiple of {ALIGN}")
             continue
-        if type(shard) is not int or not 0 <= shard < max(nshards, 1):
+        if type(shard) is not int or not 0 <= shard < nshards:
             problems.append(f"tensors[{i}].shard {str(shard)[:30]} is not a listed shard")
             continue
-        if nbytes and shard >= nshards:  # no shard listed at all (an empty tensor needs none)
-            problems.append(f"tensors[{i}].shard {shard} is not a listed shard")
-            continue
-        if nbytes and offset + nbytes > shards[shard]:
+        if offset + nbytes > shards[shard]:
             problems.append(f"tensors[{i}]: bytes [{offset}, {offset + nbytes}) lie outside "
                             f"shard {shard} ({shards[shard]} bytes)")
             continue
-        if type(rid) is not int or not -1 <= rid < len(bounds):
+        if bounds is not None and (type(rid) is not int or not -1 <= rid < len(bounds)):
             problems.append(f"tensors[{i}].range {str(rid)[:30]} is not a listed range")
             continue
-        if nbytes and (rid < 0 or bounds[rid][0] != shard or offset < bounds[rid][1]
-                       or offset + nbytes > bounds[rid][2]):
+        if bounds is not None and nbytes and (
+                rid < 0 or bounds[rid][0] != shard or offset < bounds[rid][1]
+                or offset + nbytes > bounds[rid][2]):
             problems.append(f"tensors[{i}]: bytes [{offset}, {offset + nbytes}) of shard "
                             f"{shard} lie outside the checked range it names ({rid})")
             continue

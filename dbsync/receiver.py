@@ -214,6 +214,8 @@ class Snapshot:
         a leased slot) kills this process with SIGBUS. ``by_reading=True`` hashes what
         ``preadv`` returns instead (a little slower: one more copy); a shard that shrank is
         then reported as damaged (``dbsync verify`` reads this way)."""
+        if self._closed:
+            raise DBSyncError(f"version {self.version}'s snapshot is closed; open it again")
         ranges = self.manifest.ranges
         present = self._shards
         todo = [i for i, r in enumerate(ranges) if r.shard in present]
@@ -408,7 +410,7 @@ class Snapshot:
         if (verify or not self.leased) and not self._verified:
             # Hashing releases the GIL; planning (a look at every destination) holds it.
             with ThreadPoolExecutor(1) as one:
-                checking = one.submit(self.verify)
+                checking = one.submit(self.verify, threads)
                 try:
                     plan = self._plan_copy(dest, strict)
                 except BaseException:

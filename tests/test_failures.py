@@ -168,6 +168,8 @@ def test_snapshot_close_twice_is_harmless(root):
     with receiver.open() as snap:
         snap.close()
     snap.close()
+    with pytest.raises(dbsync.DBSyncError, match="closed"):
+        snap.verify()  # nothing is vouched for once its shards are gone
     with receiver.open() as again:  # the receiver is still usable
         assert again.version == 1
 

@@ -728,3 +728,25 @@ def test_every_garbled_checked_range_is_named(column, row, value):
     ranges[column][row] = value
     with pytest.raises(FormatError, match=rf"index.json is invalid: ranges\[{row}\]"):
         Index.loads(dump_index("0" * 32, 1, _GOOD_COLUMNS, ranges, [128, 64], None))
+
+
+def test_range_problems_are_named_alone_and_no_tensor_may_name_an_unlisted_shard():
+    """A refused range does not shift the others into follow-on complaints about good
+    tensors; a tensor of no bytes in an index listing no shard is refused on every parse path
+    (it would otherwise reach the reader as a shard that is not there)."""
+    from dbsync.format import Index, dump_index
+
+    ranges = json.loads(json.dumps(_GOOD_RANGES))
+    ranges["checksum"][0] = "not hex"
+    with pytest.raises(FormatError) as err:
+        Index.loads(dump_index("0" * 32, 1, _GOOD_COLUMNS, ranges, [128, 64], None))
+    assert "ranges[0].checksum" in str(err.value) and "tensors[" not in str(err.value)
+
+    empty = {"name": ["e"], "dtype": ["float32"], "shape": [[0]], "shard": [0], "offset": [0],
+             "range": [-1]}
+    no_ranges = {"shard": [], "offset": [], "nbytes": [], "checksum": []}
+    with pytest.raises(FormatError, match=r"tensors\[0\]\.shard 0 is not a listed shard"):
+        Index.loads(dump_index("0" * 32, 1, empty, no_ranges, [], None))
+    empty["name"] = ["\u00e9"]  # (a non-ASCII name takes the per-tensor path)
+    with pytest.raises(FormatError, match=r"tensors\[0\]\.shard 0 is not a listed shard"):
+        Index.loads(dump_index("0" * 32, 1, empty, no_ranges, [], None))

@@ -76,11 +76,11 @@ def published_key(epoch: int, seq: int) -> str:
 
 
 def manifest_digest(manifest: Any) -> str:
-    """A digest of what a manifest promises: version, each tensor's name, dtype, shape and
-    checked range, in order, and each range's place and xxh3 checksum. The sender confirms a
-    broadcast version with the digest of the manifest it was published under; a member
+    """A digest of what a manifest promises: version, each tensor's name, dtype, shape, place
+    and checked range, in order, and each range's place and xxh3 checksum. The sender confirms
+    a broadcast version with the digest of the manifest it was published under; a member
     applies its broadcast copy only while the store's manifest has the same digest."""
-    data = [manifest.version, [[t.name, t.dtype, list(t.shape), t.range]
+    data = [manifest.version, [[t.name, t.dtype, list(t.shape), t.shard, t.offset, t.range]
                                for t in manifest.tensors], [list(r) for r in manifest.ranges]]
     return hashlib.sha256(json.dumps(data, separators=(",", ":")).encode()).hexdigest()
 

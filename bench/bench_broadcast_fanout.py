@@ -4,7 +4,8 @@ N processes, measured in the same run.
 
     python bench/bench_broadcast_fanout.py [--gpus N] [--gb 4 12] [--tensors 300]
         [--bucket-mib 256] [--iters 5] [--code DIR] [--sender-kwargs JSON]
-        [--receiver-kwargs JSON] [--faults] [--label NAME] [--out results.json]
+        [--receiver-kwargs JSON] [--faults] [--phases] [--set MODULE.ATTR=JSON]
+        [--label NAME] [--out results.json]
 
 Each receiver takes every tensor into its own preallocated parameters and synchronizes: by
 default through ``receive(params)`` (dbsync copies, verified bucket by bucket, on a few SMs);
@@ -19,6 +20,13 @@ header, handshake, bucket stream, last bucket done). Receiver side: header seen 
 copied and synchronized. Raw: every rank enqueues the same number of same-size bucket
 broadcasts from two preallocated buffers (no packing, no handshake, no checksums), timed from a
 barrier to the last rank's synchronize.
+
+Windows compared: raw is timed per rank from a barrier to its last synchronize (the slowest
+rank counts); the sender's window opens before it polls joins, so it includes telling the
+receivers (the header), which raw gets from its barrier, and closes when its own last bucket
+is done (~0.1 ms before a receiver's last byte); the receiver's opens when it sees the
+header. ``--phases`` records where a push's time goes on every rank (see ``Phases``;
+``phases_us`` in the JSON: medians in microseconds from the sender's window opening).
 
 ``--code DIR`` imports ``dbsync`` from DIR (a copy of an older revision, for before/after runs
 on the same machine). ``--faults`` (current code) then measures, with small versions: a receiver
@@ -119,6 +127,108 @@ def profiled(args: argparse.Namespace, rank: int, on: bool) -> Iterator[None]:
     prof.export_chrome_trace(os.path.join(args.profile, f"rank{rank}.json"))
 
 
+class Phases:
+    """``--phases``: where the time of one push (sender) or take (receiver) goes. Host time
+    stamps (``time.perf_counter``: CLOCK_MONOTONIC, one clock for every process of the host)
+    from hooks around ``dbsync.nccl``'s methods; device times from CUDA events, placed on the
+    host clock through a reference event recorded on the idle stream (within microseconds);
+    each broadcast's NCCL kernel time (``TORCH_NCCL_ENABLE_TIMING=1``). The hooks cost a few
+    microseconds per bucket; ratios of runs without ``--phases`` are the ones to report."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.marks: dict[str, list[float]] = {}
+        self.events: list[tuple[str, Any]] = []
+        self.works: list[Any] = []
+        self.ref: tuple[float, Any] | None = None
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, []).append(time.perf_counter())
+
+    def reference(self) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.ref = (time.perf_counter(), ev)
+
+    def event(self, name: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.events.append((name, ev))
+
+    def resolve(self) -> dict[str, Any]:
+        torch.cuda.synchronize()
+        out: dict[str, Any] = {k: list(v) for k, v in self.marks.items()}
+        if self.ref is not None:
+            t_ref, ref = self.ref
+            for name, ev in self.events:
+                out.setdefault("dev_" + name, []).append(t_ref + ref.elapsed_time(ev) / 1e3)
+        durations = []
+        for work in self.works:
+            try:
+                durations.append(float(work._get_duration()) / 1e3)
+            except Exception:  # noqa: BLE001 - timing off or unsupported
+                durations.append(None)
+        out["nccl_seconds"] = durations
+        self.reset()
+        return out
+
+
+def install_phase_hooks(ph: Phases, rank: int) -> None:
+    """Wrap the methods of ``dbsync.nccl`` (whichever copy ``--code`` imported) that mark the
+    phases of a push and of a take; their behaviour is unchanged."""
+    from dbsync.nccl import group, member, membership, outgoing, paced, sender, stream
+
+    def wrap(cls: Any, name: str, before: Any = None, after: Any = None) -> None:
+        orig = getattr(cls, name)
+
+        def hooked(*a: Any, **k: Any) -> Any:
+            if ph.active and before is not None:
+                before()
+            out = orig(*a, **k)
+            if ph.active and after is not None:
+                after(out)
+            return out
+
+        setattr(cls, name, hooked)
+
+    def bcast_in() -> None:
+        ph.mark("bcast_call")
+        if rank == 0:
+            ph.event("pack_done")  # the stream position the broadcast waits for
+
+    def bcast_out(work: Any) -> None:
+        ph.mark("bcast_ret")
+        ph.works.append(work)
+
+    wrap(group.Group, "broadcast", bcast_in, bcast_out)
+    wrap(group.Group, "wait", None, lambda _: ph.mark("landed"))
+    if rank == 0:
+        wrap(membership.Membership, "refresh", lambda: ph.mark("t0"),
+             lambda _: ph.mark("refreshed"))
+        wrap(outgoing.OutgoingStream, "send", lambda: ph.mark("announced"),
+             lambda _: ph.mark("sent"))
+        wrap(sender.BroadcastSender, "_header", None, lambda _: ph.mark("header_built"))
+    else:
+        def seen(header: Any) -> None:
+            if header is not None:
+                ph.reset()
+                ph.mark("header_seen")
+                ph.reference()
+
+        wrap(member.MemberLink, "poll_push", None, seen)
+        wrap(stream.IncomingVersion, "start", lambda: ph.mark("start_in"),
+             lambda _: ph.mark("posted"))
+        wrap(paced.VerifyCopy, "run", lambda: ph.mark("pass_call"),
+             lambda _: ph.event("pass_done"))
+        wrap(stream.IncomingVersion, "copy_into", None, lambda _: ph.mark("copied"))
+
+
+PHASES = Phases()
+
+
 def raw_bucketed(total: int, bucket: int, iters: int) -> list[float]:
     import torch.distributed as dist
 
@@ -146,10 +256,19 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str, port: int
     """One process per GPU, driven by JSON commands (rank 0: sender, others: receivers)."""
     sys.path.insert(0, os.path.abspath(args.code))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if args.phases:
+        os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"
     import torch.distributed as dist
 
     import dbsync
 
+    for knob in args.set:  # MODULE.ATTR=JSON, e.g. dbsync.nccl.paced.PACK_SHARE=1.0
+        target, _, value = knob.partition("=")
+        module, _, attr = target.rpartition(".")
+        __import__(module)
+        setattr(sys.modules[module], attr, json.loads(value))
+    if args.phases:
+        install_phase_hooks(PHASES, rank)
     try:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -177,7 +296,8 @@ def _sender(args: argparse.Namespace, root: str, commands: Any, results: Any,
     bs = BroadcastSender(sender, **kwargs)
     construct = time.perf_counter() - t0
     weights: dict[str, torch.Tensor] = {}
-    results.put(json.dumps({"rank": 0, "ready": True, "construct_seconds": construct}))
+    results.put(json.dumps({"rank": 0, "ready": True, "construct_seconds": construct,
+                            "fused_packing": getattr(bs.outgoing, "fused", None)}))
     while True:
         cmd = json.loads(commands.get())
         op = cmd["op"]
@@ -206,10 +326,16 @@ def _sender(args: argparse.Namespace, root: str, commands: Any, results: Any,
             changed[:4096] += 1  # every version differs from the last
             torch.cuda.synchronize()
             with profiled(args, 0, cmd.get("profile", False)):
+                PHASES.reset()
+                PHASES.reference()
+                PHASES.active = args.phases
                 t = time.perf_counter()
                 version = bs.push(weights)
                 wall = time.perf_counter() - t
+                PHASES.active = False
             stats = dict(bs.last_push_stats)
+            if args.phases:
+                stats["phases"] = PHASES.resolve()
             if args.receiver_load == "windows":  # what each receiver keeps of it
                 shapes = [(n, tuple(t.shape)) for n, t in weights.items()]
                 prints: Any = {str(r): window_fingerprints(weights, row_windows(
@@ -312,16 +438,22 @@ def _receiver(rank: int, args: argparse.Namespace, root: str, commands: Any,
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             with profiled(args, rank, cmd.get("profile", False)):
+                PHASES.reset()
+                PHASES.active = args.phases
                 t = time.perf_counter()
                 version = rx.receive(target, timeout=600)
                 wall = time.perf_counter() - t
                 if target is params:
                     torch.cuda.synchronize()
                     wall = time.perf_counter() - t
+                PHASES.mark("synced")
+                PHASES.active = False
+            phases = PHASES.resolve() if args.phases else None
             held = sum(t.numel() * t.element_size() for t in params.values())
             results.put(json.dumps({
                 "rank": rank, "version": version, "source": rx.last_source,
-                "error": rx.last_error, "stats": rx.last_stats, "wall_seconds": wall,
+                "error": rx.last_error, "stats": dict(rx.last_stats, phases=phases),
+                "wall_seconds": wall,
                 "peak_bytes": torch.cuda.max_memory_allocated(device) - base,
                 "held_bytes": held, "allocated_bytes": torch.cuda.memory_allocated(device),
                 "fingerprints": fingerprints(params)}, default=str))
@@ -448,7 +580,53 @@ def measure_size(d: Driver, args: argparse.Namespace, gb: float, seed: int) -> d
         "receiver_seconds": {str(r): v for r, v in recv_s.items()},
         "errors": sorted({str(takes[i][r]["error"]) for i in range(args.iters + 1)
                           for r in receivers}),
+        "phases_us": phase_summary(pushes, takes, timed, receivers) if args.phases else None,
     }
+
+
+def phase_summary(pushes: list[dict[str, Any]], takes: list[dict[int, dict[str, Any]]],
+                  timed: range, receivers: range) -> dict[str, Any]:
+    """Medians over the timed pushes, in microseconds from the sender's ``t0`` (push's
+    broadcast window opens), of the phases each side went through (see ``Phases``)."""
+
+    def at(ph: dict[str, Any], name: str, k: int) -> float | None:
+        v = ph.get(name) or []
+        return v[k] if -len(v) <= k < len(v) else None
+
+    rows: dict[str, list[float]] = {}
+
+    def put(key: str, value: float | None, base: float = 0.0, scale: float = 1e6) -> None:
+        if value is not None:
+            rows.setdefault(key, []).append((value - base) * scale)
+
+    for i in timed:
+        s = pushes[i]["stats"].get("phases") or {}
+        if not s.get("t0"):
+            continue
+        t0 = s["t0"][0]
+        for name, k in (("refreshed", 0), ("header_built", 0), ("announced", 0),
+                        ("bcast_call", 0),
+                        ("bcast_ret", 0), ("dev_pack_done", 0), ("dev_pack_done", 1),
+                        ("landed", 0), ("landed", -1), ("sent", 0)):
+            put(f"S.{name}[{k}]", at(s, name, k), t0)
+        nccl = [x for x in s.get("nccl_seconds", []) if x is not None]
+        if len(nccl) > 2:
+            put("S.nccl[0]", nccl[0], 0.0)
+            put("S.nccl[mid]", statistics.median(nccl[1:-1]), 0.0)
+            put("S.nccl[-1]", nccl[-1], 0.0)
+        for r in receivers:
+            ph = takes[i][r]["stats"].get("phases") or {}
+            for name, k in (("header_seen", 0), ("start_in", 0), ("bcast_call", 0),
+                            ("posted", 0), ("landed", 0), ("pass_call", 0),
+                            ("dev_pass_done", 0), ("landed", -1), ("pass_call", -1),
+                            ("dev_pass_done", -2), ("dev_pass_done", -1), ("copied", 0),
+                            ("synced", 0)):
+                put(f"R{r}.{name}[{k}]", at(ph, name, k), t0)
+            nccl = [x for x in ph.get("nccl_seconds", []) if x is not None]
+            if len(nccl) > 2:
+                put(f"R{r}.nccl[0]", nccl[0], 0.0)
+                put(f"R{r}.nccl[mid]", statistics.median(nccl[1:-1]), 0.0)
+    return {k: round(statistics.median(v), 1) for k, v in rows.items()}
 
 
 def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
@@ -557,6 +735,10 @@ def main() -> int:
     ap.add_argument("--paced-step", type=int, default=0, help="tuning: rows per CTA step")
     ap.add_argument("--paced-warps", type=int, default=0, help="tuning: warps per CTA")
     ap.add_argument("--faults", action="store_true")
+    ap.add_argument("--phases", action="store_true",
+                    help="time stamps of each push's and take's phases (see Phases)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=JSON",
+                    help="set a module attribute in every process (tuning, A/B runs)")
     ap.add_argument("--profile", default="", help="write kernel traces of the last push here")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="")
@@ -576,6 +758,8 @@ def main() -> int:
         "receiver_load": args.receiver_load,
         "paced_programs": args.paced_programs or "default", "sizes": []}
     d = Driver(args, world)
+    result["sender_construct_seconds"] = d.ready[0]["construct_seconds"]
+    result["sender_fused_packing"] = d.ready[0]["fused_packing"]
     try:
         for i, gb in enumerate(args.gb):
             result["sizes"].append(measure_size(d, args, gb, seed=i + 1))
@@ -585,6 +769,9 @@ def main() -> int:
                   f"{s['slowest_receiver_GBps']:.0f}, raw {s['raw_bucketed_GBps']:.0f} -> "
                   f"{s['ratio_sender']:.3f} / {s['ratio_slowest_receiver']:.3f}, exact "
                   f"{s['bit_exact_every_version']}, sources {s['sources']}", flush=True)
+            if s["phases_us"]:
+                print(f"[{args.label}] phases (us from t0): {json.dumps(s['phases_us'])}",
+                      flush=True)
         if args.faults:
             result["faults"] = measure_faults(d, args)
             print(f"[{args.label}] faults: {json.dumps(result['faults'], default=str)}",

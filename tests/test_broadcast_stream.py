@@ -302,6 +302,43 @@ def test_staging_receiver_keeps_only_windows_and_a_new_layout_whole(tmp_path: An
         stager.close()
 
 
+def test_fused_pack_and_seal_plan_matches_torch_packing_and_seal() -> None:
+    """The sender's ``paced.PackSeal`` tables, run through its torch twin on CPU: raw pieces
+    crossing rows, tiny ones sharing a row, a gap left for a piece torch writes first, and a
+    payload ending inside a row; the buffer equals what packing with torch and
+    ``checksum.seal`` give, byte for byte, padding zeroed."""
+    from dbsync.nccl import paced
+
+    gen = torch.Generator().manual_seed(5)
+    sizes = [8, 3 * checksum.ROW_BYTES + 16, 64, 8, 4096, 24]
+    sources = [torch.randint(-2**62, 2**62, (n // 8,), dtype=torch.int64, generator=gen)
+               for n in sizes]
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += n + (64 if n >= 64 else 0)
+    payload = at  # (ends inside a checksum row: the rest of that row is padding)
+    torch_first = 2  # this piece is left to torch: the pass must keep what it wrote
+    want = torch.full((checksum.buffer_bytes(payload),), 7, dtype=torch.uint8)
+    want[:payload].zero_()
+    for src, o in zip(sources, offsets, strict=True):
+        want[o:o + src.numel() * 8] = src.view(torch.uint8)
+    checksum.seal(want, payload)
+
+    buf = torch.full_like(want, 7)
+    buf[:payload].zero_()  # (what the gaps between pieces hold in a reused buffer)
+    o = offsets[torch_first]
+    buf[o:o + sizes[torch_first]] = sources[torch_first].view(torch.uint8)
+    pieces = [(src.data_ptr(), o, src.numel() * 8)
+              for k, (src, o) in enumerate(zip(sources, offsets, strict=True))
+              if k != torch_first]
+    paced.PackSeal(pieces, payload, torch.device("cpu")).simulate(buf)
+    assert torch.equal(buf[:checksum.wire_bytes(payload, True)],
+                       want[:checksum.wire_bytes(payload, True)])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        paced.PackSeal([(sources[0].data_ptr(), 4, 8)], payload, torch.device("cpu"))
+
+
 def test_fused_verify_copy_plan_writes_only_rows_that_verify() -> None:
     """The tables of ``paced.VerifyCopy`` (which rows feed which destinations), run through
     its torch twin on CPU: pieces crossing rows, several tiny ones in one row, gaps, a piece

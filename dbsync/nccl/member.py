@@ -30,6 +30,8 @@ RETRY_SECONDS = 5.0
 FS_CHECK_SECONDS = 0.05
 MEMBER_FS_CHECK_SECONDS = 1.0
 EPOCH_CHECK_SECONDS = 0.005
+_ABSENT = "\x00"  # compare_set's answer for a key that does not exist
+_ABSENT_BYTES = _ABSENT.encode()
 
 
 @dataclass
@@ -180,9 +182,11 @@ class MemberLink:
             return None
         key = rv.push_key(self.epoch, self.seq + 1)
         try:
-            if not self.conn.store.check([key]):
+            # one round trip: the header if announced, else _ABSENT (nothing is written; a
+            # header is JSON and never equals _ABSENT)
+            raw = self.conn.store.compare_set(key, _ABSENT, _ABSENT)
+            if raw == _ABSENT_BYTES:
                 return None
-            raw = self.conn.store.get(key)
         except Exception as exc:  # noqa: BLE001
             self.disconnect()
             self.on_error(f"lost the broadcast sender ({exc}); reading from the filesystem")

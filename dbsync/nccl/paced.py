@@ -8,8 +8,13 @@ chain (with three receivers that each copy out, 0.79x of a raw broadcast on 4x H
 work spread over the bucket's transfer time on a few SMs costs the stream little. See
 docs/BROADCAST.md for the measurements that chose the defaults.
 
+The sender's fused pack-and-seal pass (``PackSeal``) lives here too; it is not paced (it runs
+beside the NCCL kernel on its high-priority stream, and the first bucket's pass has the GPU to
+itself), only fused: one read of each source byte, one write of each bucket byte.
+
 Triton kernels on CUDA (Triton ships with PyTorch's CUDA builds); on CPU, or where Triton is
-missing, the same results come from plain torch operations (``available`` says which).
+missing, the same results come from plain torch operations (``available`` and
+``pack_available`` say which).
 
 Hazards, stated plainly:
 - ``CopyTable`` and ``VerifyCopy`` write through raw device addresses taken from the tensors
@@ -42,6 +47,12 @@ COPY_SHARE = 0.375
 _ROWS_PER_STEP = 8  # checksum rows per CTA per step (32 KiB in flight)
 _WARPS = 4
 _COPY_BLOCK = 4096  # int64 words per CTA per step (32 KiB in flight)
+#: CTAs of the sender's fused pack-and-seal pass, per SM, and its shape (fastest of 18 shapes
+#: on an H100, bench/probe_pack.py); it runs beside the NCCL kernel of the bucket before,
+#: whose high-priority stream gets the SMs first
+PACK_SHARE = 2.0
+_PACK_ROWS_PER_STEP = 4
+_PACK_WARPS = 8
 
 
 @functools.cache
@@ -108,7 +119,37 @@ def _kernels() -> Any:
         if total > 0:
             tl.atomic_add(bad, total)
 
-    return row_sums_kernel, copy_many_kernel, verify_copy_kernel
+    @triton.jit
+    def pack_seal_kernel(dst, sums, rows, programs, seg_first, seg_count, seg_start, seg_end,
+                         seg_src, ROW: tl.constexpr, STEP: tl.constexpr):
+        # ``programs`` is a runtime argument, not a constexpr: a CTA count needs no compile
+        # of its own (beyond Triton's usual specializations of integer arguments)
+        pid = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, ROW)
+        step_rows = tl.arange(0, STEP)
+        for first in range(pid * STEP, rows, programs * STEP):
+            r = first + step_rows
+            inside = r < rows
+            at = r[:, None] * ROW + cols[None, :]  # word index in the bucket
+            seg0 = tl.load(seg_first + r, mask=inside, other=0)
+            count = tl.load(seg_count + r, mask=inside, other=0)
+            words = tl.zeros([STEP, ROW], dtype=tl.int64)
+            covered = tl.zeros([STEP, ROW], dtype=tl.int32)
+            for k in range(0, tl.max(count, axis=0)):
+                seg = seg0 + k
+                valid = inside & (k < count)
+                start = tl.load(seg_start + seg, mask=valid, other=0)
+                end = tl.load(seg_end + seg, mask=valid, other=0)
+                src = tl.load(seg_src + seg, mask=valid, other=0).to(tl.pointer_type(tl.int64))
+                into = valid[:, None] & (at >= start[:, None]) & (at < end[:, None])
+                words += tl.load(src[:, None] + (at - start[:, None]), mask=into, other=0)
+                covered += into.to(tl.int32)
+            # words no piece covers keep what the buffer holds (written before, or padding)
+            words += tl.load(dst + at, mask=inside[:, None] & (covered == 0), other=0)
+            tl.store(dst + at, words, mask=inside[:, None])
+            tl.store(sums + r, tl.sum(words, axis=1), mask=inside)
+
+    return row_sums_kernel, copy_many_kernel, verify_copy_kernel, pack_seal_kernel
 
 
 @functools.cache
@@ -156,6 +197,49 @@ def _works_on(index: int) -> bool:
         log.warning("paced Triton kernels do not run on cuda:%d (%s: %s); using torch "
                     "operations instead (correct, slower broadcasts)", index,
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    return True
+
+
+def pack_available(device: torch.device) -> bool:
+    """Whether the sender's fused pack-and-seal pass (``PackSeal``) runs on ``device``: a
+    CUDA device, Triton importable, and the kernel compiled and matched torch's packing and
+    row sums once there (checked once per device; a failure is logged and the sender packs
+    and seals with torch operations instead)."""
+    if device.type != "cuda" or _kernels() is None:
+        return False
+    return _packs_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _packs_on(index: int) -> bool:
+    device = torch.device("cuda", index)
+    try:
+        with torch.cuda.device(device):
+            gen = torch.Generator(device=device).manual_seed(0)
+            srcs = [torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, device=device,
+                                  generator=gen) for n in (700, 3, 2 * ROW_WORDS)]
+            at = [0, 704, 1024]  # a gap after the first piece, a piece across rows
+            payload = 8 * (at[-1] + srcs[-1].numel()) - 40  # the last piece is cut short
+            rows = -(-payload // (ROW_WORDS * 8))
+            body = rows * ROW_WORDS * 8
+            buf = torch.full((body + 8 * rows,), 7, dtype=torch.uint8, device=device)
+            want = buf.clone()
+            words = want[:body].view(torch.int64)
+            want[payload:body].zero_()
+            for src, a in zip(srcs, at, strict=True):
+                n = min(src.numel(), payload // 8 - a)
+                words[a:a + n] = src[:n]
+            want[body:].view(torch.int64)[:] = words.view(rows, ROW_WORDS).sum(dim=1)
+            pieces = [(src.data_ptr(), 8 * a, min(8 * src.numel(), payload - 8 * a))
+                      for src, a in zip(srcs, at, strict=True)]
+            PackSeal(pieces, payload, device).run(buf, 2)
+            if not torch.equal(buf, want):
+                raise RuntimeError("the fused packing differs from torch's")
+    except Exception as exc:  # noqa: BLE001 - a broken toolchain must not break sending
+        log.warning("the fused pack-and-seal Triton kernel does not run on cuda:%d (%s: %s); "
+                    "packing with torch operations instead", index, type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "")
         return False
     return True
 
@@ -236,26 +320,10 @@ class VerifyCopy:
 
     def __init__(self, pieces: Sequence[tuple[torch.Tensor, int]], payload_bytes: int,
                  device: torch.device):
-        import numpy as np
-
         self.rows = -(-payload_bytes // (ROW_WORDS * 8))
-        order = sorted(range(len(pieces)), key=lambda j: pieces[j][1])
-        starts = np.array([pieces[j][1] // 8 for j in order], dtype=np.int64)
-        ends = starts + np.array([pieces[j][0].numel() // 8 for j in order], dtype=np.int64)
-        dsts = np.array([pieces[j][0].data_ptr() for j in order], dtype=np.int64)
-        row_start = np.arange(self.rows, dtype=np.int64) * ROW_WORDS
-        first = np.searchsorted(ends, row_start, side="right")
-        last = np.searchsorted(starts, row_start + ROW_WORDS, side="left")
-        count = np.maximum(last - first, 0)
-
-        def upload(a: Any, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dtype).to(device)
-
-        self.seg_first = upload(np.minimum(first, max(len(starts) - 1, 0)), torch.int32)
-        self.seg_count = upload(count, torch.int32)
-        self.seg_start = upload(starts if len(starts) else np.zeros(1, np.int64), torch.int64)
-        self.seg_end = upload(ends if len(ends) else np.zeros(1, np.int64), torch.int64)
-        self.seg_dst = upload(dsts if len(dsts) else np.zeros(1, np.int64), torch.int64)
+        (self.seg_first, self.seg_count, self.seg_start, self.seg_end,
+         self.seg_dst) = _segment_tables(
+            [(d.data_ptr(), at, d.numel()) for d, at in pieces], self.rows, device)
 
     @staticmethod
     def fits(dst: torch.Tensor, offset: int) -> bool:
@@ -298,6 +366,102 @@ class VerifyCopy:
                     continue
                 dst = _from_address(dsts[seg] + 8 * (a - starts[seg]), b - a, words.device)
                 dst.copy_(flat[a:b])
+
+
+class PackSeal:
+    """The sender's side of a sealed bucket in one pass: gather the bucket's pieces from the
+    caller's tensors into the bucket buffer and write each checksum row's sum after the
+    padded payload (``checksum.seal``'s result, bit for bit), reading each source byte and
+    writing each bucket byte once, in one launch.
+
+    ``pieces``: (source address, offset in the bucket, bytes) of raw, same-dtype, contiguous
+    sources on the bucket's device, every number a multiple of 8, the pieces not
+    overlapping. Words of the padded payload no piece covers keep what the buffer holds:
+    the caller writes every other piece (a cast, an odd-sized tensor) into the buffer first,
+    on the same stream; ``run`` zeroes the padding after the payload.
+
+    Hazards: the kernel reads the sources through raw addresses taken when the plan was
+    built: reuse a plan only while every source is the same, unmoved, contiguous tensor of
+    the same dtype, and keep them alive until the pass finished on the current stream. Built
+    once per bucket layout, buffer and set of sources (the caller rebuilds it when any
+    changes)."""
+
+    def __init__(self, pieces: Sequence[tuple[int, int, int]], payload_bytes: int,
+                 device: torch.device):
+        if any(x % 8 for piece in pieces for x in piece):
+            raise ValueError("PackSeal: every address, offset and size must be a multiple of 8")
+        self.payload_bytes = payload_bytes
+        self.rows = -(-payload_bytes // (ROW_WORDS * 8))
+        self.device = device
+        (self.seg_first, self.seg_count, self.seg_start, self.seg_end,
+         self.seg_src) = _segment_tables(
+            [(src, at, n) for src, at, n in pieces], self.rows, device)
+
+    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        body = self.rows * ROW_WORDS * 8
+        if buffer.dtype != torch.uint8 or buffer.numel() < body + 8 * self.rows:
+            raise ValueError("PackSeal: the buffer is not a uint8 tensor of the sealed bucket")
+        if body > self.payload_bytes:
+            buffer[self.payload_bytes:body].zero_()
+        return buffer[:body].view(torch.int64), buffer[body:body + 8 * self.rows].view(
+            torch.int64)
+
+    def run(self, buffer: torch.Tensor, programs: int | None = None) -> None:
+        """Enqueue on the current stream: pack the pieces into ``buffer`` (the bucket buffer,
+        uint8, large enough for the sealed bucket) and write the row sums after the padded
+        payload, on ``programs`` CTAs (default: ``PACK_SHARE`` per SM). No host sync."""
+        words, sums = self._views(buffer)
+        programs = programs or programs_for(buffer.device, PACK_SHARE)
+        pack_seal_kernel = _kernels()[3]
+        with torch.cuda.device(buffer.device):  # Triton uses the current device's stream
+            pack_seal_kernel[(programs,)](
+                words, sums, self.rows, programs, self.seg_first, self.seg_count,
+                self.seg_start, self.seg_end, self.seg_src, ROW=ROW_WORDS,
+                STEP=_PACK_ROWS_PER_STEP, num_warps=_PACK_WARPS)
+
+    def simulate(self, buffer: torch.Tensor) -> None:
+        """What ``run`` does, in plain torch operations on CPU tensors (for tests of the
+        plan's tables on machines without a GPU)."""
+        words, sums = self._views(buffer)
+        first, count = self.seg_first.tolist(), self.seg_count.tolist()
+        starts, ends, srcs = (self.seg_start.tolist(), self.seg_end.tolist(),
+                              self.seg_src.tolist())
+        done: set[int] = set()
+        for row in range(self.rows):
+            for seg in range(first[row], first[row] + count[row]):
+                if seg not in done:
+                    done.add(seg)
+                    words[starts[seg]:ends[seg]] = _from_address(
+                        srcs[seg], ends[seg] - starts[seg], buffer.device)
+        sums.copy_(words.view(self.rows, ROW_WORDS).sum(dim=1))
+
+
+def _segment_tables(pieces: Sequence[tuple[int, int, int]], rows: int, device: torch.device
+                    ) -> tuple[torch.Tensor, ...]:
+    """Device tables of ``pieces`` (address, byte offset in the bucket, bytes; not
+    overlapping) for the row-wise kernels: per checksum row the first piece reaching into it
+    and how many do (int32), then per piece, sorted by offset, its first and end word in the
+    bucket and its address (int64)."""
+    import numpy as np
+
+    order = sorted(range(len(pieces)), key=lambda j: pieces[j][1])
+    starts = np.array([pieces[j][1] // 8 for j in order], dtype=np.int64)
+    ends = starts + np.array([pieces[j][2] // 8 for j in order], dtype=np.int64)
+    addresses = np.array([pieces[j][0] for j in order], dtype=np.int64)
+    row_start = np.arange(rows, dtype=np.int64) * ROW_WORDS
+    first = np.searchsorted(ends, row_start, side="right")
+    last = np.searchsorted(starts, row_start + ROW_WORDS, side="left")
+    count = np.maximum(last - first, 0)
+
+    def upload(a: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dtype).to(device)
+
+    one = np.zeros(1, np.int64)
+    return (upload(np.minimum(first, max(len(starts) - 1, 0)), torch.int32),
+            upload(count, torch.int32),
+            upload(starts if len(starts) else one, torch.int64),
+            upload(ends if len(ends) else one, torch.int64),
+            upload(addresses if len(addresses) else one, torch.int64))
 
 
 def _from_address(address: int, words: int, device: torch.device) -> torch.Tensor:

@@ -221,11 +221,6 @@ class BroadcastReceiver:
         cache = self.link.header_cache
         if "plan" not in cache or cache.get("plan_for") is not cache.get("raw"):  # new layout
             cache.update(plan=bucket_plan(header), plan_for=cache.get("raw"))
-        # A verifying receiver takes only sealed pushes; an unsealed one is drained.
-        usable = wanted and (header.has_checksums or not self.verify)
-        dest = _destinations(load_weights, header) if usable else None
-        if dest is False:  # names, shapes or dtypes do not fit: the filesystem load says how
-            usable = False
         whole = (self.whole_version(header) if callable(self.whole_version)
                  else self.whole_version)  # decided once per push
         incoming = IncomingVersion(
@@ -245,7 +240,15 @@ class BroadcastReceiver:
             self.link.disconnect()
             self.last_error = f"lost the broadcast sender ({exc})"
             return fall_back()
+        # Checked while the first buckets arrive (a few hundred microseconds for hundreds of
+        # tensors): a verifying receiver takes only sealed pushes (an unsealed one is
+        # drained), and only into tensors the version fits.
+        usable = wanted and (header.has_checksums or not self.verify)
+        dest: dict[str, torch.Tensor] | bool | None = None
         try:
+            dest = _destinations(load_weights, header) if usable else None
+            if dest is False:  # names, shapes or dtypes do not fit: the filesystem load says
+                usable = False
             if usable and isinstance(dest, dict):
                 incoming.copy_into(dest, self._plans)
                 torch.autograd.graph.increment_version(list(dest.values()))

@@ -152,7 +152,7 @@ class BroadcastSender:
         with self._lock:
             if weights is not None:
                 pairs = sources.collect(weights, self.sender.strategy)
-                self.outgoing.prepare(self._header(0, 0, 0, pairs))
+                self.outgoing.prepare(self._header(0, 0, 0, pairs), pairs)
             return self.membership.refresh()
 
     # ---- push --------------------------------------------------------------------------

@@ -33,6 +33,11 @@ from .layout import Entry, Header, bucket_plan
 
 #: ``before_verify(bucket_index, payload)``: a test hook run on each bucket before it is checked
 BeforeVerify = Callable[[int, torch.Tensor], None]
+#: A fused pass runs on every SM (not paced) when less than this share of a bucket is left to
+#: arrive after its bucket: the little stream left is slowed only briefly, and a paced pass
+#: of a full bucket would otherwise still run well after the last byte landed. The last
+#: bucket's pass always runs on every SM.
+FULL_SPEED_BELOW = 0.5
 
 
 class DamagedBucketError(BroadcastError):
@@ -285,10 +290,11 @@ class IncomingVersion:
                     assert bad_rows is not None
                     if self.before_verify is not None:
                         self.before_verify(b, buf[:hi - lo])
-                    last = b + 1 == len(buckets)  # nothing streams after it: full speed
+                    # little or nothing streams after it: full speed
+                    tail = header.total_bytes - hi <= FULL_SPEED_BELOW * header.bucket_bytes
                     plan.run(checksum.words_view(buf, hi - lo),
                              checksum.trailer_view(buf, hi - lo), bad_rows[b:b + 1],
-                             paced.programs_for(device, 2.0) if last else None)
+                             paced.programs_for(device, 2.0) if tail else None)
                     on_device += 1
                 else:
                     table, by_torch = plan

@@ -69,6 +69,7 @@ def probe_bucket(b: int, header: Any, pairs: Any, plans: dict[str, Any],
     assert fb is not None
     buf = fused._buffers[b % fused.depth]
     sms = paced._sm_count(0)
+    defaults = paced._PACK_ROWS_PER_STEP, paced._PACK_WARPS
     for step in (4, 8, 16):
         for warps in (4, 8):
             for per_sm in (1, 2, 4):
@@ -76,7 +77,7 @@ def probe_bucket(b: int, header: Any, pairs: Any, plans: dict[str, Any],
                 ms, us = timed(lambda per_sm=per_sm: fb[0].run(buf, sms * per_sm), reps)
                 row[f"fused_s{step}_w{warps}_p{per_sm}"] = {
                     "ms": ms, "host_us": us, "GBps": (hi - lo) / ms / 1e6}
-    paced._PACK_ROWS_PER_STEP, paced._PACK_WARPS = 8, 8
+    paced._PACK_ROWS_PER_STEP, paced._PACK_WARPS = defaults
     return row
 
 

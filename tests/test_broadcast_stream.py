@@ -152,6 +152,33 @@ def test_a_damaged_bucket_stops_before_its_tensors_are_handed_out(
     assert list(got) == [e.name for e, end in zip(header.entries, ends, strict=True) if end < 2]
 
 
+def test_a_failing_fused_pack_falls_back_to_torch_for_good(
+        pair: tuple[Group, Group], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A fused pack-and-seal pass that fails at push time (a kernel specialisation that does
+    not compile, its tables out of memory) costs nothing sent: that bucket and every later
+    one are packed with torch, and the version arrives exact."""
+    from dbsync.nccl import paced
+
+    pairs = [(f"t{i}", torch.full((200,), float(i))) for i in range(8)]  # 800 B each
+    header = Header.build(1, 1, 1, 1024, [(n, t.dtype, tuple(t.shape)) for n, t in pairs],
+                          checksum.ALGORITHM)
+    out = OutgoingStream(torch.device("cpu"), 1024, fused=True)
+    runs = []
+
+    def fails(self: Any, buffer: torch.Tensor, programs: int | None = None) -> None:
+        runs.append(buffer)
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(paced.PackSeal, "run", fails)
+    with caplog.at_level("WARNING", logger="dbsync.nccl.outgoing"):
+        got, failure = send_and_receive(pair, pairs, header, out)
+    assert failure is None and list(got) == [n for n, _ in pairs]
+    assert all(torch.equal(got[n], t) for n, t in pairs)
+    assert len(runs) == 1 and out.fused is False
+    assert "packing with torch operations from now on" in caplog.text
+
+
 def test_membership_tracks_joins_and_leaves(tmp_path: Any) -> None:
     with Sender(tmp_path, durable=False) as sender:
         m = Membership(sender.store, address="127.0.0.1", port=0, backend="gloo",

@@ -30,6 +30,7 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ import torch
 from . import checksum, paced
 from .group import Group
 from .layout import Header, bucket_plan, flat_bytes
+
+log = logging.getLogger(__name__)
 
 Pairs = Sequence[tuple[str, torch.Tensor]]
 #: split tensor pieces: (entry index, start, end, offset in the bucket)
@@ -101,6 +104,8 @@ class OutgoingStream:
         self.fused = paced.pack_available(device) if fused is None else fused
         self._index = (device.index if device.index is not None or device.type != "cuda"
                        else torch.cuda.current_device())
+        if device.type == "cuda":  # ("cuda" alone: whichever device is current when used)
+            self.device = torch.device("cuda", self._index)
         self._buffers: list[torch.Tensor] = []
         self._plan: tuple[bytes, BucketPlan] | None = None
         self._fused: dict[int, FusedBucket] = {}  # per bucket, for the current plan
@@ -201,13 +206,22 @@ class OutgoingStream:
         the slice to broadcast."""
         lo, hi = plan.buckets[b]
         buf = buffers[b % len(buffers)]
-        fused = (self._fused_bucket(b, header, pairs, plan) if self.fused and self.checksums
-                 else None)
-        if fused is not None:
-            pack, _state, (indices, views), split = fused
-            self._copy_in(header, pairs, indices, views, split, buf, flats)
-            pack.run(buf)
-            return buf[:checksum.wire_bytes(hi - lo, True)]
+        if self.fused and self.checksums:
+            try:
+                fused = self._fused_bucket(b, header, pairs, plan)
+                if fused is not None:
+                    pack, _state, (indices, views), split = fused
+                    self._copy_in(header, pairs, indices, views, split, buf, flats)
+                    pack.run(buf)
+                    return buf[:checksum.wire_bytes(hi - lo, True)]
+            except Exception as exc:  # noqa: BLE001 - a kernel that fails here must not fail the push
+                # (a new specialisation that does not compile, its tables out of memory):
+                # this bucket and every later one are packed with torch, which rewrites all of
+                # the bucket's bytes; nothing was sent from it yet
+                log.warning("the fused pack-and-seal pass failed on %s (%s: %s); packing with "
+                            "torch operations from now on", self.device, type(exc).__name__,
+                            str(exc).splitlines()[0] if str(exc) else "")
+                self.fused, self._fused, self._moved = False, {}, {}
         indices, views = plan.whole[b]
         self._copy_in(header, pairs, indices, views, plan.split[b], buf, flats)
         if self.checksums:

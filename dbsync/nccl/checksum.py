@@ -19,8 +19,8 @@ Strength, stated plainly: this is a transfer check, not a cryptographic hash. An
 confined to one 8-byte word of a row (every single flipped byte or bit) changes that row's sum;
 a row moved to another position changes both rows' sums unless they were equal. It misses
 changes whose word differences cancel modulo 2**64 inside a row (e.g. two words of one row
-swapped). The end-to-end check of a version stays the manifest's per-tensor xxh3 checksums,
-which the filesystem path verifies.
+swapped). The end-to-end check of a version stays the manifest's xxh3 checksums (one per
+checked range of its shards), which the filesystem path verifies.
 """
 
 from __future__ import annotations

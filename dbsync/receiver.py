@@ -228,10 +228,11 @@ class Snapshot:
                 bad[i] = f"checksum {_EMPTY_CHECKSUM} != {r.checksum}"
         damaged = dict(self._missing)
         if bad:
-            for entry in self.manifest.tensors_in(set(bad)):
+            hit = self.manifest.tensors_in(set(bad))
+            for entry in hit:
                 damaged.setdefault(entry.name, bad[entry.range])
-            named = {e.range for e in self.manifest.tensors_in(set(bad))}
-            for i in sorted(set(bad) - named):  # damage no tensor lies in: still damage
+            # damage no tensor lies in is still damage
+            for i in sorted(set(bad) - {e.range for e in hit}):
                 r = ranges[i]
                 damaged[f"<bytes [{r.offset}, {r.offset + r.nbytes}) of shard {r.shard}>"] = \
                     bad[i]

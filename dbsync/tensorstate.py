@@ -70,8 +70,3 @@ class States:
     @property
     def all_cpu_contiguous(self) -> bool:
         return all(self.columns[1]) and all(self.columns[5])
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, States) and self.columns == other.columns
-
-    __hash__ = None  # type: ignore[assignment]

@@ -102,10 +102,9 @@ class OutgoingStream:
         self.checksums = checksums
         self.depth = depth
         self.fused = paced.pack_available(device) if fused is None else fused
-        self._index = (device.index if device.index is not None or device.type != "cuda"
-                       else torch.cuda.current_device())
         if device.type == "cuda":  # ("cuda" alone: whichever device is current when used)
-            self.device = torch.device("cuda", self._index)
+            self.device = torch.device("cuda", paced.cuda_index(device))
+        self._index = self.device.index
         self._buffers: list[torch.Tensor] = []
         self._plan: tuple[bytes, BucketPlan] | None = None
         self._fused: dict[int, FusedBucket] = {}  # per bucket, for the current plan

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -162,43 +162,19 @@ def programs_for(device: torch.device, share: float) -> int:
     its SMs (at least 8). ``share`` above 1 runs at full speed (no stream left to share)."""
     if DEFAULT_PROGRAMS:
         return DEFAULT_PROGRAMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(8, int(_sm_count(index) * share))
+    return max(8, int(_sm_count(cuda_index(device)) * share))
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` ("cuda" alone: the device current now)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def available(device: torch.device) -> bool:
     """Whether paced kernels run on ``device``: a CUDA device, Triton importable, and the
     kernels compiled and ran there once on a tiny input (checked once per device; a failure
     is logged and torch operations are used instead)."""
-    if device.type != "cuda" or _kernels() is None:
-        return False
-    return _works_on(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _works_on(index: int) -> bool:
-    device = torch.device("cuda", index)
-    try:
-        with torch.cuda.device(device):
-            words = torch.arange(2 * ROW_WORDS, dtype=torch.int64, device=device).view(2, -1)
-            sums = words.sum(dim=1)
-            if not torch.equal(row_sums(words, 2, probing=True), sums):
-                raise RuntimeError("row sums differ from torch's")
-            out = torch.zeros(2 * ROW_WORDS * 8, dtype=torch.uint8, device=device)
-            bad = torch.zeros(1, dtype=torch.int32, device=device)
-            plan = VerifyCopy([(out, 0)], out.numel(), device)
-            plan.run(words, sums, bad, 2)
-            copy = torch.zeros_like(words)
-            CopyTable([(copy, words)], probing=True).run(2)
-            if not (torch.equal(out.view(torch.int64).view(2, -1), words) and int(bad) == 0
-                    and torch.equal(copy, words)):
-                raise RuntimeError("the kernels' results differ from torch's")
-    except Exception as exc:  # noqa: BLE001 - a broken toolchain must not break receiving
-        log.warning("paced Triton kernels do not run on cuda:%d (%s: %s); using torch "
-                    "operations instead (correct, slower broadcasts)", index,
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return False
-    return True
+    return device.type == "cuda" and _kernels() is not None and _works_on(cuda_index(device))
 
 
 def pack_available(device: torch.device) -> bool:
@@ -206,42 +182,74 @@ def pack_available(device: torch.device) -> bool:
     CUDA device, Triton importable, and the kernel compiled and matched torch's packing and
     row sums once there (checked once per device; a failure is logged and the sender packs
     and seals with torch operations instead)."""
-    if device.type != "cuda" or _kernels() is None:
+    return device.type == "cuda" and _kernels() is not None and _packs_on(cuda_index(device))
+
+
+def _passes(index: int, check: Callable[[torch.device], None], what: str, instead: str
+            ) -> bool:
+    """Run ``check`` (it raises if a kernel's result differs from torch's) on cuda:``index``;
+    any failure is logged once, saying ``what`` and what is done ``instead``: a broken
+    toolchain must never break a broadcast."""
+    device = torch.device("cuda", index)
+    try:
+        with torch.cuda.device(device):
+            check(device)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("%s on cuda:%d (%s: %s); %s", what, index,
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", instead)
         return False
-    return _packs_on(device.index if device.index is not None else torch.cuda.current_device())
+    return True
+
+
+@functools.cache
+def _works_on(index: int) -> bool:
+    return _passes(index, _check_paced, "paced Triton kernels do not run",
+                   "using torch operations instead (correct, slower broadcasts)")
 
 
 @functools.cache
 def _packs_on(index: int) -> bool:
-    device = torch.device("cuda", index)
-    try:
-        with torch.cuda.device(device):
-            gen = torch.Generator(device=device).manual_seed(0)
-            srcs = [torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, device=device,
-                                  generator=gen) for n in (700, 3, 2 * ROW_WORDS)]
-            at = [0, 704, 1024]  # a gap after the first piece, a piece across rows
-            payload = 8 * (at[-1] + srcs[-1].numel()) - 40  # the last piece is cut short
-            rows = -(-payload // (ROW_WORDS * 8))
-            body = rows * ROW_WORDS * 8
-            buf = torch.full((body + 8 * rows,), 7, dtype=torch.uint8, device=device)
-            want = buf.clone()
-            words = want[:body].view(torch.int64)
-            want[payload:body].zero_()
-            for src, a in zip(srcs, at, strict=True):
-                n = min(src.numel(), payload // 8 - a)
-                words[a:a + n] = src[:n]
-            want[body:].view(torch.int64)[:] = words.view(rows, ROW_WORDS).sum(dim=1)
-            pieces = [(src.data_ptr(), 8 * a, min(8 * src.numel(), payload - 8 * a))
-                      for src, a in zip(srcs, at, strict=True)]
-            PackSeal(pieces, payload, device).run(buf, 2)
-            if not torch.equal(buf, want):
-                raise RuntimeError("the fused packing differs from torch's")
-    except Exception as exc:  # noqa: BLE001 - a broken toolchain must not break sending
-        log.warning("the fused pack-and-seal Triton kernel does not run on cuda:%d (%s: %s); "
-                    "packing with torch operations instead", index, type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "")
-        return False
-    return True
+    return _passes(index, _check_pack, "the fused pack-and-seal Triton kernel does not run",
+                   "packing with torch operations instead")
+
+
+def _check_paced(device: torch.device) -> None:
+    words = torch.arange(2 * ROW_WORDS, dtype=torch.int64, device=device).view(2, -1)
+    sums = words.sum(dim=1)
+    if not torch.equal(row_sums(words, 2, probing=True), sums):
+        raise RuntimeError("row sums differ from torch's")
+    out = torch.zeros(2 * ROW_WORDS * 8, dtype=torch.uint8, device=device)
+    bad = torch.zeros(1, dtype=torch.int32, device=device)
+    plan = VerifyCopy([(out, 0)], out.numel(), device)
+    plan.run(words, sums, bad, 2)
+    copy = torch.zeros_like(words)
+    CopyTable([(copy, words)], probing=True).run(2)
+    if not (torch.equal(out.view(torch.int64).view(2, -1), words) and int(bad) == 0
+            and torch.equal(copy, words)):
+        raise RuntimeError("the kernels' results differ from torch's")
+
+
+def _check_pack(device: torch.device) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    srcs = [torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, device=device,
+                          generator=gen) for n in (700, 3, 2 * ROW_WORDS)]
+    at = [0, 704, 1024]  # a gap after the first piece, a piece across rows
+    payload = 8 * (at[-1] + srcs[-1].numel()) - 40  # the last piece is cut short
+    rows = -(-payload // (ROW_WORDS * 8))
+    body = rows * ROW_WORDS * 8
+    buf = torch.full((body + 8 * rows,), 7, dtype=torch.uint8, device=device)
+    want = buf.clone()
+    words = want[:body].view(torch.int64)
+    want[payload:body].zero_()
+    for src, a in zip(srcs, at, strict=True):
+        n = min(src.numel(), payload // 8 - a)
+        words[a:a + n] = src[:n]
+    want[body:].view(torch.int64)[:] = words.view(rows, ROW_WORDS).sum(dim=1)
+    pieces = [(src.data_ptr(), 8 * a, min(8 * src.numel(), payload - 8 * a))
+              for src, a in zip(srcs, at, strict=True)]
+    PackSeal(pieces, payload, device).run(buf, 2)
+    if not torch.equal(buf, want):
+        raise RuntimeError("the fused packing differs from torch's")
 
 
 def row_sums(words: torch.Tensor, programs: int | None = None,

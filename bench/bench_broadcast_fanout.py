@@ -210,7 +210,12 @@ def install_phase_hooks(ph: Phases, rank: int) -> None:
              lambda _: ph.mark("refreshed"))
         wrap(outgoing.OutgoingStream, "send", lambda: ph.mark("announced"),
              lambda _: ph.mark("sent"))
-        wrap(sender.BroadcastSender, "_header", None, lambda _: ph.mark("header_built"))
+        wrap(sender.BroadcastSender, "_header", lambda: ph.mark("header_in"),
+             lambda _: ph.mark("header_built"))
+        wrap(outgoing.OutgoingStream, "_fused_bucket", lambda: ph.mark("plan_in"),
+             lambda _: ph.mark("plan_out"))
+        wrap(paced.PackSeal, "run", lambda: ph.mark("packrun_in"),
+             lambda _: ph.mark("packrun_out"))
     else:
         def seen(header: Any) -> None:
             if header is not None:
@@ -604,8 +609,9 @@ def phase_summary(pushes: list[dict[str, Any]], takes: list[dict[int, dict[str, 
         if not s.get("t0"):
             continue
         t0 = s["t0"][0]
-        for name, k in (("refreshed", 0), ("header_built", 0), ("announced", 0),
-                        ("bcast_call", 0),
+        for name, k in (("refreshed", 0), ("header_in", 0), ("header_built", 0),
+                        ("announced", 0), ("plan_in", 0), ("plan_out", 0),
+                        ("packrun_in", 0), ("packrun_out", 0), ("bcast_call", 0),
                         ("bcast_ret", 0), ("dev_pack_done", 0), ("dev_pack_done", 1),
                         ("landed", 0), ("landed", -1), ("sent", 0)):
             put(f"S.{name}[{k}]", at(s, name, k), t0)

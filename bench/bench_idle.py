@@ -11,6 +11,10 @@ children) over ``--seconds``, each against a baseline measured in the same run:
   default interval (1 s).
 - ``Receiver.wait``: the same, blocked in ``receiver.wait(...)``.
 - ``dbsync watch``: the command; baseline: a process with the same imports, sleeping.
+- ``BroadcastReceiver member`` (with ``--member``): a receiver in the sender's broadcast group
+  (gloo, 127.0.0.1), inside ``receive()`` while nothing is pushed; baseline: the same process
+  before it joins. Its latency is from the start of ``BroadcastSender.push`` (a 4 KiB
+  version) to the member's ``receive`` returning it.
 - ``serve-vllm`` (with ``--serve-vllm``): the server with a tiny model (CPU engine) after it
   applied the store's version; baseline: vLLM's own OpenAI server of the same model and
   arguments, without dbsync.
@@ -107,6 +111,70 @@ def child_raw(root: str) -> None:
     sys.stdin.readline()
 
 
+def child_member(root: str) -> None:
+    """``ready`` -> (baseline window: blocked on stdin) -> ``go`` -> ``receive`` versions in a
+    loop (the first from the filesystem, then as a member of the broadcast group), printing
+    ``noticed V T`` for each; ``quit`` on stdin ends it."""
+    from dbsync.nccl import BroadcastReceiver
+
+    receiver = BroadcastReceiver(root, reader_id="bench-member", device="cpu",
+                                 address="127.0.0.1", timeout=30.0)
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    threading.Thread(target=lambda: (sys.stdin.readline(), os._exit(0)), daemon=True).start()
+    while True:
+        version = receiver.receive(lambda pairs: [t.clone() for _, t in pairs], timeout=3600)
+        if version is not None:
+            print(f"noticed {version} {time.time()!r} {receiver.last_source}", flush=True)
+
+
+def member_idle(root: str, seconds: float, pushes: int, gap: float) -> dict[str, Any]:
+    """The ``BroadcastReceiver member`` row (see the module docstring)."""
+    import torch
+
+    import dbsync
+    from dbsync.nccl import BroadcastSender
+
+    sender = dbsync.Sender(root, durable=False)
+    bs = BroadcastSender(sender, address="127.0.0.1", device="cpu", timeout=30.0)
+    member = Child("BroadcastReceiver member", [*this_file(), "--child", "member", root])
+    try:
+        weights = {"w": torch.zeros(1024)}
+        bs.push(weights)
+        member.expect("ready")
+        print(f"member baseline window ({seconds:g} s) ...", flush=True)
+        base = window([member], seconds)
+        member.send("go")
+        member.expect("noticed")  # the first version, from the filesystem
+        if not bs.wait_for_joins(1, 60):
+            raise RuntimeError("the member did not ask to join")
+        bs.push(weights)
+        line, _ = member.expect("noticed")
+        if not line.endswith("broadcast"):
+            raise RuntimeError(f"the member did not take the broadcast: {line}")
+        print(f"member idle window ({seconds:g} s) ...", flush=True)
+        idle = window([member], seconds)
+        started: dict[int, float] = {}
+        for _ in range(pushes):
+            t = time.time()
+            version = bs.push(weights)
+            started[version] = t
+            line, _ = member.expect("noticed")
+            member._note(line, 0.0)
+            threading.Event().wait(gap)
+        took = [1000 * (member.noticed[v] - t) for v, t in started.items()]
+    finally:
+        member.stop()
+        bs.close()
+        sender.close()
+    return {"cpu_percent": round(idle[member.name], 3),
+            "baseline_percent": round(base[member.name], 3),
+            "above_baseline_percent": round(idle[member.name] - base[member.name], 3),
+            "pushes": pushes, "push_to_applied_median_ms": round(statistics.median(took), 2),
+            "push_to_applied_max_ms": round(max(took), 2)}
+
+
 def child_sleep() -> None:
     """The CLI's baseline: the same imports, then nothing."""
     import cli.main  # noqa: F401
@@ -180,7 +248,7 @@ class Child:
         if line.startswith("{"):  # dbsync watch --json
             self.noticed[json.loads(line)["version"]] = at
         elif line.startswith("noticed "):
-            _, version, when = line.split()
+            _, version, when = line.split()[:3]
             if version != "?":
                 self.noticed[int(version)] = float(when)
             else:
@@ -443,6 +511,8 @@ def main() -> None:
             child_receiver(sys.argv[3], kind)
         elif kind == "raw":
             child_raw(sys.argv[3])
+        elif kind == "member":
+            child_member(sys.argv[3])
         else:
             child_sleep()
         return
@@ -452,13 +522,24 @@ def main() -> None:
     p.add_argument("--flip-gap", type=float, default=1.1,
                    help="seconds between flips (above the 1 s poll interval)")
     p.add_argument("--serve-vllm", action="store_true", help="also measure serve-vllm")
+    p.add_argument("--member", action="store_true",
+                   help="also measure a broadcast group member (gloo)")
+    p.add_argument("--only-member", action="store_true",
+                   help="measure the broadcast group member alone")
     p.add_argument("--dir", default=None, help="where the store lives (default: tmp)")
     p.add_argument("--json", default=str(REPO / "bench/results/idle_cpu2.json"))
     args = p.parse_args()
     machine = (f"{socket.gethostname()}: {os.cpu_count()} cores, {platform.machine()}, "
                f"{platform.platform()}")
     print(f"machine: {machine}", flush=True)
-    results = run(args)
+    results = {} if args.only_member else run(args)
+    if args.member or args.only_member:
+        work = Path(tempfile.mkdtemp(prefix="dbsync-idle-member-", dir=args.dir))
+        try:
+            results["BroadcastReceiver member"] = member_idle(
+                str(work / "store"), args.seconds, args.flips, min(args.flip_gap, 0.2))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     for name, r in results.items():
         print(f"{name:24s} {r}")
     record = {"machine": machine, "seconds": args.seconds, "flips": args.flips,

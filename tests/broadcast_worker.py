@@ -77,7 +77,9 @@ def run(root: str, reader_id: str, timeout: float, commands: Any, results: Any) 
         held = into
         kept = dict(into)  # the same objects must receive the bytes
         try:
+            cpu, wall = time.process_time(), time.monotonic()
             version = receiver.receive(into or collector, timeout=command.get("timeout"))
+            cpu, wall = time.process_time() - cpu, time.monotonic() - wall
             receiver.before_verify = None
             if into:
                 assert all(into[n] is kept[n] for n in kept)
@@ -86,7 +88,7 @@ def run(root: str, reader_id: str, timeout: float, commands: Any, results: Any) 
             results.put(json.dumps({
                 "version": version, "source": receiver.last_source, "epoch": receiver.epoch,
                 "error": receiver.last_error, "calls": collector.calls, "tensors": collector.got,
-                "member": receiver.is_member}))
+                "member": receiver.is_member, "cpu_seconds": cpu, "wall_seconds": wall}))
         except Exception as exc:  # noqa: BLE001 - reported to the test
             results.put(json.dumps({"exception": repr(exc),
                                     "traceback": traceback.format_exc()}))

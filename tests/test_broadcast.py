@@ -1,8 +1,8 @@
 """The broadcast fast path across real processes (gloo on CPU, multiprocessing spawn, free
 ports on 127.0.0.1): bit-exact delivery of every dtype, three receivers with one killed
 mid-push, a damaged bucket refused and read from the filesystem, a late joiner served from the
-filesystem then joining the next epoch, and a member that stops receiving costing the sender
-no more than the timeout."""
+filesystem then joining the next epoch, a member that stops receiving costing the sender
+no more than the timeout, and an idle member costing no CPU until the sender rings it."""
 
 from __future__ import annotations
 
@@ -354,3 +354,48 @@ def test_a_damaged_bucket_drained_in_order_up_to_a_short_last_bucket(tmp_path: A
     finally:
         bs.close()
         sender.close()
+
+
+def test_an_idle_member_costs_nothing_until_the_sender_rings_it(
+        bsender: BroadcastSender) -> None:
+    """A member waiting inside ``receive`` sleeps on its doorbell (a store wait), not on a
+    polling loop: over 2 idle seconds the whole receiver process uses well under 5% of a core
+    (polling every 0.25 ms used ~40%); the next push still wakes it and goes over the
+    broadcast, and so does the one after an epoch change (a second member joining)."""
+    root = bsender.sender.root
+    gen = torch.Generator().manual_seed(11)
+    weights = {"w": random_bytes_tensor(torch.bfloat16, (32, 64), gen)}
+    assert bsender.push(weights) == 1
+    with workers(root, "idle", "second") as (idle, second):
+        idle.send(op="receive", timeout=60)
+        assert idle.result()["source"] == "filesystem"
+        idle.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(1, 30)
+        assert bsender.push({"w": weights["w"] * 2}) == 2
+        got = idle.result()
+        assert got["source"] == "broadcast" and got["member"], got
+
+        idle.send(op="receive", timeout=2.0)
+        got = idle.result()
+        assert got["version"] is None and got["member"]
+        assert got["cpu_seconds"] < 0.05 * got["wall_seconds"], (
+            f"{got['cpu_seconds']:.3f} s of CPU in {got['wall_seconds']:.2f} idle seconds")
+
+        idle.send(op="receive", timeout=60)
+        assert bsender.push({"w": weights["w"] * 3}) == 3
+        got = idle.result()
+        assert got["source"] == "broadcast" and got["version"] == 3, got
+        assert got["tensors"] == expected({"w": weights["w"] * 3})
+
+        # a second member: the next push forms a new epoch, the idle member is rung to follow
+        second.send(op="receive", timeout=60)
+        assert second.result()["version"] == 3
+        second.send(op="receive", timeout=60)
+        idle.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(2, 30)
+        epoch = bsender.epoch
+        assert bsender.push({"w": weights["w"] * 4}) == 4
+        assert bsender.epoch > epoch and bsender.members == ("idle", "second")
+        for w in (idle, second):
+            got = w.result()
+            assert got["source"] == "broadcast" and got["version"] == 4, got

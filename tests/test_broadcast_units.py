@@ -92,7 +92,11 @@ def test_bad_rendezvous_file_is_reported(tmp_path: Any) -> None:
     store = Store(tmp_path, create=True)
     with open(rendezvous_path(store), "w") as f:
         f.write('{"format": "dbsync-broadcast", "format_version": 99}')
-    with pytest.raises(RendezvousError, match="upgrade dbsync"):
+    with pytest.raises(RendezvousError, match="upgrade dbsync on this host"):
+        read_record(store)
+    with open(rendezvous_path(store), "w") as f:  # a sender from before doorbells
+        f.write('{"format": "dbsync-broadcast", "format_version": 1}')
+    with pytest.raises(RendezvousError, match="sender runs an older dbsync: upgrade it"):
         read_record(store)
     rec = RendezvousRecord("id", "127.0.0.1", 1234, "gloo", 3, ("a",), 64, 1.0)
     assert RendezvousRecord.loads(rec.dumps(), "x").members == ("a",)
@@ -270,3 +274,69 @@ def test_whole_version_receiver_hands_out_tensors_that_stay_valid(tmp_path: Any)
         for got, want in zip(kept, (first, second), strict=True):
             assert list(got) == list(want)
             assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_key_watch_rings_per_key_moves_on_and_reports_a_lost_store() -> None:
+    """``KeyWatch`` on a real ``TCPStore``: it rings once per key of its sequence as they are
+    set (in order, without being told), a new target releases the wait on the old one (the
+    owner sets that key), ``close`` ends the thread, and a store that goes away is reported
+    in ``failed`` with ``rung`` set, so a waiting caller wakes."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dbsync.nccl.keywatch import KeyWatch
+
+    box = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))]
+    port = box[0].port
+
+    def connect() -> Any:
+        return dist.TCPStore("127.0.0.1", port, is_master=False,
+                             timeout=datetime.timedelta(seconds=10))
+
+    released: list[str] = []
+
+    def release(key: str) -> None:
+        released.append(key)
+        box[0].set(key, "moved")
+
+    watch = KeyWatch(connect, release, name="test-keywatch")
+    assert not watch.wait(0.05)  # nothing watched yet
+    watch.watch(lambda n: f"a/{n}", 1)
+    box[0].set("a/1", "x")
+    assert watch.wait(10)
+    watch.clear()
+    box[0].set("a/2", "x")  # the watch moved on to a/2 by itself
+    assert watch.wait(10)
+    watch.clear()
+    assert not watch.wait(0.05)
+
+    watch.watch(lambda n: f"b/{n}", 7)  # releases the wait on a/3
+    deadline = time.monotonic() + 10
+    while "a/3" not in released and time.monotonic() < deadline:
+        time.sleep(0.01)  # the release happens in watch(); its thread re-targets
+    assert released == ["a/3"]
+    assert not watch.wait(0.1)  # the release is not a ring
+    box[0].set("b/7", "x")
+    assert watch.wait(10) and watch.working
+    watch.close()
+    assert released[-1] == "b/8" and not watch.working
+    assert _joined("test-keywatch")
+
+    lost = KeyWatch(connect, release, name="test-keywatch-lost")
+    lost.watch(lambda n: f"c/{n}", 1)
+    box[0].set("c/1", "x")
+    assert lost.wait(10)  # connected, and now waiting for c/2
+    lost.clear()
+    box.clear()  # the store's server goes away with its last reference
+    assert lost.wait(30)
+    assert lost.failed is not None and "lost the store connection" in lost.failed
+    assert not lost.working
+
+
+def _joined(name: str) -> bool:
+    for t in threading.enumerate():
+        if t.name == name:
+            t.join(10)
+    return not any(t.name == name for t in threading.enumerate())

@@ -62,6 +62,7 @@ class Group:
         self.device = device
         self.timeout = timeout
         self.closed = False
+        self._opts: tuple[float, BroadcastOptions] | None = None  # built once per timeout
 
     @classmethod
     def create(cls, store: Any, epoch_prefix: str, rank: int, size: int, backend: str,
@@ -99,10 +100,13 @@ class Group:
         """Start a broadcast from rank 0 into ``tensor`` (sent from it on rank 0)."""
         if self.closed:
             raise BroadcastError("this broadcast group is closed; a new epoch must form")
-        opts = BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
-        opts.timeout = datetime.timedelta(seconds=self.timeout)
+        if self._opts is None or self._opts[0] != self.timeout:
+            opts = BroadcastOptions()
+            opts.rootRank = 0
+            opts.rootTensor = 0
+            opts.timeout = datetime.timedelta(seconds=self.timeout)
+            self._opts = (self.timeout, opts)
+        opts = self._opts[1]
         try:
             return self.pg.broadcast([tensor], opts)
         except Exception as exc:

@@ -7,6 +7,11 @@ the sender). Members that do not get ready within ``join_timeout`` are dropped a
 formed again without them. After a failed broadcast the epoch is closed: every member sees an
 epoch without itself and asks to join again.
 
+Members are woken, not polled: right after a push is announced (``ring``) and when an epoch
+ends, the sender sets each member's doorbell key (``rendezvous.bell_key``). Join requests are
+watched the same way (a ``KeyWatch`` on a second connection), so a push reads them only after
+one arrived.
+
 Hazards, stated plainly:
 - The key-value store listens on ``port`` on every interface of this host, unauthenticated:
   trusted networks only.
@@ -31,6 +36,7 @@ from ..store import Store
 from . import rendezvous as rv
 from .errors import BroadcastError
 from .group import Group
+from .keywatch import KeyWatch
 
 
 def wait_for_keys(store: Any, keys: Sequence[str], timeout: float) -> list[str]:
@@ -71,6 +77,12 @@ class Membership:
             "0.0.0.0", port, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout))
         self.port = int(self.kv.port)
+        self._joins = KeyWatch(
+            lambda: dist.TCPStore("127.0.0.1", self.port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout)),
+            lambda key: self.kv.set(key, json.dumps({"action": "close"})),
+            name="dbsync-joins")
+        self._joins.watch(rv.join_key, 1)
         self._publish_epoch()
 
     def _publish_epoch(self, closed: bool = False) -> None:
@@ -104,8 +116,10 @@ class Membership:
                 continue  # malformed: ignore (it cannot name a member)
             if action == "join":
                 self._wanted[reader_id] = time.monotonic()
-            else:
+            elif action == "leave":
                 self._wanted.pop(reader_id, None)
+            else:
+                continue  # "close": the sender ended its own watch
             changed = True
         return changed
 
@@ -115,9 +129,29 @@ class Membership:
     def refresh(self) -> float | None:
         """Form a new epoch if membership changed (or none is formed while receivers wait).
         Returns the setup seconds when an epoch formed, else None."""
-        if self.poll_joins() or (self.group is None and self._wanted):
+        changed = False
+        if not self._joins.working or self._joins.rung.is_set():
+            self._joins.clear()  # before reading: a request from now on sets it again
+            changed = self.poll_joins()
+        if changed or (self.group is None and self._wanted) or (
+                self.group is not None and set(self._wanted) != set(self.members)):
             return self.form_epoch()
         return None
+
+    def ring(self, seq: int, why: str = "push") -> None:
+        """Wake every member waiting for push ``seq`` of this epoch (``why``: "push" once it
+        is announced, "epoch" when the epoch ends before it)."""
+        for member in self.members:
+            self.kv.set(rv.bell_key(self.epoch, seq, member), why)
+
+    def _ring_epoch_end(self, epoch: int, seq: int, members: Sequence[str]) -> None:
+        """After a new epoch record is published: wake the old epoch's members, so they read
+        it now."""
+        for member in members:
+            try:
+                self.kv.set(rv.bell_key(epoch, seq + 1, member), "epoch")
+            except Exception:  # noqa: BLE001 - members re-read the epoch on their own, later
+                return
 
     def form_epoch(self) -> float | None:
         """Start a new epoch with every receiver that asked to join. Drops those that do not
@@ -125,10 +159,12 @@ class Membership:
         t0 = time.perf_counter()
         for _attempt in range(3):
             self._close_group()
+            ended = (self.epoch, self.seq, self.members)
             self.epoch += 1
             self.seq = 0
             self.members = tuple(sorted(self._wanted))
             self._publish_epoch()
+            self._ring_epoch_end(*ended)
             if not self.members:
                 return None
             ready = [rv.ready_key(self.epoch, m) for m in self.members]
@@ -170,18 +206,23 @@ class Membership:
         """Give up the current group: members see a new epoch without them and re-join."""
         self._close_group()
         self._wanted.clear()
+        ended = (self.epoch, self.seq, self.members)
         self.epoch += 1
         self.seq = 0
         self.members = ()
         self._publish_epoch()
+        self._ring_epoch_end(*ended)
 
     def close(self) -> None:
         """Close the group, tell members the sender is gone, withdraw ``broadcast.json``."""
         self._close_group()
+        self._joins.close()
         try:
+            ended = (self.epoch, self.seq, self.members)
             self.members = ()
             self.epoch += 1
             self._publish_epoch(closed=True)
+            self._ring_epoch_end(*ended)
         except Exception:  # noqa: BLE001 - closing anyway
             pass
         rv.remove_record(self.fs_store, self.sender_id)

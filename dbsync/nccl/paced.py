@@ -53,6 +53,8 @@ _COPY_BLOCK = 4096  # int64 words per CTA per step (32 KiB in flight)
 PACK_SHARE = 2.0
 _PACK_ROWS_PER_STEP = 4
 _PACK_WARPS = 8
+#: replay each bucket's pack-and-seal launch from a CUDA graph (see ``PackSeal``)
+USE_GRAPHS = True
 
 
 @functools.cache
@@ -392,7 +394,12 @@ class PackSeal:
     built: reuse a plan only while every source is the same, unmoved, contiguous tensor of
     the same dtype, and keep them alive until the pass finished on the current stream. Built
     once per bucket layout, buffer and set of sources (the caller rebuilds it when any
-    changes)."""
+    changes).
+
+    On CUDA the launch (the padding's zeroing and the kernel) is captured once into a CUDA
+    graph per buffer and replayed: a Triton launch costs 40-75 us of host time in a warm loop
+    and 250 us on a host that idled between pushes (measured on an H100 host), a replay
+    ~10-20 us. A capture that fails is logged and the kernel launched directly from then on."""
 
     def __init__(self, pieces: Sequence[tuple[int, int, int]], payload_bytes: int,
                  device: torch.device):
@@ -404,6 +411,10 @@ class PackSeal:
         (self.seg_first, self.seg_count, self.seg_start, self.seg_end,
          self.seg_src) = _segment_tables(
             [(src, at, n) for src, at, n in pieces], self.rows, device)
+        #: (buffer address, buffer bytes, programs) -> the captured launch; False: launch
+        #: directly (graphs off, or a capture failed)
+        self._graph: tuple[tuple[int, int, int], Any] | None | bool = (
+            None if USE_GRAPHS else False)
 
     def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         body = self.rows * ROW_WORDS * 8
@@ -418,14 +429,49 @@ class PackSeal:
         """Enqueue on the current stream: pack the pieces into ``buffer`` (the bucket buffer,
         uint8, large enough for the sealed bucket) and write the row sums after the padded
         payload, on ``programs`` CTAs (default: ``PACK_SHARE`` per SM). No host sync."""
-        words, sums = self._views(buffer)
         programs = programs or programs_for(buffer.device, PACK_SHARE)
+        graph = self._graph
+        if graph is False:
+            self._launch(buffer, programs)
+            return
+        key = (buffer.data_ptr(), buffer.numel(), programs)
+        if graph is None or graph[0] != key:  # type: ignore[index]
+            graph = self._graph = self._capture(buffer, programs, key)
+            if graph is False:
+                self._launch(buffer, programs)
+                return
+        with torch.cuda.device(buffer.device):  # replays on the current stream
+            graph[1].replay()  # type: ignore[index]
+
+    def _launch(self, buffer: torch.Tensor, programs: int) -> None:
+        words, sums = self._views(buffer)
         pack_seal_kernel = _kernels()[3]
         with torch.cuda.device(buffer.device):  # Triton uses the current device's stream
             pack_seal_kernel[(programs,)](
                 words, sums, self.rows, programs, self.seg_first, self.seg_count,
                 self.seg_start, self.seg_end, self.seg_src, ROW=ROW_WORDS,
                 STEP=_PACK_ROWS_PER_STEP, num_warps=_PACK_WARPS)
+
+    def _capture(self, buffer: torch.Tensor, programs: int, key: tuple[int, int, int]
+                 ) -> tuple[tuple[int, int, int], Any] | bool:
+        """Capture ``_launch(buffer, programs)`` into a CUDA graph on a side stream (nothing
+        runs; no host sync). Returns (key, graph), or False after a failure (logged)."""
+        device = buffer.device
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device)
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._launch(buffer, programs)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - launch directly instead
+            log.info("capturing the pack-and-seal launch on %s failed (%s: %s); launching it "
+                     "directly", device, type(exc).__name__,
+                     str(exc).splitlines()[0] if str(exc) else "")
+            return False
+        return key, graph
 
     def simulate(self, buffer: torch.Tensor) -> None:
         """What ``run`` does, in plain torch operations on CPU tensors (for tests of the

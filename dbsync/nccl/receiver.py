@@ -43,7 +43,7 @@ from . import checksum, paced
 from . import rendezvous as rv
 from .errors import BroadcastError, BroadcastTimeoutError
 from .layout import Header, bucket_plan
-from .member import MEMBER_FS_CHECK_SECONDS, MemberLink
+from .member import MEMBER_EPOCH_CHECK_SECONDS, MEMBER_FS_CHECK_SECONDS, MemberLink
 from .stream import BeforeVerify, DamagedBucketError, IncomingVersion
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
@@ -61,7 +61,9 @@ class BroadcastReceiver:
     into its own fresh allocation of the whole version instead (every bucket posted at once);
     the tensors handed out then stay valid after ``receive`` returns, for as long as they are
     referenced (a staged copy without a second copy); a callable taking the push ``Header``
-    decides per push (``IncomingVersion.whole_version`` says how each one came)."""
+    decides per push (``IncomingVersion.whole_version`` says how each one came).
+    ``poll_interval``: how often a member polls for pushes when its doorbell does not work
+    (normally it sleeps until the sender rings it)."""
 
     def __init__(
         self,
@@ -169,9 +171,9 @@ class BroadcastReceiver:
                         return version
                     continue
                 now = time.monotonic()
-                # A member polls the store every poll_interval; the manifest (a file that may
-                # be large and on NFS) it reads only now and then: for a member it is only the
-                # guard against a version published without a broadcast.
+                # A member waits for its doorbell; the manifest (a file that may be large and
+                # on NFS) it reads only now and then: for a member it is only the guard against
+                # a version published without a broadcast.
                 latest = None
                 if self.link.group is None or now - fs_checked >= MEMBER_FS_CHECK_SECONDS:
                     latest, fs_checked = self.fs.latest_version(), now
@@ -186,9 +188,15 @@ class BroadcastReceiver:
                         return self._load_fs(load_weights, latest)
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
-                time.sleep(pause)
-                pause = min(max(pause, 0.005) * 1.5, 0.05) if self.link.group is None else (
-                    self.poll_interval)
+                if self.link.group is None:
+                    time.sleep(pause)
+                    pause = min(max(pause, 0.005) * 1.5, 0.05)
+                else:  # until the doorbell rings (a push or an epoch change)
+                    rest = MEMBER_EPOCH_CHECK_SECONDS
+                    if deadline is not None:
+                        rest = min(rest, max(deadline - time.monotonic(), 0.0))
+                    self.link.wait_for_push(rest, self.poll_interval)
+                    pause = self.poll_interval
 
     def _take(self, header: Header, load_weights: LoadWeights, floor: int) -> int | None:
         """Take one announced push. Returns the version applied, or None when it was not newer

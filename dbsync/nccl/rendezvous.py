@@ -13,6 +13,9 @@ Key-value store layout (all JSON text, never pickle):
     e<E>/ready/<id>        a member is about to create the process group of epoch E
     e<E>/pg/...            the process group's own rendezvous
     e<E>/push/<seq>        the header of one pushed version (see layout.py)
+    e<E>/bell/<seq>/<id>   a member's doorbell: set by the sender right after announcing push
+                           <seq> ("push"), or when epoch E ends ("epoch"), to wake the member
+                           waiting on it; the member sets it itself ("moved") to end its wait
     e<E>/ack/<seq>/<id>    a member is ready to take push <seq>
     e<E>/go/<seq>          "abort": the sender gave up this push (read it from the filesystem)
     e<E>/published/<seq>   {"version", "manifest": digest} once the version is on the
@@ -40,7 +43,7 @@ from .errors import RendezvousError
 
 RENDEZVOUS_FILE = "broadcast.json"
 RENDEZVOUS_FORMAT = "dbsync-broadcast"
-RENDEZVOUS_VERSION = 1
+RENDEZVOUS_VERSION = 2  # 2: members wait on doorbells instead of polling for pushes
 BACKENDS = ("gloo", "nccl")
 
 K_JOINS = "joins"
@@ -61,6 +64,10 @@ def pg_prefix(epoch: int) -> str:
 
 def push_key(epoch: int, seq: int) -> str:
     return f"e{epoch}/push/{seq}"
+
+
+def bell_key(epoch: int, seq: int, reader_id: str) -> str:
+    return f"e{epoch}/bell/{seq}/{reader_id}"
 
 
 def ack_key(epoch: int, seq: int, reader_id: str) -> str:
@@ -121,10 +128,16 @@ class RendezvousRecord:
                                   "BroadcastSender or delete the file") from None
         if not isinstance(data, dict) or data.get("format") != RENDEZVOUS_FORMAT:
             raise RendezvousError(f"{source} is not a dbsync broadcast rendezvous file")
-        if data.get("format_version") != RENDEZVOUS_VERSION:
-            raise RendezvousError(f"{source}: format_version {data.get('format_version')!r} is "
-                                  f"not supported (this dbsync reads {RENDEZVOUS_VERSION}); "
-                                  "upgrade dbsync on this host")
+        found = data.get("format_version")
+        if found != RENDEZVOUS_VERSION:
+            older = isinstance(found, int) and not isinstance(found, bool) and (
+                found < RENDEZVOUS_VERSION)
+            raise RendezvousError(
+                f"{source}: format_version {found!r} is not supported (this dbsync reads "
+                f"{RENDEZVOUS_VERSION}); " + (
+                    "the broadcast sender runs an older dbsync: upgrade it on the trainer's "
+                    "host" if older else "upgrade dbsync on this host") +
+                " (until then this receiver reads every version from the filesystem)")
         try:
             record = cls(
                 sender_id=str(data["sender_id"]), address=str(data["address"]),

@@ -197,6 +197,7 @@ class BroadcastSender:
         t_start = time.perf_counter()
         header = self._header(version, epoch, seq, pairs)
         membership.kv.set(rv.push_key(epoch, seq), header.dumps(header.layout_bytes))
+        membership.ring(seq)
         t_announced = time.perf_counter()
         try:
             self.outgoing.send(group, header, pairs)

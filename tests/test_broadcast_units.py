@@ -340,3 +340,60 @@ def _joined(name: str) -> bool:
         if t.name == name:
             t.join(10)
     return not any(t.name == name for t in threading.enumerate())
+
+
+def test_a_receiver_dropped_without_close_is_collected_and_its_doorbell_ends(
+        tmp_path: Any) -> None:
+    """The doorbell's thread holds nothing of its receiver: a receiver dropped without
+    ``close`` is collected (its lease thread and buffers go with it) and its doorbell thread
+    ends."""
+    import gc
+    import weakref
+
+    root = str(tmp_path)
+    with Sender(root, durable=False) as sender, BroadcastSender(
+            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT) as bs:
+        rx = BroadcastReceiver(root, reader_id="dropped", timeout=TIMEOUT,
+                               address="127.0.0.1")
+        out: dict[str, Any] = {}
+        thread = _receive_in_thread(rx, out, timeout=30)
+        assert bs.wait_for_joins(1, 10)
+        assert bs.push({"x": torch.ones(8)}) == 1
+        thread.join(20)
+        assert out["source"] == "broadcast" and rx.is_member
+        assert any(t.name == "dbsync-bell-dropped" for t in threading.enumerate())
+        gone = weakref.ref(rx)
+        del rx, thread
+        gc.collect()
+        assert gone() is None
+        assert _joined("dbsync-bell-dropped")
+
+
+def test_the_sender_store_keeps_only_the_last_pushes_keys(tmp_path: Any) -> None:
+    """A push's header (the whole layout), acknowledgements, doorbells and confirmation are
+    deleted two pushes later: the sender's store does not grow with every push."""
+    from dbsync.nccl import rendezvous as rv
+
+    root = str(tmp_path)
+    with Sender(root, durable=False) as sender, BroadcastSender(
+            sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT) as bs, \
+            BroadcastReceiver(root, reader_id="m", timeout=TIMEOUT, address="127.0.0.1") as rx:
+        out: dict[str, Any] = {}
+        thread = _receive_in_thread(rx, out, timeout=30)
+        assert bs.wait_for_joins(1, 10)
+        for version in range(1, 5):
+            if version > 1:
+                out = {}
+                thread = _receive_in_thread(rx, out, timeout=30)
+            assert bs.push({"x": torch.full((8,), float(version))}) == version
+            thread.join(20)
+            assert out["source"] == "broadcast" and out["version"] == version
+        kv, epoch = bs.membership.kv, bs.epoch
+
+        def kept(seq: int) -> list[bool]:
+            return [kv.check([key]) for key in (
+                rv.push_key(epoch, seq), rv.ack_key(epoch, seq, "m"),
+                rv.bell_key(epoch, seq, "m"), rv.published_key(epoch, seq))]
+
+        assert kept(1) == [False] * 4 and kept(2) == [False] * 4
+        assert kept(3) == [True] * 4 and kept(4) == [True] * 4

@@ -14,7 +14,8 @@ harmless (keys nobody else waits for, or keys of a sequence that is over).
 
 Hazards, stated plainly:
 - ``rung`` tells that something happened, not what: read the store after it is set, and clear
-  it *before* reading (``clear``), so a key set meanwhile sets it again.
+  it *before* reading (``clear``), so a key set meanwhile sets it again; ``rings`` counts the
+  keys that appeared, read it after clearing.
 - When the connection breaks (the store's host went away), the thread ends, ``failed`` says
   why and ``rung`` is set, so a caller waiting on it wakes; callers then poll on their own.
 - ``close`` releases the wait it ends; a thread blocked on a host that vanished without closing
@@ -47,6 +48,9 @@ class KeyWatch:
         self._connect = connect
         self._release = release
         self.rung = threading.Event()
+        #: keys that appeared so far (counted before ``rung`` is set: a caller that clears
+        #: ``rung`` and then reads ``rings`` misses none)
+        self.rings = 0
         #: why the watch stopped working (None while it works)
         self.failed: str | None = None
         self._cond = threading.Condition()
@@ -60,7 +64,7 @@ class KeyWatch:
 
     @property
     def working(self) -> bool:
-        return self.failed is None and not self._closed
+        return self.failed is None and not self._closed and self._thread.is_alive()
 
     def watch(self, key_for: Callable[[int], str] | None, first: int = 1) -> None:
         """Watch ``key_for(first)`` and its successors from now on (None: watch nothing),
@@ -101,7 +105,8 @@ class KeyWatch:
         try:
             client = self._connect()
         except Exception as exc:  # noqa: BLE001 - reported; the owner polls instead
-            self._fail(f"could not open a second connection to the store ({exc})")
+            self._fail(f"could not open a second connection to the store "
+                       f"({str(exc).splitlines()[0] if str(exc) else exc})", logging.WARNING)
             return
         limit = datetime.timedelta(seconds=WAIT_SECONDS)
         while True:
@@ -132,9 +137,12 @@ class KeyWatch:
                 if generation != self._generation:
                     continue  # released by watch(): wait for the new target
                 self._n += 1
+                self.rings += 1
             self.rung.set()
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, level: int = logging.INFO) -> None:
+        # INFO for a store that went away (its owner finds out on its own connection),
+        # WARNING for one that is there but refused a second connection
         self.failed = why
-        log.info("%s: %s; polling instead", self._thread.name, why)
+        log.log(level, "%s: %s; polling instead", self._thread.name, why)
         self.rung.set()

@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ RETRY_SECONDS = 5.0
 FS_CHECK_SECONDS = 0.05
 MEMBER_FS_CHECK_SECONDS = 1.0
 MEMBER_EPOCH_CHECK_SECONDS = 0.5  # a member is also rung when the epoch changes
+POLLING_EPOCH_CHECK_SECONDS = 0.005  # ... unless its doorbell does not work
 _ABSENT = "\x00"  # compare_set's answer for a key that does not exist
 _ABSENT_BYTES = _ABSENT.encode()
 
@@ -70,6 +72,8 @@ class MemberLink:
         self._file_checked = 0.0
         self._epoch_checked = 0.0
         self._recheck = False  # the bell rang without a push: re-read the epoch now
+        self._rings_seen = 0  # the doorbell's ``rings`` when last looked at
+        self._bell_retry = 0.0  # when a failed doorbell may be opened again
 
     def backend_ok(self, record: rv.RendezvousRecord) -> bool:
         """Whether this receiver's device can join the backend ``record`` offers."""
@@ -111,10 +115,7 @@ class MemberLink:
             return
         local = self.address or rv.local_address_towards(record.address)
         self.conn = _Connection(record, store, local)
-        self.conn.bell = KeyWatch(
-            lambda: dist.TCPStore(record.address, record.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=min(self.timeout, 5.0))),
-            lambda key: store.set(key, "moved"), name=f"dbsync-bell-{self.reader_id}")
+        self.conn.bell = self._new_doorbell(record, store)
         self.epoch = None
         self.send("join")
 
@@ -160,8 +161,15 @@ class MemberLink:
             self.connect()
         if self.conn is None:
             return
-        if (self.group is not None and not self._recheck
-                and now - self._epoch_checked < MEMBER_EPOCH_CHECK_SECONDS):
+        bell = self.conn.bell
+        if bell is not None and not bell.working and now >= self._bell_retry:
+            self._bell_retry = now + RETRY_SECONDS  # polled meanwhile; open a new one
+            self.conn.bell = bell = self._new_doorbell(self.conn.record, self.conn.store)
+            if self.group is not None and self.epoch is not None:
+                self._watch_bell(self.epoch, self.seq + 1)
+        every = MEMBER_EPOCH_CHECK_SECONDS if bell is not None and bell.working else (
+            POLLING_EPOCH_CHECK_SECONDS)
+        if self.group is not None and not self._recheck and now - self._epoch_checked < every:
             return  # a member is rung for pushes and epoch changes: the epoch is re-read rarely
         self._epoch_checked, self._recheck = now, False
         conn = self.conn
@@ -193,9 +201,7 @@ class MemberLink:
             except BroadcastError as exc:
                 self.leave_group(f"could not join epoch {epoch}: {exc}")
                 return
-            if conn.bell is not None:
-                reader_id = self.reader_id
-                conn.bell.watch(lambda n: rv.bell_key(epoch, n, reader_id), 1)
+            self._watch_bell(epoch, 1)
         elif not first_look:
             self.send("join")  # a new epoch formed without us: ask for the next one
 
@@ -205,21 +211,34 @@ class MemberLink:
             return None
         key = rv.push_key(self.epoch, self.seq + 1)
         bell = self.conn.bell
-        rang = bell is not None and bell.rung.is_set()
+        rang = False
         if bell is not None:
             bell.clear()  # before reading: a ring from now on wakes the next wait
+            rings = bell.rings
+            rang, self._rings_seen = rings != self._rings_seen, rings
         try:
             # one round trip: the header if announced, else _ABSENT (nothing is written; a
             # header is JSON and never equals _ABSENT)
             raw = self.conn.store.compare_set(key, _ABSENT, _ABSENT)
             if raw == _ABSENT_BYTES:
-                self._recheck = rang  # rung for an epoch change (or the bell failed)
+                self._recheck = rang  # rung for an epoch change
                 return None
         except Exception as exc:  # noqa: BLE001
             self.disconnect()
             self.on_error(f"lost the broadcast sender ({exc}); reading from the filesystem")
             return None
         return Header.loads(raw, self.header_cache)
+
+    def _new_doorbell(self, record: rv.RendezvousRecord, store: Any) -> KeyWatch:
+        bell = _doorbell(record, store, 5.0, self.reader_id)
+        weakref.finalize(self, bell.close)  # a link dropped without disconnect()
+        self._rings_seen = 0
+        return bell
+
+    def _watch_bell(self, epoch: int, first: int) -> None:
+        if self.conn is not None and self.conn.bell is not None:
+            reader_id = self.reader_id
+            self.conn.bell.watch(lambda n: rv.bell_key(epoch, n, reader_id), first)
 
     def wait_for_push(self, timeout: float, poll_interval: float) -> None:
         """Sleep until the doorbell rings or ``timeout`` seconds pass (``poll_interval``
@@ -261,3 +280,15 @@ class MemberLink:
             raise BroadcastError(f"the sender could not publish version {version}: "
                                  f"{record.get('error', 'no manifest digest')}")
         return str(record["manifest"])
+
+
+def _doorbell(record: rv.RendezvousRecord, store: Any, timeout: float, reader_id: str
+              ) -> KeyWatch:
+    """A member's doorbell: a ``KeyWatch`` on a second connection to the sender's store
+    (its callables hold plain values and the store, never the link: a receiver dropped
+    without ``close`` can still be collected)."""
+    address, port = record.address, record.port
+    return KeyWatch(
+        lambda: dist.TCPStore(address, port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout)),
+        lambda key: store.set(key, "moved"), name=f"dbsync-bell-{reader_id}")

@@ -38,6 +38,8 @@ from .errors import BroadcastError
 from .group import Group
 from .keywatch import KeyWatch
 
+STORE_TIMEOUT_SECONDS = 30.0
+
 
 def wait_for_keys(store: Any, keys: Sequence[str], timeout: float) -> list[str]:
     """Poll ``store`` until every key exists or ``timeout`` passes; return the missing ones."""
@@ -73,17 +75,18 @@ class Membership:
         self.last_setup_seconds: float | None = None
         self._wanted: dict[str, float] = {}  # reader id -> when it asked
         self._joins_seen = 0
+        # (connecting to itself may take seconds on a loaded host: not the step timeout)
+        store_timeout = datetime.timedelta(seconds=max(timeout, STORE_TIMEOUT_SECONDS))
         self.kv = dist.TCPStore(
-            "0.0.0.0", port, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout))
+            "0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=store_timeout)
         self.port = int(self.kv.port)
+        self._publish_epoch()
+        kv, port = self.kv, self.port  # (the watch holds these, not this object)
         self._joins = KeyWatch(
-            lambda: dist.TCPStore("127.0.0.1", self.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout)),
-            lambda key: self.kv.set(key, json.dumps({"action": "close"})),
+            lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=store_timeout),
+            lambda key: kv.set(key, json.dumps({"reader_id": "", "action": "close"})),
             name="dbsync-joins")
         self._joins.watch(rv.join_key, 1)
-        self._publish_epoch()
 
     def _publish_epoch(self, closed: bool = False) -> None:
         record: dict[str, Any] = {
@@ -119,7 +122,7 @@ class Membership:
             elif action == "leave":
                 self._wanted.pop(reader_id, None)
             else:
-                continue  # "close": the sender ended its own watch
+                continue  # "close" (the sender ended its own watch) or unknown
             changed = True
         return changed
 
@@ -137,6 +140,19 @@ class Membership:
                 self.group is not None and set(self._wanted) != set(self.members)):
             return self.form_epoch()
         return None
+
+    def forget(self, epoch: int, seq: int) -> None:
+        """Delete the keys of push ``seq`` of ``epoch`` (its header, acknowledgements,
+        doorbells, abort and confirmation), so the store does not grow push after push. The
+        members' keys are known only while ``epoch`` is the current one."""
+        if seq < 1:
+            return
+        keys = [rv.push_key(epoch, seq), rv.go_key(epoch, seq), rv.published_key(epoch, seq)]
+        members = self.members if epoch == self.epoch else ()
+        for member in members:
+            keys += [rv.ack_key(epoch, seq, member), rv.bell_key(epoch, seq, member)]
+        for key in keys:
+            self.kv.delete_key(key)
 
     def ring(self, seq: int, why: str = "push") -> None:
         """Wake every member waiting for push ``seq`` of this epoch (``why``: "push" once it

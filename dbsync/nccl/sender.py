@@ -32,6 +32,7 @@ Hazards, stated plainly:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -50,6 +51,8 @@ from .group import resolve_backend
 from .layout import ALIGN, DEFAULT_BUCKET_BYTES, Header
 from .membership import Membership, wait_for_keys
 from .outgoing import OutgoingStream
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -268,6 +271,15 @@ class BroadcastSender:
             self.membership.kv.set(rv.published_key(*sent), json.dumps(confirmation))
         except Exception:  # noqa: BLE001 - members then refuse to stage it: filesystem path
             pass
+        # Keys of the push before last are not read any more (a member confirms the push it
+        # took right after taking it): without this, every push's header would stay in the
+        # store for as long as the sender lives.
+        epoch, seq = sent
+        try:
+            self.membership.forget(epoch, seq - 2)
+        except Exception as exc:  # noqa: BLE001 - the store closed meanwhile
+            log.debug("could not delete the keys of push %d of epoch %d: %s", seq - 2, epoch,
+                      exc)
 
     def _finish_pending(self) -> None:
         if self._pending is not None:

@@ -74,6 +74,9 @@ class MemberLink:
         self._recheck = False  # the bell rang without a push: re-read the epoch now
         self._rings_seen = 0  # the doorbell's ``rings`` when last looked at
         self._bell_retry = 0.0  # when a failed doorbell may be opened again
+        # the latest doorbell, closed when this link is dropped without disconnect()
+        self._bell_box: list[KeyWatch | None] = [None]
+        weakref.finalize(self, _close_bell, self._bell_box)
 
     def backend_ok(self, record: rv.RendezvousRecord) -> bool:
         """Whether this receiver's device can join the backend ``record`` offers."""
@@ -162,11 +165,6 @@ class MemberLink:
         if self.conn is None:
             return
         bell = self.conn.bell
-        if bell is not None and not bell.working and now >= self._bell_retry:
-            self._bell_retry = now + RETRY_SECONDS  # polled meanwhile; open a new one
-            self.conn.bell = bell = self._new_doorbell(self.conn.record, self.conn.store)
-            if self.group is not None and self.epoch is not None:
-                self._watch_bell(self.epoch, self.seq + 1)
         every = MEMBER_EPOCH_CHECK_SECONDS if bell is not None and bell.working else (
             POLLING_EPOCH_CHECK_SECONDS)
         if self.group is not None and not self._recheck and now - self._epoch_checked < every:
@@ -185,6 +183,12 @@ class MemberLink:
             self._retry_after[conn.record.sender_id] = float("inf")
             self.disconnect()
             return
+        if bell is not None and not bell.working and now >= self._bell_retry:
+            # the store still answers: open a new doorbell (polled meanwhile)
+            self._bell_retry = now + RETRY_SECONDS
+            conn.bell = self._new_doorbell(conn.record, conn.store)
+            if self.group is not None and self.epoch == epoch:
+                self._watch_bell(epoch, self.seq + 1)
         if epoch == self.epoch:
             return
         first_look = self.epoch is None
@@ -230,8 +234,7 @@ class MemberLink:
         return Header.loads(raw, self.header_cache)
 
     def _new_doorbell(self, record: rv.RendezvousRecord, store: Any) -> KeyWatch:
-        bell = _doorbell(record, store, 5.0, self.reader_id)
-        weakref.finalize(self, bell.close)  # a link dropped without disconnect()
+        bell = self._bell_box[0] = _doorbell(record, store, 5.0, self.reader_id)
         self._rings_seen = 0
         return bell
 
@@ -292,3 +295,8 @@ def _doorbell(record: rv.RendezvousRecord, store: Any, timeout: float, reader_id
         lambda: dist.TCPStore(address, port, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout)),
         lambda key: store.set(key, "moved"), name=f"dbsync-bell-{reader_id}")
+
+
+def _close_bell(box: list[KeyWatch | None]) -> None:
+    if box[0] is not None:
+        box[0].close()

@@ -155,15 +155,16 @@ def member_idle(root: str, seconds: float, pushes: int, gap: float) -> dict[str,
             raise RuntimeError(f"the member did not take the broadcast: {line}")
         print(f"member idle window ({seconds:g} s) ...", flush=True)
         idle = window([member], seconds)
-        started: dict[int, float] = {}
+        took = []
         for _ in range(pushes):
             t = time.time()
             version = bs.push(weights)
-            started[version] = t
             line, _ = member.expect("noticed")
-            member._note(line, 0.0)
+            _, noticed, when = line.split()[:3]
+            if int(noticed) != version:
+                raise RuntimeError(f"the member applied {noticed}, not {version}")
+            took.append(1000 * (float(when) - t))
             threading.Event().wait(gap)
-        took = [1000 * (member.noticed[v] - t) for v, t in started.items()]
     finally:
         member.stop()
         bs.close()

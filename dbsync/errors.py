@@ -93,3 +93,10 @@ class ReceiverRefusedError(DBSyncError):
 
 class StalenessError(DBSyncError):
     """``max_lag``: receivers stayed too many versions behind for longer than the timeout."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of ``exc``'s message (C++ errors from torch carry pages of
+    stack frames after it), or the exception's type name when it has no message."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

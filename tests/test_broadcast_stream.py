@@ -528,3 +528,63 @@ def test_read_windows_record_what_loaders_read_and_the_guard_stops_other_reads(
     with recorder:
         outer[30:40].clone()
     assert recorder.read == {"outer": [30, 40]}
+
+
+_KERNELS_ON_CPU = r"""
+import json
+import torch
+from dbsync.nccl.paced import ROW_WORDS, PackSeal, VerifyCopy, _kernels
+
+_, _, verify_copy, pack_seal = _kernels()
+gen = torch.Generator().manual_seed(0)
+srcs = [torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, generator=gen)
+        for n in (700, 3, 2 * ROW_WORDS)]
+at = [0, 704, 1024]  # a gap after the first piece, a piece across rows, a short last one
+payload = 8 * (at[-1] + srcs[-1].numel()) - 40
+rows = -(-payload // (ROW_WORDS * 8))
+body = rows * ROW_WORDS * 8
+buf = torch.full((body + 8 * rows,), 7, dtype=torch.uint8)
+want = buf.clone()
+words = want[:body].view(torch.int64)
+want[payload:body].zero_()
+for src, a in zip(srcs, at):
+    n = min(src.numel(), payload // 8 - a)
+    words[a:a + n] = src[:n]
+want[body:].view(torch.int64)[:] = words.view(rows, ROW_WORDS).sum(dim=1)
+pack = PackSeal([(s.data_ptr(), 8 * a, min(8 * s.numel(), payload - 8 * a))
+                 for s, a in zip(srcs, at)], payload, torch.device("cpu"))
+w, sums = pack._views(buf)
+pack_seal[(2,)](w, sums, pack.rows, 2, pack.seg_first, pack.seg_count, pack.seg_start,
+                pack.seg_end, pack.seg_src, ROW=ROW_WORDS, STEP=4)
+out = {"packed": torch.equal(buf, want)}
+
+first = torch.zeros(700, dtype=torch.int64)
+last = torch.zeros(2 * ROW_WORDS - 5, dtype=torch.int64)
+plan = VerifyCopy([(first.view(torch.uint8), 0), (last.view(torch.uint8), 8 * 1024)],
+                  payload, torch.device("cpu"))
+w[5] += 1  # row 0 damaged: none of its words may land
+bad = torch.zeros(1, dtype=torch.int32)
+verify_copy[(2,)](w, sums, plan.rows, plan.seg_first, plan.seg_count, plan.seg_start,
+                  plan.seg_end, plan.seg_dst, bad, PROGRAMS=2, ROW=ROW_WORDS, STEP=8)
+out.update(bad=int(bad), row0_untouched=bool((first[:ROW_WORDS] == 0).all()),
+           row1_copied=torch.equal(first[ROW_WORDS:], srcs[0][ROW_WORDS:]),
+           last_copied=torch.equal(last, srcs[2][:last.numel()]))
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_kernels_pack_verify_and_copy_byte_exact_in_triton_s_interpreter() -> None:
+    """The device kernels themselves (not their torch twins), run by Triton's interpreter on
+    CPU: the fused pack-and-seal pass writes exactly torch's packing and row sums, and the
+    verify-and-copy pass counts a damaged row, writes none of its words, and lands the others
+    in place."""
+    pytest.importorskip("triton")
+    import os
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _KERNELS_ON_CPU], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"packed": True, "bad": 1, "row0_untouched": True, "row1_copied": True,
+                   "last_copied": True}

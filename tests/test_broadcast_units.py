@@ -371,7 +371,8 @@ def test_a_receiver_dropped_without_close_is_collected_and_its_doorbell_ends(
 
 def test_the_sender_store_keeps_only_the_last_pushes_keys(tmp_path: Any) -> None:
     """A push's header (the whole layout), acknowledgements, doorbells and confirmation are
-    deleted two pushes later: the sender's store does not grow with every push."""
+    deleted two pushes later: the sender's store does not grow with every push. The member's
+    doorbell rang once per push."""
     from dbsync.nccl import rendezvous as rv
 
     root = str(tmp_path)
@@ -397,3 +398,10 @@ def test_the_sender_store_keeps_only_the_last_pushes_keys(tmp_path: Any) -> None
 
         assert kept(1) == [False] * 4 and kept(2) == [False] * 4
         assert kept(3) == [True] * 4 and kept(4) == [True] * 4
+        # the member was woken by its doorbell for each of the four pushes (it is not polled)
+        bell = rx.link.bell
+        assert bell is not None and bell.working
+        deadline = time.monotonic() + 10
+        while bell.rings < 4 and time.monotonic() < deadline:
+            bell.wait(0.1)  # the fourth ring may still be on its way to the watch thread
+        assert bell.rings == 4

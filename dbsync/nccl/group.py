@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore
 
+from ..errors import first_line
 from .errors import BroadcastError, BroadcastTimeoutError
 
 _ENV_LOCK = threading.Lock()
@@ -188,7 +189,7 @@ def _create_nccl(store: Any, rank: int, size: int, device: torch.device,
 
 
 def _wrap(exc: BaseException, what: str) -> BroadcastError:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc)
     timed_out = "timed out" in text.lower() or "timeout" in text.lower() or isinstance(
         exc, dist.DistStoreError | TimeoutError)
     cls = BroadcastTimeoutError if timed_out else BroadcastError

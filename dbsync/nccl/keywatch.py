@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import first_line
+
 log = logging.getLogger(__name__)
 
 #: how long one store wait may last before it is renewed (a renewal logs two C++ warnings)
@@ -106,7 +108,7 @@ class KeyWatch:
             client = self._connect()
         except Exception as exc:  # noqa: BLE001 - reported; the owner polls instead
             self._fail(f"could not open a second connection to the store "
-                       f"({str(exc).splitlines()[0] if str(exc) else exc})", logging.WARNING)
+                       f"({first_line(exc)})", logging.WARNING)
             return
         limit = datetime.timedelta(seconds=WAIT_SECONDS)
         while True:
@@ -128,7 +130,7 @@ class KeyWatch:
                     closed = self._closed
                 if closed:
                     return
-                self._fail(f"lost the store connection ({str(exc).splitlines()[0]})")
+                self._fail(f"lost the store connection ({first_line(exc)})")
                 return
             with self._cond:
                 self._waiting = None

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import first_line
 from ..store import Store
 from . import rendezvous as rv
 from .errors import BroadcastError, RendezvousError
@@ -49,7 +50,6 @@ class _Connection:
     record: rv.RendezvousRecord
     store: Any
     local_address: str
-    bell: KeyWatch | None = None
 
 
 class MemberLink:
@@ -74,7 +74,8 @@ class MemberLink:
         self._recheck = False  # the bell rang without a push: re-read the epoch now
         self._rings_seen = 0  # the doorbell's ``rings`` when last looked at
         self._bell_retry = 0.0  # when a failed doorbell may be opened again
-        # the latest doorbell, closed when this link is dropped without disconnect()
+        # the connection's doorbell (None while not connected), in a box that a finalizer
+        # holds: closed also when this link is dropped without disconnect()
         self._bell_box: list[KeyWatch | None] = [None]
         weakref.finalize(self, _close_bell, self._bell_box)
 
@@ -113,12 +114,12 @@ class MemberLink:
         except Exception as exc:  # noqa: BLE001 - unreachable: use the filesystem
             self._retry_after[record.sender_id] = time.monotonic() + RETRY_SECONDS
             self.on_error(f"cannot reach the broadcast sender at {record.address}:"
-                          f"{record.port} ({str(exc).splitlines()[0] if str(exc) else exc})"
+                          f"{record.port} ({first_line(exc)})"
                           "; reading from the filesystem")
             return
         local = self.address or rv.local_address_towards(record.address)
         self.conn = _Connection(record, store, local)
-        self.conn.bell = self._new_doorbell(record, store)
+        self._new_doorbell(record, store)
         self.epoch = None
         self.send("join")
 
@@ -132,8 +133,7 @@ class MemberLink:
 
     def disconnect(self) -> None:
         self.close_group()
-        if self.conn is not None and self.conn.bell is not None:
-            self.conn.bell.close()
+        _close_bell(self._bell_box)
         self.conn = None
         self.epoch = None
 
@@ -141,8 +141,8 @@ class MemberLink:
         if self.group is not None:
             self.group.close()
             self.group = None
-        if self.conn is not None and self.conn.bell is not None:
-            self.conn.bell.watch(None)
+        if self.bell is not None:
+            self.bell.watch(None)
 
     def leave_group(self, why: str) -> None:
         """Drop out of the current group after a failure and ask to join the next epoch."""
@@ -164,7 +164,7 @@ class MemberLink:
             self.connect()
         if self.conn is None:
             return
-        bell = self.conn.bell
+        bell = self.bell
         every = MEMBER_EPOCH_CHECK_SECONDS if bell is not None and bell.working else (
             POLLING_EPOCH_CHECK_SECONDS)
         if self.group is not None and not self._recheck and now - self._epoch_checked < every:
@@ -186,7 +186,7 @@ class MemberLink:
         if bell is not None and not bell.working and now >= self._bell_retry:
             # the store still answers: open a new doorbell (polled meanwhile)
             self._bell_retry = now + RETRY_SECONDS
-            conn.bell = self._new_doorbell(conn.record, conn.store)
+            self._new_doorbell(conn.record, conn.store)
             if self.group is not None and self.epoch == epoch:
                 self._watch_bell(epoch, self.seq + 1)
         if epoch == self.epoch:
@@ -214,7 +214,7 @@ class MemberLink:
         if self.group is None or self.conn is None or self.epoch is None:
             return None
         key = rv.push_key(self.epoch, self.seq + 1)
-        bell = self.conn.bell
+        bell = self.bell
         rang = False
         if bell is not None:
             bell.clear()  # before reading: a ring from now on wakes the next wait
@@ -233,21 +233,26 @@ class MemberLink:
             return None
         return Header.loads(raw, self.header_cache)
 
-    def _new_doorbell(self, record: rv.RendezvousRecord, store: Any) -> KeyWatch:
-        bell = self._bell_box[0] = _doorbell(record, store, 5.0, self.reader_id)
+    @property
+    def bell(self) -> KeyWatch | None:
+        """The doorbell of the current connection (None while not connected)."""
+        return self._bell_box[0]
+
+    def _new_doorbell(self, record: rv.RendezvousRecord, store: Any) -> None:
+        _close_bell(self._bell_box)
+        self._bell_box[0] = _doorbell(record, store, 5.0, self.reader_id)
         self._rings_seen = 0
-        return bell
 
     def _watch_bell(self, epoch: int, first: int) -> None:
-        if self.conn is not None and self.conn.bell is not None:
+        if self.bell is not None:
             reader_id = self.reader_id
-            self.conn.bell.watch(lambda n: rv.bell_key(epoch, n, reader_id), first)
+            self.bell.watch(lambda n: rv.bell_key(epoch, n, reader_id), first)
 
     def wait_for_push(self, timeout: float, poll_interval: float) -> None:
         """Sleep until the doorbell rings or ``timeout`` seconds pass (``poll_interval``
         instead while this link has no working doorbell). Returns at once when the bell rang
         without a push, so that ``maintain`` re-reads the epoch first."""
-        bell = None if self.conn is None else self.conn.bell
+        bell = self.bell
         if self._recheck and bell is not None and bell.working:
             return
         if bell is None or not bell.working:
@@ -298,5 +303,6 @@ def _doorbell(record: rv.RendezvousRecord, store: Any, timeout: float, reader_id
 
 
 def _close_bell(box: list[KeyWatch | None]) -> None:
-    if box[0] is not None:
-        box[0].close()
+    bell, box[0] = box[0], None
+    if bell is not None:
+        bell.close()

@@ -154,20 +154,22 @@ class Membership:
         for key in keys:
             self.kv.delete_key(key)
 
-    def ring(self, seq: int, why: str = "push") -> None:
-        """Wake every member waiting for push ``seq`` of this epoch (``why``: "push" once it
-        is announced, "epoch" when the epoch ends before it)."""
+    def ring(self, seq: int) -> None:
+        """Wake every member waiting for push ``seq`` of this epoch (once it is announced)."""
         for member in self.members:
-            self.kv.set(rv.bell_key(self.epoch, seq, member), why)
+            self.kv.set(rv.bell_key(self.epoch, seq, member), "push")
 
-    def _ring_epoch_end(self, epoch: int, seq: int, members: Sequence[str]) -> None:
-        """After a new epoch record is published: wake the old epoch's members, so they read
-        it now."""
-        for member in members:
-            try:
-                self.kv.set(rv.bell_key(epoch, seq + 1, member), "epoch")
-            except Exception:  # noqa: BLE001 - members re-read the epoch on their own, later
-                return
+    def _next_epoch(self, members: Sequence[str], closed: bool = False) -> None:
+        """Publish the next epoch with ``members`` (or the sender's end), then wake the ended
+        epoch's members where they wait (for its next push), so they read it now."""
+        ended, seq, waiting = self.epoch, self.seq, self.members
+        self.epoch, self.seq, self.members = ended + 1, 0, tuple(members)
+        self._publish_epoch(closed=closed)
+        try:
+            for member in waiting:
+                self.kv.set(rv.bell_key(ended, seq + 1, member), "epoch")
+        except Exception:  # noqa: BLE001 - members re-read the epoch on their own, later
+            pass
 
     def form_epoch(self) -> float | None:
         """Start a new epoch with every receiver that asked to join. Drops those that do not
@@ -175,12 +177,7 @@ class Membership:
         t0 = time.perf_counter()
         for _attempt in range(3):
             self._close_group()
-            ended = (self.epoch, self.seq, self.members)
-            self.epoch += 1
-            self.seq = 0
-            self.members = tuple(sorted(self._wanted))
-            self._publish_epoch()
-            self._ring_epoch_end(*ended)
+            self._next_epoch(sorted(self._wanted))
             if not self.members:
                 return None
             ready = [rv.ready_key(self.epoch, m) for m in self.members]
@@ -222,23 +219,14 @@ class Membership:
         """Give up the current group: members see a new epoch without them and re-join."""
         self._close_group()
         self._wanted.clear()
-        ended = (self.epoch, self.seq, self.members)
-        self.epoch += 1
-        self.seq = 0
-        self.members = ()
-        self._publish_epoch()
-        self._ring_epoch_end(*ended)
+        self._next_epoch(())
 
     def close(self) -> None:
         """Close the group, tell members the sender is gone, withdraw ``broadcast.json``."""
         self._close_group()
         self._joins.close()
         try:
-            ended = (self.epoch, self.seq, self.members)
-            self.members = ()
-            self.epoch += 1
-            self._publish_epoch(closed=True)
-            self._ring_epoch_end(*ended)
+            self._next_epoch((), closed=True)
         except Exception:  # noqa: BLE001 - closing anyway
             pass
         rv.remove_record(self.fs_store, self.sender_id)

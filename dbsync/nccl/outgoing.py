@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..errors import first_line
 from . import checksum, paced
 from .group import Group
 from .layout import Header, bucket_plan, flat_bytes
@@ -209,7 +210,7 @@ class OutgoingStream:
             try:
                 fused = self._fused_bucket(b, header, pairs, plan)
                 if fused is not None:
-                    pack, _state, (indices, views), split = fused
+                    pack, _, (indices, views), split = fused
                     self._copy_in(header, pairs, indices, views, split, buf, flats)
                     pack.run(buf)
                     return buf[:checksum.wire_bytes(hi - lo, True)]
@@ -219,7 +220,7 @@ class OutgoingStream:
                 # the bucket's bytes; nothing was sent from it yet
                 log.warning("the fused pack-and-seal pass failed on %s (%s: %s); packing with "
                             "torch operations from now on", self.device, type(exc).__name__,
-                            str(exc).splitlines()[0] if str(exc) else "")
+                            first_line(exc))
                 self.fused, self._fused, self._moved = False, {}, {}
         indices, views = plan.whole[b]
         self._copy_in(header, pairs, indices, views, plan.split[b], buf, flats)

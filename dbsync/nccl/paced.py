@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ..errors import first_line
+
 log = logging.getLogger("dbsync.nccl.paced")
 
 #: int64 words per checksum row (checksum.ROW_BYTES / 8)
@@ -92,6 +94,20 @@ def _kernels() -> Any:
                 inside = at < words
                 tl.store(dst + at, tl.load(src + at, mask=inside), mask=inside)
 
+    # a module global: Triton looks up the functions a kernel calls in its module
+    global piece_words
+
+    @triton.jit
+    def piece_words(seg_start, seg_end, seg_address, seg, valid, at):
+        # for rows whose piece ``seg`` is ``valid``: the addresses, in those pieces' own
+        # memory, of the bucket words ``at``, and which of the words the pieces hold (the
+        # tables of ``_segment_tables``)
+        start = tl.load(seg_start + seg, mask=valid, other=0)
+        end = tl.load(seg_end + seg, mask=valid, other=0)
+        base = tl.load(seg_address + seg, mask=valid, other=0).to(tl.pointer_type(tl.int64))
+        into = valid[:, None] & (at >= start[:, None]) & (at < end[:, None])
+        return base[:, None] + (at - start[:, None]), into
+
     @triton.jit
     def verify_copy_kernel(src, sums, rows, seg_first, seg_count, seg_start, seg_end, seg_dst,
                            bad, PROGRAMS: tl.constexpr, ROW: tl.constexpr,
@@ -110,13 +126,9 @@ def _kernels() -> Any:
             seg0 = tl.load(seg_first + r, mask=inside, other=0)
             count = tl.load(seg_count + r, mask=ok, other=0)
             for k in range(0, tl.max(count, axis=0)):
-                seg = seg0 + k
-                valid = ok & (k < count)
-                start = tl.load(seg_start + seg, mask=valid, other=0)
-                end = tl.load(seg_end + seg, mask=valid, other=0)
-                dst = tl.load(seg_dst + seg, mask=valid, other=0).to(tl.pointer_type(tl.int64))
-                into = valid[:, None] & (at >= start[:, None]) & (at < end[:, None])
-                tl.store(dst[:, None] + (at - start[:, None]), words, mask=into)
+                dst, into = piece_words(seg_start, seg_end, seg_dst, seg0 + k,
+                                        ok & (k < count), at)
+                tl.store(dst, words, mask=into)
         total = tl.sum(damaged, axis=0)
         if total > 0:
             tl.atomic_add(bad, total)
@@ -138,13 +150,9 @@ def _kernels() -> Any:
             words = tl.zeros([STEP, ROW], dtype=tl.int64)
             covered = tl.zeros([STEP, ROW], dtype=tl.int32)
             for k in range(0, tl.max(count, axis=0)):
-                seg = seg0 + k
-                valid = inside & (k < count)
-                start = tl.load(seg_start + seg, mask=valid, other=0)
-                end = tl.load(seg_end + seg, mask=valid, other=0)
-                src = tl.load(seg_src + seg, mask=valid, other=0).to(tl.pointer_type(tl.int64))
-                into = valid[:, None] & (at >= start[:, None]) & (at < end[:, None])
-                words += tl.load(src[:, None] + (at - start[:, None]), mask=into, other=0)
+                src, into = piece_words(seg_start, seg_end, seg_src, seg0 + k,
+                                        inside & (k < count), at)
+                words += tl.load(src, mask=into, other=0)
                 covered += into.to(tl.int32)
             # words no piece covers keep what the buffer holds (written before, or padding)
             words += tl.load(dst + at, mask=inside[:, None] & (covered == 0), other=0)
@@ -197,8 +205,8 @@ def _passes(index: int, check: Callable[[torch.device], None], what: str, instea
         with torch.cuda.device(device):
             check(device)
     except Exception as exc:  # noqa: BLE001 - see the docstring
-        log.warning("%s on cuda:%d (%s: %s); %s", what, index,
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", instead)
+        log.warning("%s on cuda:%d (%s: %s); %s", what, index, type(exc).__name__,
+                    first_line(exc), instead)
         return False
     return True
 
@@ -414,7 +422,7 @@ class PackSeal:
         self.device = device
         (self.seg_first, self.seg_count, self.seg_start, self.seg_end,
          self.seg_src) = _segment_tables(
-            [(src, at, n) for src, at, n in pieces], self.rows, device)
+            pieces, self.rows, device)
         #: (buffer address, buffer bytes, programs) -> the captured launch; False: launch
         #: directly (graphs off, or a capture failed)
         self._graph: tuple[tuple[int, int, int], Any] | None | bool = (
@@ -479,8 +487,7 @@ class PackSeal:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 - launch directly instead
             log.info("capturing the pack-and-seal launch on %s failed (%s: %s); launching it "
-                     "directly", device, type(exc).__name__,
-                     str(exc).splitlines()[0] if str(exc) else "")
+                     "directly", device, type(exc).__name__, first_line(exc))
             return False
         return key, graph
 

@@ -308,7 +308,13 @@ class Index:
 
     @classmethod
     def _loads(cls, raw: bytes, source: str) -> Index:
-        data = loads_json(raw, source)
+        tail = None  # the tensors section's bytes, to keep once the index passed
+        kept = _KeptTensors.matching(raw)
+        data = None if kept is None else _parse_before_tensors(raw[:-len(kept.tail)])
+        if data is None:
+            kept = None
+            split = _split_tensors_last(raw)
+            data, tail = split if split is not None else (loads_json(raw, source), None)
         _check_header(data, INDEX_FORMAT_NAME, source)
         problems: list[str] = []
         if data.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
@@ -331,9 +337,17 @@ class Index:
             shards.append(s["nbytes"])
         before = len(problems)
         ranges = _parse_ranges(data.get("ranges"), shards, problems)
-        # (after a bad range the others' positions shift: tensors are then not held to them)
-        entries = _parse_tensors(data.get("tensors"), shards,
-                                 ranges if len(problems) == before else None, problems)
+        entries = None
+        if kept is not None:
+            if len(problems) == before:
+                entries = kept.entries_for(shards, ranges)
+            if entries is None:  # the same tensors section against other shards or ranges
+                data["tensors"], tail = kept.section(), kept.tail
+        if entries is None:
+            # (after a bad range the others' positions shift: tensors are then not held to them)
+            entries = tuple(_parse_tensors(data.get("tensors"), shards,
+                                           ranges if len(problems) == before else None,
+                                           problems))
         adapter = data.get("adapter")
         if adapter is not None and not isinstance(adapter, dict):
             problems.append("adapter must be an object or null")
@@ -341,7 +355,94 @@ class Index:
             more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
             raise FormatError(f"{source} is invalid: " + "; ".join(problems[:20]) + more
                               + "; publish again from the trainer")
-        return cls(run_id, version, tuple(entries), tuple(shards), tuple(ranges), adapter)
+        if tail is not None:
+            _KeptTensors.keep(tail, shards, ranges, entries)
+        return cls(run_id, version, entries, tuple(shards), tuple(ranges), adapter)
+
+
+#: Writers put the tensors section last; its bytes start with this (compact separators).
+_TENSORS_KEY = b',"tensors":'
+_DECODER = json.JSONDecoder()
+_JSON_ERRORS = (UnicodeDecodeError, ValueError, RecursionError, MemoryError)
+
+
+def _parse_before_tensors(prefix: bytes) -> dict[str, Any] | None:
+    """The index whose bytes are ``prefix`` then ``,"tensors":`` and one JSON value then
+    ``}``, with ``0`` in place of that value; None if ``prefix`` does not parse so.
+
+    Why that is the index, whatever ``prefix`` holds: ``prefix + ',"tensors":0}'`` is valid
+    JSON only if ``"tensors"`` is then a member of the outermost object (inside a string, a
+    nested object or an array, the final ``}`` cannot close the document), and a valid value
+    in that place parses the same whatever it is; the last member of a name wins in both."""
+    try:
+        data = json.loads((prefix + _TENSORS_KEY + b"0}").decode("utf-8"))
+    except _JSON_ERRORS:
+        return None
+    if not (type(data) is dict and type(data.get("tensors")) is int):
+        return None
+    return data
+
+
+def _split_tensors_last(raw: bytes) -> tuple[dict[str, Any], bytes] | None:
+    """(the parsed index, its tail: the bytes from ``,"tensors":`` on) if the index ends with
+    its tensors section, as writers write it; else None (then parse it whole)."""
+    at = raw.rfind(_TENSORS_KEY)
+    if at < 0 or not raw.endswith(b"}"):
+        return None
+    data = _parse_before_tensors(raw[:at])
+    if data is None:
+        return None
+    try:
+        text = raw[at + len(_TENSORS_KEY):].decode("utf-8")
+        value, end = _DECODER.raw_decode(text)
+    except _JSON_ERRORS:
+        return None
+    if end != len(text) - 1:  # one value, then the final "}"
+        return None
+    data["tensors"] = value
+    return data, raw[at:]
+
+
+class _KeptTensors(NamedTuple):
+    """The tensors section (``tail``) of the last index read that ended with it and passed
+    every check, with the entries it gave against those shards and checked ranges. The next
+    version of the same model writes the same section byte for byte: it is then read by
+    comparing bytes, parsing only what comes before (header, shards, ranges)."""
+
+    tail: bytes
+    shards: list[int]
+    bounds: list[tuple[int, int, int]]
+    entries: tuple[TensorEntry, ...]
+
+    @staticmethod
+    def matching(raw: bytes) -> _KeptTensors | None:
+        kept = _LAST_TENSORS[0]
+        if kept is None or len(raw) <= len(kept.tail) or not raw.endswith(kept.tail):
+            return None
+        return kept
+
+    @staticmethod
+    def keep(tail: bytes, shards: list[int], ranges: list[CheckedRange],
+             entries: tuple[TensorEntry, ...]) -> None:
+        _LAST_TENSORS[0] = _KeptTensors(tail, shards, _bounds(ranges), entries)
+
+    def entries_for(self, shards: list[int], ranges: list[CheckedRange]
+                    ) -> tuple[TensorEntry, ...] | None:
+        """The kept entries if they were checked against these shards and range bounds."""
+        if shards == self.shards and _bounds(ranges) == self.bounds:
+            return self.entries
+        return None
+
+    def section(self) -> Any:
+        """The tensors section, parsed (it parsed as one JSON value when it was kept)."""
+        return json.loads(self.tail[len(_TENSORS_KEY):-1].decode("utf-8"))
+
+
+_LAST_TENSORS: list[_KeptTensors | None] = [None]
+
+
+def _bounds(ranges: Sequence[CheckedRange]) -> list[tuple[int, int, int]]:
+    return [(r.shard, r.offset, r.offset + r.nbytes) for r in ranges]
 
 
 _COLUMNS = ("name", "dtype", "shape", "shard", "offset", "range")
@@ -359,9 +460,9 @@ def dump_index(run_id: str, version: int, columns: dict[str, list[Any]],
         "run_id": run_id, "version": version,
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "shards": [{"file": shard_file(i), "nbytes": n} for i, n in enumerate(shards)],
-        "tensors": {c: columns[c] for c in _COLUMNS},
         "ranges": {c: ranges[c] for c in _RANGE_COLUMNS},
         "adapter": adapter,
+        "tensors": {c: columns[c] for c in _COLUMNS},  # last: see _KeptTensors
     }, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
@@ -431,7 +532,7 @@ def _parse_tensors(raw: Any, shards: list[int], ranges: list[CheckedRange] | Non
         return []
     if ranges is None:  # the ranges were refused: report the tensors' own problems only
         return _parse_slow(*columns, shards, None, problems)
-    bounds = [(r.shard, r.offset, r.offset + r.nbytes) for r in ranges]
+    bounds = _bounds(ranges)
     memo = _LAST_LAYOUT[0]
     if (memo is not None and _plain_types(*columns)
             and memo[0] == (*columns[:2], list(map(tuple, columns[2])), *columns[3:], shards,

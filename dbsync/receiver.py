@@ -54,6 +54,7 @@ from .fileio import ShardView, checksum, wait_all
 from .format import Head, Manifest, check_reader_id, describe_name, shard_file
 from .leases import DEFAULT_LEASE_TIMEOUT, IDLE, READING, host_identity
 from .store import Store
+from .workers import WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,11 @@ class Snapshot:
         a leased slot) kills this process with SIGBUS. ``by_reading=True`` hashes what
         ``preadv`` returns instead (a little slower: one more copy); a shard that shrank is
         then reported as damaged (``dbsync verify`` reads this way)."""
+        self._start_verify(threads, by_reading)()
+
+    def _start_verify(self, threads: int, by_reading: bool = False) -> Callable[[], None]:
+        """Start ``verify`` (hashing in the receiver's worker threads) and return the call
+        that waits for it and raises as ``verify`` does; it must be called."""
         if self._closed:
             raise DBSyncError(f"version {self.version}'s snapshot is closed; open it again")
         ranges = self.manifest.ranges
@@ -221,8 +227,14 @@ class Snapshot:
         todo = [i for i, r in enumerate(ranges) if r.shard in present]
         if by_reading and self.leased:
             bad = self._hash_by_reading(todo, threads)
-        else:
-            bad = self._hash_views(todo, threads)
+            return lambda: self._judge(bad)
+        hashed = self._hash_views(todo, threads)
+        return lambda: self._judge(hashed())
+
+    def _judge(self, bad: dict[int, str]) -> None:
+        """Raise one ``DamagedVersionError`` for the bad ranges ``bad`` and missing shards."""
+        ranges = self.manifest.ranges
+        present = self._shards
         for i, r in enumerate(ranges):
             if r.shard not in present and (not r.nbytes and r.checksum != _EMPTY_CHECKSUM):
                 bad[i] = f"checksum {_EMPTY_CHECKSUM} != {r.checksum}"
@@ -250,10 +262,11 @@ class Snapshot:
             )
         self._verified = True
 
-    def _hash_views(self, todo: list[int], threads: int) -> dict[int, str]:
-        """{range: why} of every checked range in ``todo`` whose bytes in the shards' views
-        do not hash to its checksum. Ranges are a few MiB (xxh3 releases the GIL), so the
-        threads hash in parallel whatever the tensor count."""
+    def _hash_views(self, todo: list[int], threads: int) -> Callable[[], dict[int, str]]:
+        """Start hashing; the returned call waits and gives {range: why} of every checked
+        range in ``todo`` whose bytes in the shards' views do not hash to its checksum.
+        Ranges are a few MiB (xxh3 releases the GIL), so the threads hash in parallel whatever
+        the tensor count."""
         ranges = self.manifest.ranges
         views = {i: shard.view() for i, shard in self._shards.items()}
 
@@ -266,9 +279,15 @@ class Snapshot:
                     bad.append((i, _mismatch(got, r)))
             return bad
 
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            return dict(itertools.chain.from_iterable(
-                pool.map(run, _task_bounds([ranges[i].nbytes for i in todo]))))
+        pool = self.receiver.workers.get(threads)
+        futures = [pool.submit(run, bounds)
+                   for bounds in _task_bounds([ranges[i].nbytes for i in todo])]
+
+        def result() -> dict[int, str]:
+            wait_all(futures)
+            return dict(itertools.chain.from_iterable(f.result() for f in futures))
+
+        return result
 
     def _hash_by_reading(self, todo: list[int], threads: int) -> dict[int, str]:
         """{range: why} of every bad checked range in ``todo``, hashing ``preadv`` reads of
@@ -410,14 +429,13 @@ class Snapshot:
             dest = target if type(target) is dict else dict(target)
         if (verify or not self.leased) and not self._verified:
             # Hashing releases the GIL; planning (a look at every destination) holds it.
-            with ThreadPoolExecutor(1) as one:
-                checking = one.submit(self.verify, threads)
-                try:
-                    plan = self._plan_copy(dest, strict)
-                except BaseException:
-                    checking.result()  # damage first: it says more than a mismatch
-                    raise
-                checking.result()
+            verified = self._start_verify(threads)
+            try:
+                plan = self._plan_copy(dest, strict)
+            except BaseException:
+                verified()  # damage first: it says more than a mismatch
+                raise
+            verified()
         else:
             plan = self._plan_copy(dest, strict)
         if self._missing:
@@ -432,9 +450,10 @@ class Snapshot:
         shards = sorted(plan.raw)
         if self.leased and len(shards) > fileio.SHARDS_OPEN_AT_ONCE:
             self._reopen(shards, keep_open=False)  # every file checked before any byte lands
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            futures = [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
-                       _task_bounds([e.nbytes for _, e in plan.by_torch])]
+        pool = self.receiver.workers.get(threads)
+        futures = [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
+                   _task_bounds([e.nbytes for _, e in plan.by_torch])]
+        try:
             for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
                 batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
                 fds = self._reopen(batch) if self.leased else {}
@@ -446,12 +465,15 @@ class Snapshot:
                             else:
                                 futures.append(pool.submit(
                                     scatter.copy_from, self._shards[shard].address(), read))
+                    if not first:  # bumped while the first bytes land (it holds the GIL,
+                        # the reads do not), and before a failed read could leave it unbumped
+                        torch.autograd.graph.increment_version(plan.raw_destinations)
                     wait_all(futures)
                 finally:
                     for fd in fds.values():
                         os.close(fd)
-            wait_all(futures)
-        torch.autograd.graph.increment_version(plan.raw_destinations)
+        finally:
+            wait_all(futures)  # (never leave a copy running past this call)
         return self.manifest.total_bytes
 
     def _plan_copy(self, dest: dict[str, Any], strict: bool) -> Any:
@@ -583,7 +605,9 @@ class Receiver:
         if not self.read_only:
             self._keeper.write()
             self._keeper.start()
-        self._finalizer = weakref.finalize(self, self._keeper.close)
+        #: worker threads kept from one load to the next (see ``workers``)
+        self.workers = WorkerPools("dbsync-read")
+        self._finalizer = weakref.finalize(self, _close_parts, self._keeper, self.workers)
 
     def _decide_read_only(self, forced: bool | None) -> bool:
         if forced is not None:
@@ -816,6 +840,11 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_parts(keeper: _LeaseKeeper, workers: WorkerPools) -> None:
+    keeper.close()
+    workers.close()
 
 
 def _is_tensor_container(target: Any) -> bool:

@@ -33,6 +33,7 @@ _preadv.restype = ctypes.c_ssize_t
 
 #: iovecs per system call (Linux's IOV_MAX is 1024; gaps between tensors take one each)
 MAX_IOVECS = 1000
+_IOV_MAX = 1024
 #: gaps between tensors up to this size are read into scratch memory, larger ones split a read
 MAX_GAP = 4096
 _SCRATCH = ctypes.create_string_buffer(MAX_GAP)
@@ -51,13 +52,20 @@ class Read(NamedTuple):
 def read_into(fd: int, read: Read) -> None:
     """Perform one read with ``preadv`` (resuming after short reads). Raises ``OSError`` if
     the file ends early or a read fails."""
+    count = len(read.iov) // 2
+    if count <= _IOV_MAX:  # one call, which reads it all from the page cache: no Python loop
+        got = _preadv(fd, read.iov.buffer_info()[0], count, read.offset)  # over the iovecs
+        if got == sum(read.iov[1::2]):
+            return
+    # A short read, an error or a long vector: (again) the careful way. Reading the same
+    # bytes into the same places twice is harmless.
     iov = array.array("Q", read.iov)  # a short read edits the vector: keep the plan's intact
     offset = read.offset
     first = 0
     count = len(iov) // 2
     while first < count:
         address = iov.buffer_info()[0] + first * 16
-        got = _preadv(fd, address, min(count - first, 1024), offset)
+        got = _preadv(fd, address, min(count - first, _IOV_MAX), offset)
         if got < 0:
             err = ctypes.get_errno()
             if err == errno.EINTR:

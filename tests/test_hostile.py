@@ -730,6 +730,89 @@ def test_every_garbled_checked_range_is_named(column, row, value):
         Index.loads(dump_index("0" * 32, 1, _GOOD_COLUMNS, ranges, [128, 64], None))
 
 
+def _index_outcome(raw: bytes) -> Any:
+    """What ``Index.loads`` makes of ``raw``: the index's fields, or the error's type and
+    message."""
+    from dbsync.format import Index
+
+    try:
+        index = Index.loads(raw)
+    except dbsync.DBSyncError as exc:
+        return type(exc).__name__, str(exc)
+    return (index.run_id, index.version, index.tensors, index.shards, index.ranges,
+            index.adapter)
+
+
+def test_an_index_whose_tensors_section_was_read_before_is_judged_as_a_fresh_parse(
+        monkeypatch):
+    """The next version of a model repeats the last index's tensors section byte for byte,
+    and is read by comparing those bytes and parsing only what comes before them. Whatever
+    comes before (cut anywhere, bytes changed, an unclosed string, object or array, another
+    "tensors" member, shards or ranges the kept tensors do not fit), the outcome equals that
+    of a reader that never saw the earlier index, and that of parsing the whole file; so is
+    any other tensors section after the same beginning."""
+    import random
+
+    from dbsync import format as fmt
+
+    good = fmt.dump_index("0" * 32, 1, _GOOD_COLUMNS, _GOOD_RANGES, [128, 64], None)
+    tail = good[good.rindex(b',"tensors":'):]
+    assert good.endswith(b"}}") and tail.count(b'"name"') == 1  # (the tensors come last)
+    prefix = good[:-len(tail)]
+    rng = random.Random(7)
+
+    def mutate(data: bytes) -> bytes:
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(mutated))
+            choice = rng.random()
+            if choice < 0.4:
+                mutated[at] = rng.choice(b'{}[]",:0123456789\\ ax')
+            elif choice < 0.7:
+                del mutated[at]
+            else:
+                mutated.insert(at, rng.choice(b'{}[]",:0\\'))
+        return bytes(mutated)
+
+    # other tensors sections after the same beginning: never taken for the kept one
+    tails = [tail[:-1] + extra for extra in (b',"x":1}', b',"x":}', b'}}', b' }', b'} ', b'')]
+    tails += [tail.replace(b'"a"', b'"z"'), tail.replace(b'[2,3]', b'[2,4]'),
+              tail.replace(b'"offset":[0,64,0]', b'"offset":[0,128,0]')]
+    tails += [mutate(tail) for _ in range(60)]
+    variants = [prefix[:cut] for cut in range(len(prefix))]
+    variants += [prefix + extra for extra in (
+        b'"', b'{', b'[', b',"x":{', b',"x":[', b',"x":"', b'\\', b',"tensors":5',
+        b',"x":{"y":1')]
+    variants.append(prefix.replace(b'"adapter":null', b'"adapter":{"a":1}'))
+    variants.append(prefix.replace(b'"adapter":null', b'"tensors":0,"adapter":null'))
+    variants.append(prefix.replace(b'"nbytes":128', b'"nbytes":64'))  # tensor b leaves its shard
+    variants.append(prefix.replace(b'"nbytes":[72,1]', b'"nbytes":[64,1]'))  # b leaves range 0
+    variants.append(prefix.replace(b'"nbytes":[72,1]', b'"nbytes":[80,1]'))  # wider: still holds
+    variants.append(prefix.replace(b'"version":1', b'"version":2'))  # the next version
+    variants += [mutate(prefix) for _ in range(300)]
+
+    def forget() -> None:
+        for memo in (fmt._LAST_TENSORS, fmt._LAST_LAYOUT, fmt._LAST_RANGES):
+            memo[0] = None
+
+    short_path_taken = 0
+    for raw in [v + tail for v in variants] + [prefix + t for t in tails]:
+        forget()
+        fmt.Index.loads(good)  # the tensors section is now known
+        kept = fmt._LAST_TENSORS[0]
+        assert kept is not None and kept.tail == tail
+        warm = _index_outcome(raw)
+        short_path_taken += len(warm) == 6 and warm[2] is kept.entries
+        forget()
+        cold = _index_outcome(raw)
+        with monkeypatch.context() as patch:
+            patch.setattr(fmt, "_split_tensors_last", lambda raw: None)
+            forget()
+            whole = _index_outcome(raw)
+        assert warm == cold == whole, raw
+    assert short_path_taken >= 3  # the next version, a wider range, another adapter config
+
+
 def test_range_problems_are_named_alone_and_no_tensor_may_name_an_unlisted_shard():
     """A refused range does not shift the others into follow-on complaints about good
     tensors; a tensor of no bytes in an index listing no shard is refused on every parse path

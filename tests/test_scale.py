@@ -303,8 +303,10 @@ def test_an_index_of_the_same_layout_reads_the_same_as_a_fresh_parse(root):
         sender.push(weights)
         slot = rx.store.read_head().slot
         raw = open(os.path.join(rx.store.slot_dir(slot), fmt.INDEX_FILE), "rb").read()
+        kept = fmt._LAST_TENSORS[0]
         short = fmt.Index.loads(raw)
-        fmt._LAST_LAYOUT[0] = fmt._LAST_RANGES[0] = None
+        assert short.tensors is kept.entries  # its tensors section was compared, not parsed
+        fmt._LAST_LAYOUT[0] = fmt._LAST_RANGES[0] = fmt._LAST_TENSORS[0] = None
         full = fmt.Index.loads(raw)
         assert short.tensors == full.tensors and short.ranges == full.ranges
         bad = raw.replace(full.ranges[0].checksum.encode(), b"XYZ" * 5 + b"0", 1)

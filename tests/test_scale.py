@@ -351,3 +351,101 @@ def test_kept_plans_and_layouts_follow_what_changed_in_place(root):
         config["target_modules"].append("v_proj")
         sender.push(adapter, adapter_config=config)
         assert rx.manifest().adapter == {"r": 16, "target_modules": ["q_proj", "v_proj"]}
+
+
+def test_a_scatter_read_lands_exact_on_every_path_and_refuses_a_file_that_ended(tmp_path):
+    """One ``preadv`` call reads a whole scatter read; a vector longer than the kernel takes
+    in one call, and a file that ends before the read does, take the careful path: the bytes
+    land exactly, or the short file is an error (never a silent partial copy)."""
+    import array
+
+    from dbsync import scatter
+
+    data = os.urandom(3000 * 8 + 100)
+    path = tmp_path / "shard.bin"
+    path.write_bytes(data)
+    for pieces in (10, 1100, 3000):  # one call; more iovecs than IOV_MAX (1024)
+        dest = [torch.zeros(8, dtype=torch.uint8) for _ in range(pieces)]
+        iov = array.array("Q")
+        for t in dest:
+            iov.extend((t.data_ptr(), 8))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            scatter.read_into(fd, scatter.Read(100, iov))
+        finally:
+            os.close(fd)
+        assert b"".join(bytes(t.numpy()) for t in dest) == data[100:100 + 8 * pieces]
+        assert list(iov[1::2]) == [8] * pieces  # the plan's vector is left as it was
+    path.write_bytes(data[:1000])  # the file ends inside the read
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="ended before"):
+            scatter.read_into(fd, scatter.Read(100, iov))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["torch-check", "columns"])
+def test_tensor_states_see_every_change_a_kept_plan_depends_on(monkeypatch, how):
+    """Kept plans and layouts are reused only while every tensor is as it was: another
+    address, dtype, shape, stride, type, device kind, or a neg/conj view is a change, both
+    through torch's tensor-match check and through the column comparison used where that
+    check is missing."""
+    from dbsync import tensorstate
+
+    monkeypatch.setattr(tensorstate, "_MATCHER", [] if how == "torch-check" else [None])
+    base = torch.zeros(4, 6)
+    cplx = torch.zeros(3, dtype=torch.complex64)
+    tensors = [base, torch.zeros(5), torch.nn.Parameter(torch.zeros(2)), cplx]
+    states = tensorstate.States.of(tensors)
+    assert (states._match is not None) == (how == "torch-check")
+    assert states.matches(list(tensors)) and states.addresses == [t.data_ptr() for t in tensors]
+    changes = {
+        "another address": (1, torch.zeros(5)),
+        "another dtype": (0, base.view(torch.int32)),
+        "another shape": (0, base.view(6, 4)),
+        "transposed": (0, base.view(6, 4).t()),
+        "neg view": (0, torch._neg_view(base)),
+        "conj view": (3, cplx.conj()),
+        "plain tensor for a parameter": (2, tensors[2].detach()),
+        "meta tensor": (1, torch.zeros(5, device="meta")),
+        "not a tensor": (1, "w"),
+    }
+    for what, (at, other) in changes.items():
+        changed = list(tensors)
+        changed[at] = other
+        assert not states.matches(changed), what
+    assert not states.matches(tensors[:3])
+
+
+def test_a_receiver_keeps_its_reader_threads_and_they_end_with_it(root):
+    """Loads reuse the receiver's worker threads (no thread started per load: on a busy host
+    each start waits for a core), and the threads end once the receiver is closed and
+    dropped."""
+    import gc
+
+    weights = {f"w{i}": torch.full((100,), float(i)) for i in range(50)}
+    dest = {k: torch.zeros_like(v) for k, v in weights.items()}
+
+    def readers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("dbsync-read")}
+
+    before = readers()
+    with dbsync.Sender(root) as sender:
+        sender.push(weights)
+        rx = dbsync.Receiver(root)
+        for _ in range(6):
+            sender.push(weights)
+            rx.load(dest, threads=3)
+        started = readers() - before
+        assert 1 <= len(started) <= 3
+        for _ in range(3):
+            rx.load(dest, threads=3)
+        assert readers() - before == started  # the same threads, none new
+        assert all(torch.equal(dest[k], v) for k, v in weights.items())
+        rx.close()
+        del rx
+        gc.collect()
+        for thread in started:
+            thread.join(timeout=30)
+            assert not thread.is_alive()

@@ -111,8 +111,9 @@ class _Kept(NamedTuple):
     names: list[str]
     states: States
     raw: dict[int, list[Read]]
-    #: positions in ``names`` of the raw destinations and of the tensors torch copies
-    raw_at: list[int]
+    #: positions in ``names`` of the raw destinations (None: all of them, in order) and of
+    #: the tensors torch copies
+    raw_at: list[int] | None
     by_torch_at: list[int]
 
 
@@ -138,7 +139,9 @@ class PlanCache:
             # (None for a name gone or a value whose attributes do not read, never equal to
             # a kept state list; ``None in targets`` would compare every tensor with None)
             if kept.states.matches(targets):
-                return CopyPlan(kept.raw, [targets[i] for i in kept.raw_at],
+                raw_destinations = (targets if kept.raw_at is None
+                                    else [targets[i] for i in kept.raw_at])
+                return CopyPlan(kept.raw, raw_destinations,
                                 [(targets[i], entries[i]) for i in kept.by_torch_at])
         self._kept = None
         plan = plan_copy(entries, dest, strict)
@@ -151,7 +154,9 @@ class PlanCache:
         kept_states = States.of(targets)  # None (not kept) for tensors with no plain memory
         if kept_states is not None and all(
                 entries[i] is e for i, (_, e) in zip(by_torch_at, plan.by_torch, strict=True)):
+            raw_at: list[int] | None = [where[id(t)] for t in plan.raw_destinations]
+            if raw_at == list(range(len(targets))):
+                raw_at = None  # (every tensor: the common case, no list to build per load)
             self._kept = _Kept(entries, layout, strict, len(dest), names, kept_states,
-                               plan.raw,
-                               [where[id(t)] for t in plan.raw_destinations], by_torch_at)
+                               plan.raw, raw_at, by_torch_at)
         return plan

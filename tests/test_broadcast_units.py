@@ -44,6 +44,43 @@ def test_header_round_trip_and_layout_cache() -> None:
     assert all(e.offset % ALIGN == 0 for e in header.entries)
 
 
+def test_the_sender_s_header_is_kept_while_the_tensors_keep_their_layout() -> None:
+    """A push's header is built once and kept while names, dtypes, shapes and settings stay:
+    for the same tensors updated in place (the quick check) and for new tensors of the same
+    layout; a tensor reshaped or viewed as another dtype at the same address, a name or a
+    setting changed, each build a header of the new layout."""
+    from dbsync.nccl.layout import HeaderCache
+
+    cache = HeaderCache()
+    built: list[Header] = []
+
+    def header(pairs: list[tuple[str, torch.Tensor]], settings: tuple = ("x", None, 128)
+               ) -> Header:
+        def build() -> Header:
+            built.append(Header.build(1, 1, 1, 128, [(n, t.dtype, tuple(t.shape))
+                                                     for n, t in pairs]))
+            return built[-1]
+        return cache.header(pairs, settings, build)
+
+    pairs = [(f"t{i}", torch.zeros(i + 1, 4)) for i in range(6)]
+    first = header(pairs)
+    for t in dict(pairs).values():
+        t.add_(1)  # the optimizer's in-place step
+    assert header(pairs) is first
+    assert header([(n, t.clone()) for n, t in pairs]) is first  # new tensors, same layout
+    assert len(built) == 1
+    reshaped = list(pairs)
+    reshaped[2] = ("t2", pairs[2][1].view(4, 3))
+    assert header(reshaped).entries[2].shape == (4, 3)
+    retyped = list(pairs)
+    retyped[1] = ("t1", pairs[1][1].view(torch.int32))
+    assert header(retyped).entries[1].dtype == "int32"
+    assert header([("u0", pairs[0][1]), *pairs[1:]]).entries[0].name == "u0"
+    assert header(pairs, ("x", torch.bfloat16, 128)) is not header(pairs)
+    assert len(built) == 6
+    assert [e.shape for e in header(pairs).entries] == [(i + 1, 4) for i in range(6)]
+
+
 META = b'{"version": 1, "epoch": 1, "seq": 1}\n'
 
 

@@ -153,6 +153,43 @@ class Header:
         return cls(version, epoch, seq, bucket_bytes, tuple(entries), checksum)
 
 
+class HeaderCache:
+    """The last push's header layout, reused while it stays the same: the same names, bucket
+    size, checksum algorithm and target dtype, and tensors of the same dtypes and shapes.
+
+    Push after push a trainer hands over the same tensors (updated in place). That is checked
+    first, with torch's tensor-match check plus the addresses (``tensorstate``: ~30 us for 300
+    tensors); tensors that are new objects each push fall back to comparing dtypes and shapes
+    (~200 us for 300 tensors on a host that idled between pushes). The check runs before a
+    push is announced, so it is on every push's critical path."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[tuple[Any, ...], list[str], Any, list[Any], Header] | None = None
+
+    def header(self, pairs: Sequence[tuple[str, torch.Tensor]], settings: tuple[Any, ...],
+               build: Any) -> Header:
+        """The kept header if it fits ``pairs`` under ``settings`` (bucket size, algorithm,
+        target dtype), else ``build()`` (kept from now on)."""
+        from ..tensorstate import States
+
+        names = [n for n, _ in pairs]
+        tensors = [t for _, t in pairs]
+        kept = self._kept
+        if kept is not None and kept[0] == settings and kept[1] == names:
+            states, signature = kept[2], kept[3]
+            if states is not None and states.matches(tensors):
+                return kept[4]
+            if signature == _signature(tensors):
+                return kept[4]
+        header = build()
+        self._kept = (settings, names, States.of(tensors), _signature(tensors), header)
+        return header
+
+
+def _signature(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    return [[t.dtype for t in tensors], [t.shape for t in tensors]]
+
+
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a tensor's bytes on its own device (a copy only if non-contiguous).
     Works for 0-d, empty, bool, bf16, fp8 and complex tensors."""

@@ -154,10 +154,12 @@ class Membership:
         for key in keys:
             self.kv.delete_key(key)
 
-    def ring(self, seq: int) -> None:
-        """Wake every member waiting for push ``seq`` of this epoch (once it is announced)."""
-        for member in self.members:
-            self.kv.set(rv.bell_key(self.epoch, seq, member), "push")
+    def announce(self, seq: int, header: bytes) -> None:
+        """Publish push ``seq``'s header and wake every member waiting for it: one message
+        to the store, which sets the header before the doorbells."""
+        keys = [rv.push_key(self.epoch, seq)]
+        keys += [rv.bell_key(self.epoch, seq, member) for member in self.members]
+        self.kv.multi_set(keys, [header] + ["push"] * len(self.members))  # type: ignore[list-item]
 
     def _next_epoch(self, members: Sequence[str], closed: bool = False) -> None:
         """Publish the next epoch with ``members`` (or the sender's end), then wake the ended

@@ -48,7 +48,7 @@ from . import checksum
 from . import rendezvous as rv
 from .errors import BroadcastError, BroadcastTimeoutError
 from .group import resolve_backend
-from .layout import ALIGN, DEFAULT_BUCKET_BYTES, Header
+from .layout import ALIGN, DEFAULT_BUCKET_BYTES, Header, HeaderCache
 from .membership import Membership, wait_for_keys
 from .outgoing import OutgoingStream
 
@@ -107,7 +107,7 @@ class BroadcastSender:
         self.outgoing = OutgoingStream(self.device, bucket_bytes, checksums is not False)
         self.port = self.membership.port
         self.sender_id = self.membership.sender_id
-        self._header_cache: tuple[Any, Header] | None = None
+        self._headers = HeaderCache()
         self._pending: Future[int] | None = None
         self._lock = threading.Lock()
 
@@ -199,8 +199,7 @@ class BroadcastSender:
         epoch, seq = membership.epoch, membership.next_seq()
         t_start = time.perf_counter()
         header = self._header(version, epoch, seq, pairs)
-        membership.kv.set(rv.push_key(epoch, seq), header.dumps(header.layout_bytes))
-        membership.ring(seq)
+        membership.announce(seq, header.dumps(header.layout_bytes))
         t_announced = time.perf_counter()
         try:
             self.outgoing.send(group, header, pairs)
@@ -227,15 +226,15 @@ class BroadcastSender:
         checksum algorithm) is reused while it stays the same, as it does push after push."""
         dtype = self.sender.dtype
         algorithm = checksum.ALGORITHM if self.outgoing.checksums else None
-        signature = (algorithm, dtype, [n for n, _ in pairs], [t.dtype for _, t in pairs],
-                     [t.shape for _, t in pairs])
-        cached = self._header_cache
-        if cached is None or cached[0] != signature:
+
+        def build() -> Header:
             specs = [(n, sources.target_dtype(t, dtype), tuple(t.shape)) for n, t in pairs]
             header = Header.build(version, epoch, seq, self.bucket_bytes, specs, algorithm)
             header.layout_bytes  # noqa: B018 - built once here, reused by every later push
-            cached = self._header_cache = (signature, header)
-        return cached[1].for_push(version, epoch, seq)
+            return header
+
+        settings = (algorithm, dtype, self.bucket_bytes)
+        return self._headers.header(pairs, settings, build).for_push(version, epoch, seq)
 
     def _after_publish(self, fs_future: Future[int], result: Future[int], version: int,
                        sent: tuple[int, int] | None, stats: dict[str, Any]) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 
 import xxhash
 
-from . import fileio, gcpause, scatter
+from . import fileio, gcpause, gilswitch, scatter
 from .copyplan import PlanCache
 from .errors import (
     DamagedVersionError,
@@ -428,13 +428,15 @@ class Snapshot:
         else:
             dest = target if type(target) is dict else dict(target)
         if (verify or not self.leased) and not self._verified:
-            # Hashing releases the GIL; planning (a look at every destination) holds it.
-            verified = self._start_verify(threads)
-            try:
-                plan = self._plan_copy(dest, strict)
-            except BaseException:
-                verified()  # damage first: it says more than a mismatch
-                raise
+            # Hashing releases the GIL; planning (a look at every destination) holds it, a
+            # chunk of tensors per call: the hashing threads get it between chunks.
+            with gilswitch.fast_switching():
+                verified = self._start_verify(threads)
+                try:
+                    plan = self._plan_copy(dest, strict)
+                except BaseException:
+                    verified()  # damage first: it says more than a mismatch
+                    raise
             verified()
         else:
             plan = self._plan_copy(dest, strict)

@@ -41,6 +41,8 @@ def _getters() -> list[Callable[[Any], Any]]:
 
 _ADDRESS = 2
 _SHAPE = 4
+#: tensors per call of the tensor-match check
+CHUNK = 512
 
 
 def _match_class() -> Any:
@@ -97,7 +99,8 @@ class States:
         matcher = _match_class()
         if matcher is not None:
             try:
-                match = _build(matcher, tensors)
+                match = [_build(matcher, tensors[lo:lo + CHUNK])
+                         for lo in range(0, len(tensors), CHUNK)]
             except Exception as exc:  # noqa: BLE001 (internal API: fall back to columns)
                 log.info("torch's tensor-match check refused these tensors (%s); comparing "
                          "columns", exc)
@@ -110,10 +113,18 @@ class States:
             return False
         getters = _getters()
         try:
+            if self._match is not None:
+                # (a chunk at a time: each call holds the GIL, which other threads, such as
+                # a verify's hashing threads, get between two calls)
+                address, addresses = getters[_ADDRESS], self.columns[_ADDRESS]
+                for k, match in enumerate(self._match):
+                    chunk = tensors[k * CHUNK:(k + 1) * CHUNK]
+                    if (list(map(address, chunk)) != addresses[k * CHUNK:(k + 1) * CHUNK]
+                            or not match.check(*chunk)):
+                        return False
+                return True
             if list(map(getters[_ADDRESS], tensors)) != self.columns[_ADDRESS]:
                 return False
-            if self._match is not None:
-                return bool(self._match.check(*tensors))
             # (a torch.Size equals the tuple of its dims: shapes compare without converting)
             return all(list(map(get, tensors)) == kept
                        for get, kept in zip(getters, self.columns, strict=True))

@@ -449,3 +449,32 @@ def test_a_receiver_keeps_its_reader_threads_and_they_end_with_it(root):
         for thread in started:
             thread.join(timeout=30)
             assert not thread.is_alive()
+
+
+def test_the_gil_switch_interval_is_restored_after_nested_and_concurrent_loads():
+    """A verified load shortens the GIL switch interval only while it checks and hashes;
+    nested and concurrent blocks share one change, and the interval found first comes back,
+    also after an error."""
+    from dbsync import gilswitch
+
+    before = sys.getswitchinterval()
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def other() -> None:
+        with gilswitch.fast_switching():
+            inside.set()
+            leave.wait(30)
+
+    worker = threading.Thread(target=other)
+    with gilswitch.fast_switching():
+        assert sys.getswitchinterval() == pytest.approx(gilswitch.FAST_INTERVAL)
+        worker.start()
+        assert inside.wait(30)
+    assert sys.getswitchinterval() == pytest.approx(gilswitch.FAST_INTERVAL)  # still inside
+    leave.set()
+    worker.join(30)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(ZeroDivisionError), gilswitch.fast_switching():
+        1 / 0  # noqa: B018
+    assert sys.getswitchinterval() == before

@@ -23,6 +23,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple
 
 import xxhash
@@ -345,6 +346,14 @@ def _pwrite_all(fd: int, iov: list[memoryview], offset: int) -> None:
             done += 1
         if written:
             iov[done] = iov[done][written:]
+
+
+def settle(futures: Sequence[Future]) -> None:
+    """Cancel what has not started and wait for the rest, raising nothing (for a caller that
+    is already raising)."""
+    for f in futures:
+        f.cancel()
+    wait_futures(futures)
 
 
 def wait_all(futures: Sequence[Future]) -> None:

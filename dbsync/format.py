@@ -362,7 +362,6 @@ class Index:
 
 #: Writers put the tensors section last; its bytes start with this (compact separators).
 _TENSORS_KEY = b',"tensors":'
-_DECODER = json.JSONDecoder()
 _JSON_ERRORS = (UnicodeDecodeError, ValueError, RecursionError, MemoryError)
 
 
@@ -373,7 +372,9 @@ def _parse_before_tensors(prefix: bytes) -> dict[str, Any] | None:
     Why that is the index, whatever ``prefix`` holds: ``prefix + ',"tensors":0}'`` is valid
     JSON only if ``"tensors"`` is then a member of the outermost object (inside a string, a
     nested object or an array, the final ``}`` cannot close the document), and a valid value
-    in that place parses the same whatever it is; the last member of a name wins in both."""
+    in that place parses the same whatever it is; the last member of a name wins in both.
+    (Nesting within a few levels of Python's recursion limit is the exception: whether the
+    whole file parses then depends on the caller's stack depth, on either path.)"""
     try:
         data = json.loads((prefix + _TENSORS_KEY + b"0}").decode("utf-8"))
     except _JSON_ERRORS:
@@ -390,17 +391,24 @@ def _split_tensors_last(raw: bytes) -> tuple[dict[str, Any], bytes] | None:
     if at < 0 or not raw.endswith(b"}"):
         return None
     data = _parse_before_tensors(raw[:at])
-    if data is None:
+    tensors = None if data is None else _parse_section(raw[at:])
+    if tensors is None:
         return None
+    data["tensors"] = tensors[0]
+    return data, raw[at:]
+
+
+def _parse_section(tail: bytes) -> tuple[Any] | None:
+    """(the value of ``tail`` = ``,"tensors":`` value ``}``,) or None if ``tail`` is not one
+    member and the end. Parsed as ``{"tensors": value}``, at the nesting depth the whole file
+    has there: a value nested too deep for the whole file is too deep here too."""
     try:
-        text = raw[at + len(_TENSORS_KEY):].decode("utf-8")
-        value, end = _DECODER.raw_decode(text)
+        section = json.loads((b"{" + tail[1:]).decode("utf-8"))
     except _JSON_ERRORS:
         return None
-    if end != len(text) - 1:  # one value, then the final "}"
+    if len(section) != 1:  # (more members after the tensors: parse the file whole)
         return None
-    data["tensors"] = value
-    return data, raw[at:]
+    return (section["tensors"],)
 
 
 class _KeptTensors(NamedTuple):
@@ -434,8 +442,10 @@ class _KeptTensors(NamedTuple):
         return None
 
     def section(self) -> Any:
-        """The tensors section, parsed (it parsed as one JSON value when it was kept)."""
-        return json.loads(self.tail[len(_TENSORS_KEY):-1].decode("utf-8"))
+        """The tensors section, parsed (it parsed when it was kept)."""
+        parsed = _parse_section(self.tail)
+        assert parsed is not None
+        return parsed[0]
 
 
 _LAST_TENSORS: list[_KeptTensors | None] = [None]

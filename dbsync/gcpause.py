@@ -15,45 +15,26 @@ meanwhile collects them only after the pause; a thread that calls ``gc.enable()`
 from __future__ import annotations
 
 import gc
-import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
-_lock = threading.Lock()
-_depth = 0
-_was_enabled = False
+from .processwide import CountedSetting
 
 
-@contextmanager
-def paused() -> Iterator[None]:
-    """Disable the collector for the block (nested and concurrent pauses share one)."""
-    global _depth, _was_enabled
-    entered = False
-    try:
-        with _lock:
-            if _depth == 0:
-                _was_enabled = gc.isenabled()
-                gc.disable()
-            _depth += 1
-            entered = True
-        yield
-    finally:
-        if entered:
-            with _lock:
-                _depth = max(0, _depth - 1)
-                if _depth == 0 and _was_enabled:
-                    gc.enable()
+def _disable() -> bool:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    return was_enabled
 
 
-def _after_fork_in_child() -> None:
-    """A child forked during a pause runs only the forking thread: the others' pauses never
-    end there, so the child gets its collector back at once."""
-    global _depth, _lock
-    _lock = threading.Lock()
-    if _depth and _was_enabled:
+def _restore(was_enabled: bool) -> None:
+    if was_enabled:
         gc.enable()
-    _depth = 0
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_PAUSE = CountedSetting(_disable, _restore)
+
+
+def paused() -> AbstractContextManager[None]:
+    """Disable the collector for the block (nested and concurrent pauses share one; a child
+    forked during a pause gets its collector back at once)."""
+    return _PAUSE.held()

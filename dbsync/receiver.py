@@ -50,7 +50,7 @@ from .errors import (
     NothingPublishedError,
     StoreRewoundError,
 )
-from .fileio import ShardView, checksum, wait_all
+from .fileio import ShardView, checksum, settle, wait_all
 from .format import Head, Manifest, check_reader_id, describe_name, shard_file
 from .leases import DEFAULT_LEASE_TIMEOUT, IDLE, READING, host_identity
 from .store import Store
@@ -284,7 +284,11 @@ class Snapshot:
                    for bounds in _task_bounds([ranges[i].nbytes for i in todo])]
 
         def result() -> dict[int, str]:
-            wait_all(futures)
+            try:
+                wait_all(futures)
+            except BaseException:  # (interrupted too: no hashing left running behind us)
+                settle(futures)
+                raise
             return dict(itertools.chain.from_iterable(f.result() for f in futures))
 
         return result
@@ -455,7 +459,7 @@ class Snapshot:
         pool = self.receiver.workers.get(threads)
         futures = [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
                    _task_bounds([e.nbytes for _, e in plan.by_torch])]
-        try:
+        try:  # (never leave a copy running past this call; the first error is the one raised)
             for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
                 batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
                 fds = self._reopen(batch) if self.leased else {}
@@ -474,8 +478,10 @@ class Snapshot:
                 finally:
                     for fd in fds.values():
                         os.close(fd)
-        finally:
-            wait_all(futures)  # (never leave a copy running past this call)
+        except BaseException:
+            settle(futures)
+            raise
+        wait_all(futures)
         return self.manifest.total_bytes
 
     def _plan_copy(self, dest: dict[str, Any], strict: bool) -> Any:

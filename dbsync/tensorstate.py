@@ -9,6 +9,10 @@ Two ways to compare, chosen once per process:
   tried on a few tensors first), columns read with ``map`` over unbound tensor methods, so no
   Python frame runs per tensor: ~13 ms at 20,000 tensors.
 
+torch's check also compares ``requires_grad`` and the calling thread's dispatch settings
+(``torch.inference_mode()``): states taken with another of those never match, so whatever was
+kept is planned again (slower, never wrong).
+
 Kept columns hold ints, bools, tuples of ints, and the (long-lived) tensor type and dtype
 objects only; the check keeps only metadata. Neither holds a tensor, and keeping them adds
 nothing for Python's cycle collector to walk but the columns themselves.
@@ -56,11 +60,14 @@ def _match_class() -> Any:
         from torch._C._dynamo.guards import TensorGuards
 
         base = torch.zeros(4, 6)
+        cplx = torch.zeros(3, dtype=torch.complex64)
         changed = [torch.zeros(4, 6, dtype=torch.float64), torch.zeros(6, 4), base.t(),
                    torch._neg_view(base), torch.nn.Parameter(base), torch.zeros(24)]
         guard = _build(TensorGuards, [base])
+        conj = _build(TensorGuards, [cplx])
         if guard.check(base) and guard.check(base.view(4, 6)) and not any(
-                guard.check(c) for c in changed) and not guard.check(None):
+                guard.check(c) for c in changed) and not guard.check(None) and conj.check(
+                cplx) and not conj.check(cplx.conj()):
             found = TensorGuards
     except Exception as exc:  # noqa: BLE001 (internal API: any failure means "not usable")
         log.info("torch's tensor-match check is not usable here (%s: %s); tensor states are "

@@ -8,6 +8,7 @@ their queue and cost nothing.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,26 +22,33 @@ class WorkerPools:
     garbage-collected). Thread-safe.
 
     Hazard: do not wait, inside a task, for another task of the same pool: a full pool would
-    wait forever. A pool asked for after ``close()`` is a new one."""
+    wait forever. After ``close()`` each call gets a new pool, kept by no one. A forked child
+    gets new pools (the parent's came without their threads)."""
 
     def __init__(self, name: str):
         self._name = name
         self._lock = threading.Lock()
         self._pools: dict[int, ThreadPoolExecutor] = {}
+        self._pid = os.getpid()
+        self._closed = False
 
     def get(self, threads: int) -> ThreadPoolExecutor:
         threads = max(1, int(threads))
         with self._lock:
+            if self._pid != os.getpid():
+                # forked: the pools came without their threads (a task would never run)
+                self._pools, self._pid = {}, os.getpid()
             pool = self._pools.pop(threads, None)
             if pool is None:
                 pool = ThreadPoolExecutor(threads, thread_name_prefix=f"{self._name}-{threads}")
-            self._pools[threads] = pool  # (most recently used last)
+            if not self._closed:
+                self._pools[threads] = pool  # (most recently used last)
             while len(self._pools) > KEEP_SIZES:
                 del self._pools[next(iter(self._pools))]
             return pool
 
     def close(self) -> None:
-        """Drop every kept pool: tasks already submitted still run, and each pool's threads
-        end once nothing holds it."""
+        """Drop every kept pool and keep none from now on: tasks already submitted still
+        run, and each pool's threads end once nothing holds it."""
         with self._lock:
-            self._pools = {}
+            self._pools, self._closed = {}, True

@@ -67,7 +67,10 @@ def test_the_sender_s_header_is_kept_while_the_tensors_keep_their_layout() -> No
     for t in dict(pairs).values():
         t.add_(1)  # the optimizer's in-place step
     assert header(pairs) is first
-    assert header([(n, t.clone()) for n, t in pairs]) is first  # new tensors, same layout
+    moved = [(n, t.clone()) for n, t in pairs]
+    assert header(moved) is first  # new tensors, same layout
+    assert cache._kept[2].matches([t for _, t in moved])  # (their states, taken once)
+    assert header(moved) is first
     assert len(built) == 1
     reshaped = list(pairs)
     reshaped[2] = ("t2", pairs[2][1].view(4, 3))

@@ -353,7 +353,8 @@ def test_kept_plans_and_layouts_follow_what_changed_in_place(root):
         assert rx.manifest().adapter == {"r": 16, "target_modules": ["q_proj", "v_proj"]}
 
 
-def test_a_scatter_read_lands_exact_on_every_path_and_refuses_a_file_that_ended(tmp_path):
+def test_a_scatter_read_lands_exact_on_every_path_and_refuses_a_file_that_ended(
+        tmp_path, monkeypatch):
     """One ``preadv`` call reads a whole scatter read; a vector longer than the kernel takes
     in one call, and a file that ends before the read does, take the careful path: the bytes
     land exactly, or the short file is an error (never a silent partial copy)."""
@@ -361,28 +362,36 @@ def test_a_scatter_read_lands_exact_on_every_path_and_refuses_a_file_that_ended(
 
     from dbsync import scatter
 
+    calls: list[int] = []
+    preadv = scatter._preadv
+    monkeypatch.setattr(scatter, "_preadv", lambda *a: calls.append(a[2]) or preadv(*a))
     data = os.urandom(3000 * 8 + 100)
     path = tmp_path / "shard.bin"
     path.write_bytes(data)
-    for pieces in (10, 1100, 3000):  # one call; more iovecs than IOV_MAX (1024)
+
+    def read(pieces: int, offset: int = 100) -> list[torch.Tensor]:
         dest = [torch.zeros(8, dtype=torch.uint8) for _ in range(pieces)]
         iov = array.array("Q")
         for t in dest:
             iov.extend((t.data_ptr(), 8))
         fd = os.open(path, os.O_RDONLY)
         try:
-            scatter.read_into(fd, scatter.Read(100, iov))
+            scatter.read_into(fd, scatter.Read(offset, iov))
         finally:
             os.close(fd)
-        assert b"".join(bytes(t.numpy()) for t in dest) == data[100:100 + 8 * pieces]
         assert list(iov[1::2]) == [8] * pieces  # the plan's vector is left as it was
-    path.write_bytes(data[:1000])  # the file ends inside the read
-    fd = os.open(path, os.O_RDONLY)
-    try:
+        return dest
+
+    for pieces, want_calls in ((10, [10]), (1024, [1024]), (1100, [1024, 76]),
+                               (3000, [1024, 1024, 952])):  # IOV_MAX is 1024
+        calls.clear()
+        dest = read(pieces)
+        assert b"".join(bytes(t.numpy()) for t in dest) == data[100:100 + 8 * pieces]
+        assert calls == want_calls
+    path.write_bytes(data[:1000])  # the file ends inside the read, or before it
+    for pieces, offset in ((200, 100), (1000, 100), (3000, 100), (10, 2000)):
         with pytest.raises(OSError, match="ended before"):
-            scatter.read_into(fd, scatter.Read(100, iov))
-    finally:
-        os.close(fd)
+            read(pieces, offset)
 
 
 @pytest.mark.parametrize("how", ["torch-check", "columns"])
@@ -478,3 +487,26 @@ def test_the_gil_switch_interval_is_restored_after_nested_and_concurrent_loads()
     with pytest.raises(ZeroDivisionError), gilswitch.fast_switching():
         1 / 0  # noqa: B018
     assert sys.getswitchinterval() == before
+
+
+def test_a_forked_child_gets_working_pools_and_the_process_settings_back():
+    """A child forked while a load runs elsewhere in the parent gets its GC and GIL switch
+    interval back (the parent's blocks never end in the child) and worker pools that run
+    tasks (the parent's came without their threads: a task would wait forever)."""
+    import gc
+
+    from dbsync import gcpause, gilswitch
+    from dbsync.workers import WorkerPools
+
+    pools = WorkerPools("dbsync-test")
+    assert pools.get(2).submit(lambda: 1).result(timeout=30) == 1  # threads started
+    before, gc_was = sys.getswitchinterval(), gc.isenabled()
+    with gcpause.paused(), gilswitch.fast_switching():
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            ok = (gc.isenabled() == gc_was and sys.getswitchinterval() == before
+                  and pools.get(2).submit(lambda: 7).result(timeout=20) == 7)
+            os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled() == gc_was and sys.getswitchinterval() == before

@@ -165,6 +165,8 @@ class HeaderCache:
 
     def __init__(self) -> None:
         self._kept: tuple[tuple[Any, ...], list[str], Any, list[Any], Header] | None = None
+        #: the kept states were renewed after the quick check missed and the layout held
+        self._renewed = False
 
     def header(self, pairs: Sequence[tuple[str, torch.Tensor]], settings: tuple[Any, ...],
                build: Any) -> Header:
@@ -178,8 +180,15 @@ class HeaderCache:
         if kept is not None and kept[0] == settings and kept[1] == names:
             states, signature = kept[2], kept[3]
             if states is not None and states.matches(tensors):
+                self._renewed = False
                 return kept[4]
             if signature == _signature(tensors):
+                # Other tensors of the same layout: their states are taken once (a caller
+                # that moved to new tensors for good gets the quick check back; one that
+                # hands over new tensors every push does not pay for states every push).
+                if not self._renewed:
+                    self._kept = (*kept[:2], States.of(tensors), *kept[3:])
+                    self._renewed = True
                 return kept[4]
         header = build()
         self._kept = (settings, names, States.of(tensors), _signature(tensors), header)

@@ -159,60 +159,39 @@ class HeaderCache:
 
     Push after push a trainer hands over the same tensors (updated in place). That is checked
     first, with torch's tensor-match check plus the addresses (``tensorstate``: ~30 us for 300
-    tensors in a loop, 160-200 us on a host that idled between pushes); tensors that are new
-    objects each push fall back to comparing dtypes and shapes. ``peek`` gives the header a
-    push may announce before that check (``fits``) has run."""
+    tensors); tensors that are new objects each push fall back to comparing dtypes and shapes
+    (~200 us for 300 tensors on a host that idled between pushes). The check runs before a
+    push is announced, so it is on every push's critical path."""
 
     def __init__(self) -> None:
         self._kept: tuple[tuple[Any, ...], list[str], Any, list[Any], Header] | None = None
         #: the kept states were renewed after the quick check missed and the layout held
         self._renewed = False
 
-    def peek(self, names: list[str], settings: tuple[Any, ...]) -> Header | None:
-        """The kept header if it was built for ``names`` under ``settings``; whether the
-        tensors still fit it is ``fits``'s to say."""
-        kept = self._kept
-        if kept is not None and kept[0] == settings and kept[1] == names:
-            return kept[4]
-        return None
-
-    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether ``tensors`` have the dtypes and shapes of the kept header (see ``peek``);
-        if not, the kept header is dropped."""
-        from ..tensorstate import States
-
-        kept = self._kept
-        if kept is None:
-            return False
-        states, signature = kept[2], kept[3]
-        if states is not None and states.matches(tensors):
-            self._renewed = False
-            return True
-        if signature == _signature(tensors):
-            # Other tensors of the same layout: their states are taken once (a caller that
-            # moved to new tensors for good gets the quick check back; one that hands over
-            # new tensors every push does not pay for states every push).
-            if not self._renewed:
-                self._kept = (*kept[:2], States.of(tensors), *kept[3:])
-                self._renewed = True
-            return True
-        self._kept = None
-        return False
-
     def header(self, pairs: Sequence[tuple[str, torch.Tensor]], settings: tuple[Any, ...],
                build: Any) -> Header:
-        """The kept header if it fits ``pairs`` under ``settings``, else ``build()`` (kept
-        from now on)."""
+        """The kept header if it fits ``pairs`` under ``settings`` (bucket size, algorithm,
+        target dtype), else ``build()`` (kept from now on)."""
         from ..tensorstate import States
 
         names = [n for n, _ in pairs]
         tensors = [t for _, t in pairs]
-        kept = self.peek(names, settings)
-        if kept is not None and self.fits(tensors):
-            return kept
+        kept = self._kept
+        if kept is not None and kept[0] == settings and kept[1] == names:
+            states, signature = kept[2], kept[3]
+            if states is not None and states.matches(tensors):
+                self._renewed = False
+                return kept[4]
+            if signature == _signature(tensors):
+                # Other tensors of the same layout: their states are taken once (a caller
+                # that moved to new tensors for good gets the quick check back; one that
+                # hands over new tensors every push does not pay for states every push).
+                if not self._renewed:
+                    self._kept = (*kept[:2], States.of(tensors), *kept[3:])
+                    self._renewed = True
+                return kept[4]
         header = build()
         self._kept = (settings, names, States.of(tensors), _signature(tensors), header)
-        self._renewed = False
         return header
 
 

@@ -198,23 +198,10 @@ class BroadcastSender:
         assert group is not None
         epoch, seq = membership.epoch, membership.next_seq()
         t_start = time.perf_counter()
-        # The last push's header is announced before the tensors are checked against it
-        # (that check would otherwise delay every push); tensors whose dtypes or shapes
-        # changed under the same names abort this push (members read it from the
-        # filesystem; the next push re-forms the group with a new header).
-        kept = self._headers.peek([n for n, _ in pairs], self._header_settings())
-        header = (kept.for_push(version, epoch, seq) if kept is not None
-                  else self._header(version, epoch, seq, pairs))
+        header = self._header(version, epoch, seq, pairs)
         membership.announce(seq, header.dumps(header.layout_bytes))
         t_announced = time.perf_counter()
         try:
-            if kept is not None and not self._headers.fits([t for _, t in pairs]):
-                log.info("version %d: the tensors' dtypes or shapes changed since the last "
-                         "push; it goes to the members through the filesystem", version)
-                raise BroadcastError(
-                    f"the tensors of version {version} have other dtypes or shapes than the "
-                    "last push's under the same names: announced with the old layout, "
-                    "aborted; read from the filesystem")
             self.outgoing.send(group, header, pairs)
         except BroadcastError as exc:
             try:
@@ -237,21 +224,17 @@ class BroadcastSender:
     def _header(self, version: int, epoch: int, seq: int, pairs: sources.Pairs) -> Header:
         """The header of this push: the layout (names, published dtypes, shapes, bucket size,
         checksum algorithm) is reused while it stays the same, as it does push after push."""
-        algorithm, dtype, bucket_bytes = settings = self._header_settings()
+        dtype = self.sender.dtype
+        algorithm = checksum.ALGORITHM if self.outgoing.checksums else None
 
         def build() -> Header:
             specs = [(n, sources.target_dtype(t, dtype), tuple(t.shape)) for n, t in pairs]
-            header = Header.build(version, epoch, seq, bucket_bytes, specs, algorithm)
+            header = Header.build(version, epoch, seq, self.bucket_bytes, specs, algorithm)
             header.layout_bytes  # noqa: B018 - built once here, reused by every later push
             return header
 
+        settings = (algorithm, dtype, self.bucket_bytes)
         return self._headers.header(pairs, settings, build).for_push(version, epoch, seq)
-
-    def _header_settings(self) -> tuple[Any, ...]:
-        """What a header depends on besides the tensors: checksum algorithm, target dtype,
-        bucket size."""
-        algorithm = checksum.ALGORITHM if self.outgoing.checksums else None
-        return (algorithm, self.sender.dtype, self.bucket_bytes)
 
     def _after_publish(self, fs_future: Future[int], result: Future[int], version: int,
                        sent: tuple[int, int] | None, stats: dict[str, Any]) -> None:

@@ -342,7 +342,11 @@ class Index:
             if len(problems) == before:
                 entries = kept.entries_for(shards, ranges)
             if entries is None:  # the same tensors section against other shards or ranges
-                data["tensors"], tail = kept.section(), kept.tail
+                section = _parse_section(kept.tail)
+                if section is None:  # (parsed when kept, but from a shallower stack)
+                    data["tensors"] = loads_json(raw, source).get("tensors")
+                else:
+                    data["tensors"], tail = section[0], kept.tail
         if entries is None:
             # (after a bad range the others' positions shift: tensors are then not held to them)
             entries = tuple(_parse_tensors(data.get("tensors"), shards,
@@ -440,12 +444,6 @@ class _KeptTensors(NamedTuple):
         if shards == self.shards and _bounds(ranges) == self.bounds:
             return self.entries
         return None
-
-    def section(self) -> Any:
-        """The tensors section, parsed (it parsed when it was kept)."""
-        parsed = _parse_section(self.tail)
-        assert parsed is not None
-        return parsed[0]
 
 
 _LAST_TENSORS: list[_KeptTensors | None] = [None]

@@ -4,7 +4,8 @@ leave restores what the first found.
 
 Hazard: the setting is process-wide. A thread that changes it itself during a block may have
 its change undone when the block ends. A child forked during a block runs only the forking
-thread, so the other threads' blocks never end there: the child gets the setting back at once.
+thread, so the other threads' blocks never end there: the child gets the setting back at once,
+and blocks entered before the fork that do end in the child change nothing there.
 """
 
 from __future__ import annotations
@@ -26,27 +27,39 @@ class CountedSetting:
         self._lock = threading.Lock()
         self._depth = 0
         self._saved: Any = None
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        #: bumped in a forked child: blocks entered before the fork do not count there
+        self._generation = 0
+        # (the lock is held across the fork, so the child never sees a half-made change)
+        os.register_at_fork(before=self._lock_for_fork, after_in_parent=self._unlock_after_fork,
+                            after_in_child=self._after_fork_in_child)
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        entered = False
+        generation = None
         try:
             with self._lock:
                 if self._depth == 0:
                     self._saved = self._change()
                 self._depth += 1
-                entered = True
+                generation = self._generation
             yield
         finally:
-            if entered:
+            if generation is not None:
                 with self._lock:
-                    self._depth = max(0, self._depth - 1)
-                    if self._depth == 0:
-                        self._restore(self._saved)
+                    if generation == self._generation:
+                        self._depth -= 1
+                        if self._depth == 0:
+                            self._restore(self._saved)
+
+    def _lock_for_fork(self) -> None:
+        self._lock.acquire()
+
+    def _unlock_after_fork(self) -> None:
+        self._lock.release()
 
     def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()  # (another thread may have held it at the fork)
+        self._lock = threading.Lock()
         if self._depth:
             self._restore(self._saved)
         self._depth = 0
+        self._generation += 1

@@ -475,13 +475,16 @@ class Snapshot:
                         # the reads do not), and before a failed read could leave it unbumped
                         torch.autograd.graph.increment_version(plan.raw_destinations)
                     wait_all(futures)
+                except BaseException:
+                    settle(futures)  # (before the files close: no read on a closed fd)
+                    raise
                 finally:
                     for fd in fds.values():
                         os.close(fd)
+            wait_all(futures)
         except BaseException:
             settle(futures)
             raise
-        wait_all(futures)
         return self.manifest.total_bytes
 
     def _plan_copy(self, dest: dict[str, Any], strict: bool) -> Any:

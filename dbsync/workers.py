@@ -34,10 +34,11 @@ class WorkerPools:
 
     def get(self, threads: int) -> ThreadPoolExecutor:
         threads = max(1, int(threads))
+        if self._pid != os.getpid():
+            # forked: the pools came without their threads (a task would never run), and the
+            # lock may have been held by a thread the child does not have
+            self._lock, self._pools, self._pid = threading.Lock(), {}, os.getpid()
         with self._lock:
-            if self._pid != os.getpid():
-                # forked: the pools came without their threads (a task would never run)
-                self._pools, self._pid = {}, os.getpid()
             pool = self._pools.pop(threads, None)
             if pool is None:
                 pool = ThreadPoolExecutor(threads, thread_name_prefix=f"{self._name}-{threads}")

@@ -491,8 +491,10 @@ def test_the_gil_switch_interval_is_restored_after_nested_and_concurrent_loads()
 
 def test_a_forked_child_gets_working_pools_and_the_process_settings_back():
     """A child forked while a load runs elsewhere in the parent gets its GC and GIL switch
-    interval back (the parent's blocks never end in the child) and worker pools that run
-    tasks (the parent's came without their threads: a task would wait forever)."""
+    interval back (the parent's blocks never end in the child; when they do end there they
+    change nothing), its own pauses work, and its worker pools run tasks (the parent's came
+    without their threads: a task would wait forever)."""
+    import contextlib
     import gc
 
     from dbsync import gcpause, gilswitch
@@ -501,12 +503,26 @@ def test_a_forked_child_gets_working_pools_and_the_process_settings_back():
     pools = WorkerPools("dbsync-test")
     assert pools.get(2).submit(lambda: 1).result(timeout=30) == 1  # threads started
     before, gc_was = sys.getswitchinterval(), gc.isenabled()
-    with gcpause.paused(), gilswitch.fast_switching():
-        pid = os.fork()
-        if pid == 0:  # the child: report through the exit status only
-            ok = (gc.isenabled() == gc_was and sys.getswitchinterval() == before
-                  and pools.get(2).submit(lambda: 7).result(timeout=20) == 7)
+
+    def as_before() -> bool:
+        return gc.isenabled() == gc_was and sys.getswitchinterval() == before
+
+    blocks = contextlib.ExitStack()
+    blocks.enter_context(gcpause.paused())
+    blocks.enter_context(gilswitch.fast_switching())
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only, whatever happens
+        ok = False
+        try:
+            inside = as_before() and pools.get(2).submit(lambda: 7).result(timeout=20) == 7
+            with gcpause.paused():
+                blocks.close()  # the parent's blocks end here too, inside the child's pause
+                paused = not gc.isenabled()
+            ok = inside and paused and as_before()
+        finally:
             os._exit(0 if ok else 3)
+    assert not gc.isenabled()  # the parent's blocks still run
+    blocks.close()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert gc.isenabled() == gc_was and sys.getswitchinterval() == before
+    assert as_before()

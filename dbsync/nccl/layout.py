@@ -192,6 +192,7 @@ class HeaderCache:
                 return kept[4]
         header = build()
         self._kept = (settings, names, States.of(tensors), _signature(tensors), header)
+        self._renewed = False
         return header
 
 

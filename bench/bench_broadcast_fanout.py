@@ -179,7 +179,7 @@ class Phases:
 def install_phase_hooks(ph: Phases, rank: int) -> None:
     """Wrap the methods of ``dbsync.nccl`` (whichever copy ``--code`` imported) that mark the
     phases of a push and of a take; their behaviour is unchanged."""
-    from dbsync.nccl import group, layout, member, membership, outgoing, paced, sender, stream
+    from dbsync.nccl import group, member, membership, outgoing, paced, sender, stream
 
     def wrap(cls: Any, name: str, before: Any = None, after: Any = None) -> None:
         orig = getattr(cls, name)
@@ -217,9 +217,6 @@ def install_phase_hooks(ph: Phases, rank: int) -> None:
                  lambda _: ph.mark("sent"))
         wrap(sender.BroadcastSender, "_header", lambda: ph.mark("header_in"),
              lambda _: ph.mark("header_built"))
-        if hasattr(getattr(layout, "HeaderCache", None), "fits"):  # (checked after announcing)
-            wrap(layout.HeaderCache, "fits", lambda: ph.mark("fits_in"),
-                 lambda _: ph.mark("fits_out"))
         wrap(outgoing.OutgoingStream, "_fused_bucket", lambda: ph.mark("plan_in"),
              lambda _: ph.mark("plan_out"))
         wrap(paced.PackSeal, "run", lambda: ph.mark("packrun_in"),
@@ -618,7 +615,7 @@ def phase_summary(pushes: list[dict[str, Any]], takes: list[dict[int, dict[str, 
             continue
         t0 = s["t0"][0]
         for name, k in (("refreshed", 0), ("header_in", 0), ("header_built", 0),
-                        ("announced", 0), ("fits_in", 0), ("fits_out", 0), ("send_in", 0),
+                        ("announced", 0), ("send_in", 0),
                         ("plan_in", 0), ("plan_out", 0),
                         ("packrun_in", 0), ("packrun_out", 0), ("bcast_call", 0),
                         ("bcast_ret", 0), ("dev_pack_done", 0), ("dev_pack_done", 1),

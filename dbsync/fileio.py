@@ -358,12 +358,17 @@ def settle(futures: Sequence[Future]) -> None:
 
 def wait_all(futures: Sequence[Future]) -> None:
     """Wait for every future, then raise the first error (never leave a thread running
-    against a file we are about to close, never drop an error)."""
+    against a file we are about to close, never drop an error). Interrupted while waiting
+    (Ctrl-C), it settles the futures before it raises."""
     first: BaseException | None = None
-    for f in futures:
-        exc = f.exception()
-        if exc is not None and first is None:
-            first = exc
+    try:
+        for f in futures:
+            exc = f.exception()
+            if exc is not None and first is None:
+                first = exc
+    except BaseException:
+        settle(futures)
+        raise
     if first is not None:
         raise first
 

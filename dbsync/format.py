@@ -342,11 +342,7 @@ class Index:
             if len(problems) == before:
                 entries = kept.entries_for(shards, ranges)
             if entries is None:  # the same tensors section against other shards or ranges
-                section = _parse_section(kept.tail)
-                if section is None:  # (parsed when kept, but from a shallower stack)
-                    data["tensors"] = loads_json(raw, source).get("tensors")
-                else:
-                    data["tensors"], tail = section[0], kept.tail
+                data["tensors"] = loads_json(raw, source).get("tensors")  # (rare: read it all)
         if entries is None:
             # (after a bad range the others' positions shift: tensors are then not held to them)
             entries = tuple(_parse_tensors(data.get("tensors"), shards,
@@ -395,24 +391,16 @@ def _split_tensors_last(raw: bytes) -> tuple[dict[str, Any], bytes] | None:
     if at < 0 or not raw.endswith(b"}"):
         return None
     data = _parse_before_tensors(raw[:at])
-    tensors = None if data is None else _parse_section(raw[at:])
-    if tensors is None:
+    if data is None:
         return None
-    data["tensors"] = tensors[0]
-    return data, raw[at:]
-
-
-def _parse_section(tail: bytes) -> tuple[Any] | None:
-    """(the value of ``tail`` = ``,"tensors":`` value ``}``,) or None if ``tail`` is not one
-    member and the end. Parsed as ``{"tensors": value}``, at the nesting depth the whole file
-    has there: a value nested too deep for the whole file is too deep here too."""
-    try:
-        section = json.loads((b"{" + tail[1:]).decode("utf-8"))
+    try:  # parsed as {"tensors": value}: at the nesting depth the whole file has it
+        section = json.loads((b"{" + raw[at + 1:]).decode("utf-8"))
     except _JSON_ERRORS:
         return None
     if len(section) != 1:  # (more members after the tensors: parse the file whole)
         return None
-    return (section["tensors"],)
+    data["tensors"] = section["tensors"]
+    return data, raw[at:]
 
 
 class _KeptTensors(NamedTuple):
@@ -541,25 +529,11 @@ def _parse_tensors(raw: Any, shards: list[int], ranges: list[CheckedRange] | Non
     if ranges is None:  # the ranges were refused: report the tensors' own problems only
         return _parse_slow(*columns, shards, None, problems)
     bounds = _bounds(ranges)
-    memo = _LAST_LAYOUT[0]
-    if (memo is not None and _plain_types(*columns)
-            and memo[0] == (*columns[:2], list(map(tuple, columns[2])), *columns[3:], shards,
-                            bounds)):
-        return memo[1]  # the next version of the same model: the same entries
+    # (the next version of the same model does not come here: see _KeptTensors)
     fast = _parse_fast(*columns, shards, bounds)
     if fast is not None:
-        # (shapes as tuples: containers of atoms only, which the cycle collector untracks)
-        fast = tuple(fast)  # (kept as is: readers can tell the same entries by identity)
-        _LAST_LAYOUT[0] = ((*columns[:2], [e.shape for e in fast], *columns[3:], shards,
-                            bounds), fast)
         return fast
     return _parse_slow(*columns, shards, bounds, problems)
-
-
-#: The columns and shard and range bounds of the last index that passed ``_parse_fast``, with
-#: its entries: an index whose columns are equal to those is as valid, and is read without
-#: checking and sizing every entry again (its entries hold no checksum: they are the same).
-_LAST_LAYOUT: list[Any] = [None]
 
 
 def _plain_types(names: list, dtypes: list, shapes: list, shard_ids: list, offsets: list,

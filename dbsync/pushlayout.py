@@ -6,7 +6,7 @@ staging buffer's views of a background push lie at the same places every time). 
 push derives from that alone (which shard and offset each tensor goes to, the byte view it is
 written from, the grouping of small tensors into writes and checked ranges, the index but for
 its checksums) is kept in a ``PushLayout`` and reused while a look at every tensor's state
-(``tensorstate``, a column at a time) finds each as it was.
+(``tensorstate``) finds each as it was.
 At 20,000 tensors that pass costs a fraction of validating, planning and indexing again.
 
 Hazard, stated plainly: a kept layout holds raw addresses (its byte views do not keep the

@@ -34,7 +34,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
@@ -284,11 +283,7 @@ class Snapshot:
                    for bounds in _task_bounds([ranges[i].nbytes for i in todo])]
 
         def result() -> dict[int, str]:
-            try:
-                wait_all(futures)
-            except BaseException:  # (interrupted too: no hashing left running behind us)
-                settle(futures)
-                raise
+            wait_all(futures)
             return dict(itertools.chain.from_iterable(f.result() for f in futures))
 
         return result
@@ -326,32 +321,30 @@ class Snapshot:
                     found.append((i, _mismatch(got_sum, r)))
             return found
 
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
-                batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
-                try:
-                    fds = self._reopen(batch)
-                except FileNotFoundError:  # removed while held: damage, named by tensor
-                    bad.update((i, "its shard file was removed while the version was held")
-                               for shard in batch for i in by_shard[shard])
-                    continue
-                futures: list[Any] = []
-                try:
-                    for shard in batch:
-                        group = by_shard[shard]
-                        for a, b in _task_bounds([ranges[i].nbytes for i in group]):
-                            futures.append(pool.submit(run, fds[shard], group[a:b]))
-                    wait_all(futures)
-                    for future in futures:
-                        bad.update(future.result())
-                finally:
-                    for future in futures:  # interrupted: no task may read a closed fd
-                        future.cancel()
-                    for future in futures:
-                        if not future.cancelled():
-                            future.exception()
-                    for fd in fds.values():
-                        os.close(fd)
+        pool = self.receiver.workers.get(threads)
+        for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
+            batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
+            try:
+                fds = self._reopen(batch)
+            except FileNotFoundError:  # removed while held: damage, named by tensor
+                bad.update((i, "its shard file was removed while the version was held")
+                           for shard in batch for i in by_shard[shard])
+                continue
+            futures: list[Any] = []
+            try:
+                for shard in batch:
+                    group = by_shard[shard]
+                    for a, b in _task_bounds([ranges[i].nbytes for i in group]):
+                        futures.append(pool.submit(run, fds[shard], group[a:b]))
+                wait_all(futures)
+                for future in futures:
+                    bad.update(future.result())
+            except BaseException:
+                settle(futures)  # (before the files close: no task may read a closed fd)
+                raise
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
         return bad
 
     def check_compatible(self, expected: Mapping[str, tuple[tuple[int, ...], Any]],

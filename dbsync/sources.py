@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import fileio
-from .errors import InvalidWeightsError
+from .errors import InvalidWeightsError, first_line
 from .format import DTYPE_SIZES, is_supported_dtype, name_problem
 
 Pairs = list[tuple[str, torch.Tensor]]
@@ -279,8 +279,7 @@ def _load_torch_file(path: str) -> Pairs:
     except Exception as exc:
         # torch's own message runs to a dozen lines of advice on unpickling code, which
         # dbsync never does: keep its first sentence
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        first = first.split(". ")[0].rstrip(". ")[:300]
+        first = first_line(exc).split(". ")[0].rstrip(". ")[:300]
         raise InvalidWeightsError(
             f"{path} could not be loaded as a plain state dict with weights_only=True "
             f"({first}); it may hold a pickled module or other objects: save it with "

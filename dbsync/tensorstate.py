@@ -44,6 +44,7 @@ def _getters() -> list[Callable[[Any], Any]]:
 
 
 _ADDRESS = 2
+_DTYPE = 3
 _SHAPE = 4
 #: tensors per call of the tensor-match check
 CHUNK = 512
@@ -130,11 +131,20 @@ class States:
                             or not match.check(*chunk)):
                         return False
                 return True
-            if list(map(getters[_ADDRESS], tensors)) != self.columns[_ADDRESS]:
-                return False
+            order = [_ADDRESS] + [k for k in range(len(getters)) if k != _ADDRESS]
             # (a torch.Size equals the tuple of its dims: shapes compare without converting)
-            return all(list(map(get, tensors)) == kept
-                       for get, kept in zip(getters, self.columns, strict=True))
+            return all(list(map(getters[k], tensors)) == self.columns[k] for k in order)
+        except (AttributeError, TypeError, RuntimeError):
+            return False
+
+    def same_layout(self, tensors: Sequence[Any]) -> bool:
+        """Whether ``tensors`` have these dtypes and shapes (wherever they lie)."""
+        if len(tensors) != len(self.columns[0]):
+            return False
+        getters = _getters()
+        try:
+            return all(list(map(getters[k], tensors)) == self.columns[k]
+                       for k in (_DTYPE, _SHAPE))
         except (AttributeError, TypeError, RuntimeError):
             return False
 

@@ -69,7 +69,7 @@ def test_the_sender_s_header_is_kept_while_the_tensors_keep_their_layout() -> No
     assert header(pairs) is first
     moved = [(n, t.clone()) for n, t in pairs]
     assert header(moved) is first  # new tensors, same layout
-    assert cache._kept[2].matches([t for _, t in moved])  # (their states, taken once)
+    assert cache.kept.states.matches([t for _, t in moved])  # (their states, taken once)
     assert header(moved) is first
     assert len(built) == 1
     reshaped = list(pairs)
@@ -409,35 +409,42 @@ def test_a_receiver_dropped_without_close_is_collected_and_its_doorbell_ends(
         assert _joined("dbsync-bell-dropped")
 
 
-def test_the_sender_store_keeps_only_the_last_pushes_keys(tmp_path: Any) -> None:
+def test_the_sender_store_keeps_only_the_last_pushes_keys(tmp_path: Any, monkeypatch: Any
+                                                          ) -> None:
     """A push's header (the whole layout), acknowledgements, doorbells and confirmation are
-    deleted two pushes later: the sender's store does not grow with every push. The member's
-    doorbell rang once per push."""
+    deleted two pushes later, also across an epoch change: the sender's store does not grow
+    with every push. Members wake by their doorbells alone (the periodic epoch re-read is
+    pushed out of the test's reach): for every push, and when a second member joining ends
+    the epoch the first one waits in."""
+    from dbsync.nccl import member, receiver
     from dbsync.nccl import rendezvous as rv
 
+    monkeypatch.setattr(member, "MEMBER_EPOCH_CHECK_SECONDS", 120.0)
+    monkeypatch.setattr(receiver, "MEMBER_EPOCH_CHECK_SECONDS", 120.0)
     root = str(tmp_path)
     with Sender(root, durable=False) as sender, BroadcastSender(
             sender, address="127.0.0.1", device="cpu", timeout=TIMEOUT) as bs, \
             BroadcastReceiver(root, reader_id="m", timeout=TIMEOUT, address="127.0.0.1") as rx:
         out: dict[str, Any] = {}
-        thread = _receive_in_thread(rx, out, timeout=30)
+        thread = _receive_in_thread(rx, out, timeout=60)
         assert bs.wait_for_joins(1, 10)
         for version in range(1, 5):
             if version > 1:
                 out = {}
-                thread = _receive_in_thread(rx, out, timeout=30)
+                thread = _receive_in_thread(rx, out, timeout=60)
             assert bs.push({"x": torch.full((8,), float(version))}) == version
             thread.join(20)
             assert out["source"] == "broadcast" and out["version"] == version
-        kv, epoch = bs.membership.kv, bs.epoch
+        kv, first_epoch = bs.membership.kv, bs.epoch
 
-        def kept(seq: int) -> list[bool]:
-            return [kv.check([key]) for key in (
-                rv.push_key(epoch, seq), rv.ack_key(epoch, seq, "m"),
-                rv.bell_key(epoch, seq, "m"), rv.published_key(epoch, seq))]
+        def kept(epoch: int, seq: int, members: tuple[str, ...] = ("m",)) -> list[bool]:
+            keys = [rv.push_key(epoch, seq), rv.published_key(epoch, seq)]
+            for m in members:
+                keys += [rv.ack_key(epoch, seq, m), rv.bell_key(epoch, seq, m)]
+            return [kv.check([key]) for key in keys]
 
-        assert kept(1) == [False] * 4 and kept(2) == [False] * 4
-        assert kept(3) == [True] * 4 and kept(4) == [True] * 4
+        assert kept(first_epoch, 1) == [False] * 4 and kept(first_epoch, 2) == [False] * 4
+        assert kept(first_epoch, 3) == [True] * 4 and kept(first_epoch, 4) == [True] * 4
         # the member was woken by its doorbell for each of the four pushes (it is not polled)
         bell = rx.link.bell
         assert bell is not None and bell.working
@@ -445,3 +452,25 @@ def test_the_sender_store_keeps_only_the_last_pushes_keys(tmp_path: Any) -> None
         while bell.rings < 4 and time.monotonic() < deadline:
             bell.wait(0.1)  # the fourth ring may still be on its way to the watch thread
         assert bell.rings == 4
+
+        # a second member: the next push ends the epoch; "m", waiting for push 5 of the
+        # first epoch, is rung out of it and takes pushes 5 to 7 in the second epoch
+        with BroadcastReceiver(root, reader_id="m2", timeout=TIMEOUT,
+                               address="127.0.0.1") as rx2:
+            for version in range(5, 8):
+                outs: list[dict[str, Any]] = [{}, {}]
+                threads = [_receive_in_thread(r, o, timeout=60, newer_than=version - 1)
+                           for r, o in zip((rx, rx2), outs, strict=True)]
+                if version == 5:
+                    assert bs.wait_for_joins(2, 10)
+                assert bs.push({"x": torch.full((8,), float(version))}) == version
+                for t in threads:
+                    t.join(30)
+                assert [o.get("version") for o in outs] == [version, version], outs
+                assert [o.get("source") for o in outs] == ["broadcast"] * 2, outs
+            assert bs.epoch > first_epoch and bs.members == ("m", "m2")
+            both = ("m", "m2")
+            # the first epoch's last two pushes are gone too, and so is the new one's first
+            assert kept(first_epoch, 3) == [False] * 4 and kept(first_epoch, 4) == [False] * 4
+            assert kept(bs.epoch, 1, both) == [False] * 6
+            assert kept(bs.epoch, 2, both) == [True] * 6 and kept(bs.epoch, 3, both) == [True] * 6

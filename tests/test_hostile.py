@@ -798,7 +798,7 @@ def test_an_index_whose_tensors_section_was_read_before_is_judged_as_a_fresh_par
     variants += [mutate(prefix) for _ in range(300)]
 
     def forget() -> None:
-        for memo in (fmt._LAST_TENSORS, fmt._LAST_LAYOUT, fmt._LAST_RANGES):
+        for memo in (fmt._LAST_TENSORS, fmt._LAST_RANGES):
             memo[0] = None
 
     short_path_taken = 0

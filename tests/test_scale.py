@@ -306,7 +306,7 @@ def test_an_index_of_the_same_layout_reads_the_same_as_a_fresh_parse(root):
         kept = fmt._LAST_TENSORS[0]
         short = fmt.Index.loads(raw)
         assert short.tensors is kept.entries  # its tensors section was compared, not parsed
-        fmt._LAST_LAYOUT[0] = fmt._LAST_RANGES[0] = fmt._LAST_TENSORS[0] = None
+        fmt._LAST_RANGES[0] = fmt._LAST_TENSORS[0] = None
         full = fmt.Index.loads(raw)
         assert short.tensors == full.tensors and short.ranges == full.ranges
         bad = raw.replace(full.ranges[0].checksum.encode(), b"XYZ" * 5 + b"0", 1)

@@ -24,6 +24,7 @@ import torch
 
 from ..fileio import ALIGN, aligned
 from ..format import dtype_from_name, dtype_name, nbytes_of
+from ..tensorstate import States
 from . import checksum as _checksum
 from .errors import BroadcastError
 
@@ -153,6 +154,16 @@ class Header:
         return cls(version, epoch, seq, bucket_bytes, tuple(entries), checksum)
 
 
+@dataclass
+class _KeptHeader:
+    settings: tuple[Any, ...]
+    names: list[str]
+    states: States | None
+    header: Header
+    #: the states were taken again after the quick check missed and the layout held
+    renewed: bool = False
+
+
 class HeaderCache:
     """The last push's header layout, reused while it stays the same: the same names, bucket
     size, checksum algorithm and target dtype, and tensors of the same dtypes and shapes.
@@ -164,40 +175,31 @@ class HeaderCache:
     push is announced, so it is on every push's critical path."""
 
     def __init__(self) -> None:
-        self._kept: tuple[tuple[Any, ...], list[str], Any, list[Any], Header] | None = None
-        #: the kept states were renewed after the quick check missed and the layout held
-        self._renewed = False
+        self.kept: _KeptHeader | None = None
 
     def header(self, pairs: Sequence[tuple[str, torch.Tensor]], settings: tuple[Any, ...],
                build: Any) -> Header:
         """The kept header if it fits ``pairs`` under ``settings`` (bucket size, algorithm,
         target dtype), else ``build()`` (kept from now on)."""
-        from ..tensorstate import States
-
         names = [n for n, _ in pairs]
         tensors = [t for _, t in pairs]
-        kept = self._kept
-        if kept is not None and kept[0] == settings and kept[1] == names:
-            states, signature = kept[2], kept[3]
-            if states is not None and states.matches(tensors):
-                self._renewed = False
-                return kept[4]
-            if signature == _signature(tensors):
+        kept = self.kept
+        if (kept is not None and kept.states is not None and kept.settings == settings
+                and kept.names == names):
+            if kept.states.matches(tensors):
+                kept.renewed = False
+                return kept.header
+            if kept.states.same_layout(tensors):
                 # Other tensors of the same layout: their states are taken once (a caller
                 # that moved to new tensors for good gets the quick check back; one that
                 # hands over new tensors every push does not pay for states every push).
-                if not self._renewed:
-                    self._kept = (*kept[:2], States.of(tensors), *kept[3:])
-                    self._renewed = True
-                return kept[4]
+                if not kept.renewed:
+                    kept.states = States.of(tensors) or kept.states
+                    kept.renewed = True
+                return kept.header
         header = build()
-        self._kept = (settings, names, States.of(tensors), _signature(tensors), header)
-        self._renewed = False
+        self.kept = _KeptHeader(settings, names, States.of(tensors), header)
         return header
-
-
-def _signature(tensors: Sequence[torch.Tensor]) -> list[Any]:
-    return [[t.dtype for t in tensors], [t.shape for t in tensors]]
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +72,8 @@ class Membership:
         self.epoch = 0
         self.seq = 0
         self.members: tuple[str, ...] = ()
+        #: (epoch, seq, members) of the pushes announced and not yet forgotten
+        self._announced: deque[tuple[int, int, tuple[str, ...]]] = deque()
         self.group: Group | None = None
         self.last_setup_seconds: float | None = None
         self._wanted: dict[str, float] = {}  # reader id -> when it asked
@@ -141,24 +144,25 @@ class Membership:
             return self.form_epoch()
         return None
 
-    def forget(self, epoch: int, seq: int) -> None:
-        """Delete the keys of push ``seq`` of ``epoch`` (its header, acknowledgements,
-        doorbells, abort and confirmation), so the store does not grow push after push. The
-        members' keys are known only while ``epoch`` is the current one."""
-        if seq < 1:
-            return
-        keys = [rv.push_key(epoch, seq), rv.go_key(epoch, seq), rv.published_key(epoch, seq)]
-        members = self.members if epoch == self.epoch else ()
-        for member in members:
-            keys += [rv.ack_key(epoch, seq, member), rv.bell_key(epoch, seq, member)]
-        for key in keys:
-            self.kv.delete_key(key)
+    def forget_old(self, keep: int = 2) -> None:
+        """Delete the keys of every announced push but the last ``keep`` (header,
+        acknowledgements, doorbells, abort, confirmation), whatever their epoch, so the store
+        does not grow push after push."""
+        while len(self._announced) > keep:
+            epoch, seq, members = self._announced.popleft()
+            keys = [rv.push_key(epoch, seq), rv.go_key(epoch, seq),
+                    rv.published_key(epoch, seq)]
+            for member in members:
+                keys += [rv.ack_key(epoch, seq, member), rv.bell_key(epoch, seq, member)]
+            for key in keys:
+                self.kv.delete_key(key)
 
     def announce(self, seq: int, header: bytes) -> None:
         """Publish push ``seq``'s header and wake every member waiting for it: one message
         to the store, which sets the header before the doorbells."""
         keys = [rv.push_key(self.epoch, seq)]
         keys += [rv.bell_key(self.epoch, seq, member) for member in self.members]
+        self._announced.append((self.epoch, seq, self.members))
         self.kv.multi_set(keys, [header] + ["push"] * len(self.members))  # type: ignore[list-item]
 
     def _next_epoch(self, members: Sequence[str], closed: bool = False) -> None:
@@ -167,11 +171,12 @@ class Membership:
         ended, seq, waiting = self.epoch, self.seq, self.members
         self.epoch, self.seq, self.members = ended + 1, 0, tuple(members)
         self._publish_epoch(closed=closed)
-        try:
-            for member in waiting:
-                self.kv.set(rv.bell_key(ended, seq + 1, member), "epoch")
-        except Exception:  # noqa: BLE001 - members re-read the epoch on their own, later
-            pass
+        if waiting:
+            try:
+                self.kv.multi_set([rv.bell_key(ended, seq + 1, m) for m in waiting],
+                                  ["epoch"] * len(waiting))
+            except Exception:  # noqa: BLE001 - members re-read the epoch on their own, later
+                pass
 
     def form_epoch(self) -> float | None:
         """Start a new epoch with every receiver that asked to join. Drops those that do not

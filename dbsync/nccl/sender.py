@@ -273,12 +273,10 @@ class BroadcastSender:
         # Keys of the push before last are not read any more (a member confirms the push it
         # took right after taking it): without this, every push's header would stay in the
         # store for as long as the sender lives.
-        epoch, seq = sent
         try:
-            self.membership.forget(epoch, seq - 2)
+            self.membership.forget_old()
         except Exception as exc:  # noqa: BLE001 - the store closed meanwhile
-            log.debug("could not delete the keys of push %d of epoch %d: %s", seq - 2, epoch,
-                      exc)
+            log.debug("could not delete the keys of old pushes: %s", exc)
 
     def _finish_pending(self) -> None:
         if self._pending is not None:

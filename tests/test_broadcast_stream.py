@@ -533,26 +533,11 @@ def test_read_windows_record_what_loaders_read_and_the_guard_stops_other_reads(
 _KERNELS_ON_CPU = r"""
 import json
 import torch
-from dbsync.nccl.paced import ROW_WORDS, PackSeal, VerifyCopy, _kernels
+from dbsync.nccl.paced import ROW_WORDS, VerifyCopy, _kernels, _pack_case
 
 _, _, verify_copy, pack_seal = _kernels()
-gen = torch.Generator().manual_seed(0)
-srcs = [torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, generator=gen)
-        for n in (700, 3, 2 * ROW_WORDS)]
-at = [0, 704, 1024]  # a gap after the first piece, a piece across rows, a short last one
-payload = 8 * (at[-1] + srcs[-1].numel()) - 40
-rows = -(-payload // (ROW_WORDS * 8))
-body = rows * ROW_WORDS * 8
-buf = torch.full((body + 8 * rows,), 7, dtype=torch.uint8)
-want = buf.clone()
-words = want[:body].view(torch.int64)
-want[payload:body].zero_()
-for src, a in zip(srcs, at):
-    n = min(src.numel(), payload // 8 - a)
-    words[a:a + n] = src[:n]
-want[body:].view(torch.int64)[:] = words.view(rows, ROW_WORDS).sum(dim=1)
-pack = PackSeal([(s.data_ptr(), 8 * a, min(8 * s.numel(), payload - 8 * a))
-                 for s, a in zip(srcs, at)], payload, torch.device("cpu"))
+srcs, pack, buf, want = _pack_case(torch.device("cpu"))
+payload = pack.payload_bytes
 w, sums = pack._views(buf)
 pack_seal[(2,)](w, sums, pack.rows, 2, pack.seg_first, pack.seg_count, pack.seg_start,
                 pack.seg_end, pack.seg_src, ROW=ROW_WORDS, STEP=4)

@@ -239,12 +239,16 @@ def _check_paced(device: torch.device) -> None:
         raise RuntimeError("the kernels' results differ from torch's")
 
 
-def _check_pack(device: torch.device) -> None:
+def _pack_case(device: torch.device) -> tuple[list[torch.Tensor], PackSeal, torch.Tensor,
+                                              torch.Tensor]:
+    """A packing test case: (sources, their ``PackSeal``, a bucket buffer filled with 7s, the
+    sealed bytes torch makes of them). A gap after the first piece, a piece across rows, the
+    last piece cut short."""
     gen = torch.Generator(device=device).manual_seed(0)
     srcs = [torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, device=device,
                           generator=gen) for n in (700, 3, 2 * ROW_WORDS)]
-    at = [0, 704, 1024]  # a gap after the first piece, a piece across rows
-    payload = 8 * (at[-1] + srcs[-1].numel()) - 40  # the last piece is cut short
+    at = [0, 704, 1024]
+    payload = 8 * (at[-1] + srcs[-1].numel()) - 40
     rows = -(-payload // (ROW_WORDS * 8))
     body = rows * ROW_WORDS * 8
     buf = torch.full((body + 8 * rows,), 7, dtype=torch.uint8, device=device)
@@ -257,7 +261,11 @@ def _check_pack(device: torch.device) -> None:
     want[body:].view(torch.int64)[:] = words.view(rows, ROW_WORDS).sum(dim=1)
     pieces = [(src.data_ptr(), 8 * a, min(8 * src.numel(), payload - 8 * a))
               for src, a in zip(srcs, at, strict=True)]
-    pack = PackSeal(pieces, payload, device)
+    return srcs, PackSeal(pieces, payload, device), buf, want
+
+
+def _check_pack(device: torch.device) -> None:
+    _, pack, buf, want = _pack_case(device)
     for attempt in ("launched", "replayed from its graph", "replayed again"):
         buf.fill_(7)
         pack.run(buf, 2)
@@ -423,10 +431,10 @@ class PackSeal:
         (self.seg_first, self.seg_count, self.seg_start, self.seg_end,
          self.seg_src) = _segment_tables(
             pieces, self.rows, device)
-        #: (buffer address, buffer bytes, programs) -> the captured launch; False: launch
-        #: directly (graphs off, or a capture failed)
-        self._graph: tuple[tuple[int, int, int], Any] | None | bool = (
-            None if USE_GRAPHS else False)
+        #: False: launch directly (graphs off, or a capture failed)
+        self._use_graph = USE_GRAPHS
+        #: the captured launch and its key (buffer address, buffer bytes, programs)
+        self._graph: tuple[tuple[int, int, int], Any] | None = None
         self._warm: tuple[int, int, int] | None = None  # launched directly once for this key
 
     def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -443,24 +451,24 @@ class PackSeal:
         uint8, large enough for the sealed bucket) and write the row sums after the padded
         payload, on ``programs`` CTAs (default: ``PACK_SHARE`` per SM). No host sync."""
         programs = programs or programs_for(buffer.device, PACK_SHARE)
-        graph = self._graph
-        if graph is False:
+        if not self._use_graph:
             self._launch(buffer, programs)
             return
         key = (buffer.data_ptr(), buffer.numel(), programs)
-        if graph is None or graph[0] != key:  # type: ignore[index]
+        if self._graph is None or self._graph[0] != key:
             if self._warm != key:
                 # launched directly once first: Triton compiles and loads a kernel variant on
                 # its first launch, which a capturing stream does not allow
                 self._warm = key
                 self._launch(buffer, programs)
                 return
-            graph = self._graph = self._capture(buffer, programs, key)
-            if graph is False:
+            self._graph = self._capture(buffer, programs, key)
+            if self._graph is None:
+                self._use_graph = False
                 self._launch(buffer, programs)
                 return
         with torch.cuda.device(buffer.device):  # replays on the current stream
-            graph[1].replay()  # type: ignore[index]
+            self._graph[1].replay()
 
     def _launch(self, buffer: torch.Tensor, programs: int) -> None:
         words, sums = self._views(buffer)
@@ -472,9 +480,9 @@ class PackSeal:
                 STEP=_PACK_ROWS_PER_STEP, num_warps=_PACK_WARPS)
 
     def _capture(self, buffer: torch.Tensor, programs: int, key: tuple[int, int, int]
-                 ) -> tuple[tuple[int, int, int], Any] | bool:
+                 ) -> tuple[tuple[int, int, int], Any] | None:
         """Capture ``_launch(buffer, programs)`` into a CUDA graph on a side stream (nothing
-        runs; no host sync). Returns (key, graph), or False after a failure (logged)."""
+        runs; no host sync). Returns (key, graph), or None after a failure (logged)."""
         device = buffer.device
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(device)
@@ -488,7 +496,7 @@ class PackSeal:
         except Exception as exc:  # noqa: BLE001 - launch directly instead
             log.info("capturing the pack-and-seal launch on %s failed (%s: %s); launching it "
                      "directly", device, type(exc).__name__, first_line(exc))
-            return False
+            return None
         return key, graph
 
     def simulate(self, buffer: torch.Tensor) -> None:

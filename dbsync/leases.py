@@ -34,6 +34,7 @@ import functools
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -186,6 +187,72 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
             store.remove_reader_file(name)
             removed.append(name)
     return removed
+
+
+class ReaderIdInUse(Exception):
+    """Raised by ``claim_reader_id``; its message names the live reader."""
+
+
+_CLAIMED: set[tuple[str, str]] = set()
+_CLAIMED_LOCK = threading.Lock()
+
+
+def claim_reader_id(store: Store, reader_id: str, sleep: Callable[[float], None] = time.sleep,
+                    clock: Callable[[], float] = time.monotonic) -> tuple[str, str]:
+    """Claim ``reader_id`` in ``store`` for a new receiver of this process; returns the claim
+    (give it to ``release_reader_id`` when the receiver ends). Raises ``ReaderIdInUse`` if
+    another live receiver uses that id: two receivers sharing an id overwrite each other's
+    lease, so the writer may reuse a slot one of them still reads.
+
+    Live means: an open receiver of this process; a live pid, for a lease written in this
+    PID namespace; a beat that moves within the lease's own timeout, for a lease from another
+    host or namespace (waited for: a reader restarted elsewhere under the same id starts after
+    at most its predecessor's timeout, once that lease stood still)."""
+    key = (os.path.realpath(store.root), reader_id)
+    with _CLAIMED_LOCK:
+        if key in _CLAIMED:
+            raise ReaderIdInUse(f"another open Receiver of this process (pid {os.getpid()}) "
+                                "uses it")
+        _CLAIMED.add(key)
+    try:
+        _wait_until_unused(store, reader_id, sleep, clock)
+    except BaseException:
+        release_reader_id(key)
+        raise
+    return key
+
+
+def release_reader_id(claim: tuple[str, str] | None) -> None:
+    if claim is not None:
+        with _CLAIMED_LOCK:
+            _CLAIMED.discard(claim)
+
+
+def _wait_until_unused(store: Store, reader_id: str, sleep: Callable[[float], None],
+                       clock: Callable[[], float]) -> None:
+    lease = store.read_lease(reader_id)
+    if lease is None:
+        return
+    pid = lease.get("pid")
+    if same_pid_namespace(lease):
+        if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
+            raise ReaderIdInUse(f"process {pid} on this host renews its lease")
+        return  # its process is gone (or was this one): the lease is stale
+    timeout = lease_timeout_of(lease, DEFAULT_LEASE_TIMEOUT)
+    beat, start = lease.get("beat"), clock()
+    log.info("reader id %s has a lease in %s from host %s; waiting up to %.0f s to see "
+             "whether that reader still lives", reader_id, store.root, lease.get("host"),
+             timeout)
+    while clock() - start < timeout:
+        sleep(min(timeout / 8, 1.0))
+        again = store.read_lease(reader_id)
+        if again is None:
+            return
+        if again.get("beat") != beat:
+            raise ReaderIdInUse(f"a reader on host {again.get('host')} (pid "
+                                f"{again.get('pid')}) renews its lease")
+    log.info("the lease of reader id %s in %s stood still for %.0f s: taking it over",
+             reader_id, store.root, timeout)
 
 
 class LeaseMonitor:

@@ -51,7 +51,15 @@ from .errors import (
 )
 from .fileio import ShardView, checksum, settle, wait_all
 from .format import Head, Manifest, check_reader_id, describe_name, shard_file
-from .leases import DEFAULT_LEASE_TIMEOUT, IDLE, READING, host_identity
+from .leases import (
+    DEFAULT_LEASE_TIMEOUT,
+    IDLE,
+    READING,
+    ReaderIdInUse,
+    claim_reader_id,
+    host_identity,
+    release_reader_id,
+)
 from .store import Store
 from .workers import WorkerPools
 
@@ -86,6 +94,10 @@ class _LeaseKeeper:
         self.error: OSError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closing = False
+        self._ended = False
+        #: this process's claim on the reader id (see ``_claim_reader_id``), if it made one
+        self.claim: tuple[str, str] | None = None
 
     def record(self) -> dict[str, Any]:
         held = sorted(self.held.values())
@@ -105,6 +117,8 @@ class _LeaseKeeper:
     def write(self) -> bool:
         """Write the lease now; False (logged once per kind of error) if it cannot be."""
         with self.lock:
+            if self._ended:  # (a closed receiver's lease stays removed)
+                return False
             self.beat += 1
             started = time.monotonic()
             try:
@@ -132,7 +146,10 @@ class _LeaseKeeper:
         return self.last_ok is not None and time.monotonic() - self.last_ok < 0.9 * self.timeout
 
     def hold(self, token: int, slot: str, version: int) -> bool:
+        """Add a hold and write the lease; False (no hold) once the keeper is closing."""
         with self.lock:
+            if self._closing:
+                return False
             self.held[token] = (slot, version)
         return self.write()
 
@@ -140,7 +157,11 @@ class _LeaseKeeper:
         with self.lock:
             if self.held.pop(token, None) is None:
                 return
-        self.write()
+            last = self._closing and not self.held
+        if last:  # the receiver was closed while this hold lasted: end now
+            self._end()
+        else:
+            self.write()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dbsync-lease", daemon=True)
@@ -151,6 +172,19 @@ class _LeaseKeeper:
             self.write()
 
     def close(self) -> None:
+        """Stop the heartbeat and remove the lease, or, while snapshots still hold slots,
+        once the last of them is released (their slots stay protected until then)."""
+        with self.lock:
+            self._closing = True
+            if self.held:
+                return
+        self._end()
+
+    def _end(self) -> None:
+        with self.lock:
+            if self._ended:
+                return
+            self._ended = True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
@@ -158,6 +192,7 @@ class _LeaseKeeper:
             self.store.remove_lease(self.reader_id)
         except (OSError, FormatError):
             pass
+        release_reader_id(self.claim)
 
 
 class Snapshot:
@@ -631,10 +666,21 @@ class Receiver:
                                     report_loaded)
         self.read_only = self._decide_read_only(read_only)
         if not self.read_only:
+            try:
+                self._keeper.claim = claim_reader_id(self.store, self.reader_id)
+            except ReaderIdInUse as exc:
+                raise DBSyncError(
+                    f"reader id {self.reader_id!r} is in use in {self.store.root}: {exc}. Two "
+                    "receivers sharing an id overwrite each other's lease, and the writer may "
+                    "then reuse a slot one of them still reads: give each receiver its own "
+                    "reader_id (or leave it unset for a unique one)") from None
             self._keeper.write()
             self._keeper.start()
         #: worker threads kept from one load to the next (see ``workers``)
         self.workers = WorkerPools("dbsync-read")
+        self._closed = threading.Event()
+        self._waits: set[threading.Event] = set()  # events of the wait() calls under way
+        self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()  # started by watch()
         self._finalizer = weakref.finalize(self, _close_parts, self._keeper, self.workers)
 
     def _decide_read_only(self, forced: bool | None) -> bool:
@@ -668,6 +714,7 @@ class Receiver:
 
         Raises ``StoreRewoundError`` if the head went backwards within one run (a restored
         older copy); a new run id is followed (logged) instead."""
+        self._check_open()
         if head is not None:
             version = head.version
             self._heads[head.version] = head
@@ -749,6 +796,7 @@ class Receiver:
         ``target``: a ``load_weights`` callable (called once with an iterable of (name,
         tensor) in manifest order), or a plain ``nn.Module`` / dict of tensors (copied into
         in place, in ``threads`` parallel threads, names and shapes checked first)."""
+        self._check_open()
         verify = self.verify if verify is None else verify
         if callable(target) and not _is_tensor_container(target):
             return self._load(target, verify, threads)  # the callback's objects: not ours
@@ -820,6 +868,7 @@ class Receiver:
         store's watcher (inotify or polling, chosen from the mount type)."""
         from .watch import Watcher
 
+        self._check_open()
         floor = self.loaded_version if newer_than is None else newer_than
         floor = 0 if floor is None else floor
         run = self.loaded_run_id
@@ -828,19 +877,30 @@ class Receiver:
             run = None if head is None else head.run_id
         event = threading.Event()
         deadline = None if timeout is None else time.monotonic() + timeout
-        with Watcher(self.store.root, lambda _v: event.set(), poll_interval=self.poll_interval,
-                     skip_current=True):
-            while True:
-                head = self._read_head_quietly()
-                if head is not None and (head.version > floor or (
-                        run is not None and head.run_id != run)):
-                    return head.version
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                # the watcher wakes us; the bound is only a safety net (no spinning)
-                event.wait(5.0 if remaining is None else min(remaining, 5.0))
-                event.clear()
+        self._waits.add(event)
+        try:
+            with Watcher(self.store.root, lambda _v: event.set(),
+                         poll_interval=self.poll_interval, skip_current=True):
+                return self._wait_for(event, floor, run, deadline)
+        finally:
+            self._waits.discard(event)
+
+    def _wait_for(self, event: threading.Event, floor: int, run: str | None,
+                  deadline: float | None) -> int | None:
+        while True:
+            if self._closed.is_set():
+                raise DBSyncError(f"this Receiver of {self.store.root} was closed while "
+                                  "waiting for a new version")
+            head = self._read_head_quietly()
+            if head is not None and (head.version > floor or (
+                    run is not None and head.run_id != run)):
+                return head.version
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            # the watcher wakes us; the bound is only a safety net (no spinning)
+            event.wait(5.0 if remaining is None else min(remaining, 5.0))
+            event.clear()
 
     def _read_head_quietly(self) -> Head | None:
         try:
@@ -851,17 +911,32 @@ class Receiver:
 
     def watch(self, callback: Callable[[int], Any], **kwargs: Any) -> Any:
         """Start a background watcher calling ``callback(version)`` on each new version
-        (including the current one at start). Returns the started ``Watcher``; stop() it."""
+        (including the current one at start). Returns the started ``Watcher``; stop() it
+        (``close()`` stops it too)."""
         from .watch import Watcher
 
+        self._check_open()
         kwargs.setdefault("poll_interval", self.poll_interval)
         watcher = Watcher(self.store.root, callback, **kwargs)
+        self._watchers.add(watcher)
         watcher.start()
         return watcher
 
     def close(self) -> None:
-        """Stop the heartbeat and remove the lease. Safe to call more than once."""
+        """End this receiver: ``wait()`` calls under way raise, watchers started by
+        ``watch()`` stop, and later calls of ``open``, ``load``, ``wait`` and ``watch`` raise.
+        The heartbeat stops and the lease is removed once snapshots still open are closed (a
+        slot they read stays protected until then). Safe to call more than once."""
+        self._closed.set()
+        for event in list(self._waits):
+            event.set()
+        for watcher in list(self._watchers):
+            watcher.stop()
         self._finalizer()
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise DBSyncError(f"this Receiver of {self.store.root} is closed; create a new one")
 
     def __enter__(self) -> Receiver:
         return self

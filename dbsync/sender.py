@@ -118,10 +118,27 @@ class _HostBuffer:
         return out
 
 
+def _weakly(method: Callable[[Future[int]], None]) -> Callable[[Future[int]], None]:
+    """A future's done-callback calling ``method`` of an object it does not keep alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(future: Future[int]) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(future)
+
+    return call
+
+
 def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor]) -> None:
-    """Finalizer shared by ``close()`` and garbage collection (holds no Sender reference)."""
+    """Finalizer shared by ``close()`` and garbage collection (holds no Sender reference).
+    It may run in a pool's own thread (the publisher dropping the last reference after a
+    background push): that pool is shut down without waiting for itself."""
     for pool in pools:
-        pool.shutdown(wait=True)
+        try:
+            pool.shutdown(wait=True)
+        except RuntimeError:  # "cannot join current thread": its work is done
+            pool.shutdown(wait=False)
     fd = lock_fd[0]
     if fd is not None:
         lock_fd[0] = None
@@ -325,7 +342,10 @@ class Sender:
                         pairs = sources.materialize_all(pairs, self.dtype)
             self._abort.clear()
             future = self._publisher.submit(self._publish, pairs, progress, adapter, layout)
-            future.add_done_callback(self._on_done if not blocking else self._on_done_quietly)
+            # (weakly: a future kept in a staging buffer must not keep this Sender, and its
+            # writer lock, alive once the caller dropped it)
+            future.add_done_callback(_weakly(self._on_done if not blocking
+                                             else self._on_done_quietly))
             if buffer is not None:
                 buffer.user = future
         if not blocking:

@@ -477,6 +477,16 @@ class Store:
         with self.dir_fd(READERS_DIR) as dfd, contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=dfd)
 
+    def read_lease(self, reader_id: str) -> dict[str, Any] | None:
+        """One reader's lease record, or None if there is none (or it does not parse)."""
+        try:
+            raw = self.read_small((READERS_DIR, check_reader_id(reader_id) + ".json"),
+                                  MAX_LEASE_BYTES)
+            record = None if raw is None else loads_json(raw, reader_id)
+        except (OSError, FormatError):
+            return None
+        return record if isinstance(record, dict) else None
+
     def read_leases(self) -> dict[str, dict[str, Any]]:
         """reader id -> lease record, for every readable lease (damaged ones are skipped)."""
         leases: dict[str, dict[str, Any]] = {}

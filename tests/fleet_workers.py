@@ -84,11 +84,12 @@ def hold(root: str, ready: str, out: str, lease: str, seconds: str) -> None:
                       "released_at": released})
 
 
-def idle(root: str, ready: str, lease: str) -> None:
-    """A registered receiver that never loads (heartbeat only), until killed."""
+def idle(root: str, ready: str, lease: str, reader_id: str = "") -> None:
+    """A registered receiver (reader id ``reader_id`` if given) that never loads (heartbeat
+    only), until killed."""
     import dbsync
 
-    receiver = dbsync.Receiver(root, lease_timeout=float(lease))
+    receiver = dbsync.Receiver(root, reader_id=reader_id or None, lease_timeout=float(lease))
     _write_json(ready, {"reader_id": receiver.reader_id, "pid": os.getpid()})
     while True:
         time.sleep(1)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -404,6 +405,49 @@ def test_status_judges_a_container_reader_by_its_beat(root, tmp_path):
         kill(idle)
 
 
+@needs_root
+def test_a_reader_id_in_use_is_refused_until_its_reader_is_gone(root, tmp_path):
+    """Two receivers sharing a reader id would overwrite each other's lease, and the writer
+    could reuse a slot one of them reads. A receiver asking for an id that a live reader uses
+    is refused: another open receiver of this process, a live process here (at once), a
+    reader on another host whose beat moves (within a beat). Once that reader is gone the id
+    is free: at once for a dead pid here, after the lease stood still for its own timeout
+    for another host."""
+    timeout = 1.0
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+    mine = dbsync.Receiver(root, reader_id="engine-0")
+    with pytest.raises(dbsync.DBSyncError, match="another open Receiver of this process"):
+        dbsync.Receiver(root, reader_id="engine-0")
+    mine.close()
+    dbsync.Receiver(root, reader_id="engine-0").close()
+
+    here_ready, far_ready = tmp_path / "here.json", tmp_path / "far.json"
+    here = spawn("idle", root, str(here_ready), "30", "engine-1")
+    far = in_namespace("far-host", None, "idle", root, str(far_ready), str(timeout), "engine-2")
+    try:
+        pid = wait_json(here_ready, here)["pid"]
+        wait_json(far_ready, far)
+        with pytest.raises(dbsync.DBSyncError, match=f"process {pid} on this host"):
+            dbsync.Receiver(root, reader_id="engine-1")
+        start = time.monotonic()
+        with pytest.raises(dbsync.DBSyncError, match="a reader on host far-host"):
+            dbsync.Receiver(root, reader_id="engine-2")
+        assert time.monotonic() - start < timeout, "a moving beat is seen within a beat"
+    finally:
+        kill(here)
+        kill(far)
+    start = time.monotonic()
+    with dbsync.Receiver(root, reader_id="engine-1") as taken:
+        assert time.monotonic() - start < 0.5 * timeout  # its pid is gone: no wait
+        assert taken.load(lambda pairs: None) == 1
+    start = time.monotonic()
+    with dbsync.Receiver(root, reader_id="engine-2") as taken:
+        waited = time.monotonic() - start
+        assert timeout <= waited <= 3 * timeout, waited
+        assert Store(root).read_lease("engine-2")["host"] == socket.gethostname()
+
+
 def _state(status: dict[str, Any], reader_id: str) -> str | None:
     for record in status["receivers"]:
         if record["id"] == reader_id:
@@ -593,6 +637,18 @@ def test_transient_error_opening_a_version_marks_nothing_loaded(root, monkeypatc
 def test_dropped_or_failed_senders_release_the_lock(root, tmp_path, monkeypatch):
     dbsync.Sender(root).push({"w": torch.ones(2)})  # dropped without close()
     assert dbsync.Sender(root).push({"w": torch.full((2,), 2.0)}) == 2
+    # dropped after a background push, its future still kept in a staging buffer: released
+    # by reference counting alone (no cycle collection), once its publisher lets go of it
+    gc.disable()
+    try:
+        background, released = dbsync.Sender(root), threading.Event()
+        weakref.finalize(background, released.set)
+        background.push({"w": torch.ones(2)}, blocking=False).result()
+        del background
+        assert released.wait(10), "a dropped Sender was kept alive"
+        dbsync.Sender(root).close()
+    finally:
+        gc.enable()
 
     def eio(self: Store) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -603,7 +659,7 @@ def test_dropped_or_failed_senders_release_the_lock(root, tmp_path, monkeypatch)
     monkeypatch.undo()
     gc.collect()
     with dbsync.Sender(root) as sender:
-        assert sender.push({"w": torch.full((2,), 3.0)}) == 3
+        assert sender.push({"w": torch.full((2,), 3.0)}) == 4
     assert failed.value.errno == errno.EIO
 
     dropped = dbsync.Receiver(root)  # dropped without close(): its lease goes with it
@@ -618,6 +674,55 @@ def test_dropped_or_failed_senders_release_the_lock(root, tmp_path, monkeypatch)
     with pytest.raises(dbsync.StoreNotFoundError, match="does not exist"):
         dbsync.Receiver(typo)
     assert not os.path.exists(typo)
+
+
+def test_closing_a_receiver_keeps_its_open_snapshots_safe_and_ends_everything_else(root):
+    """A receiver closed (a shutdown path in another thread) while a snapshot is open: the
+    snapshot's slot stays held until the snapshot closes (a push into it waits, the view keeps
+    its bytes), then the lease goes. A wait() under way raises at once, the receiver's
+    watchers stop, and open / load / wait / watch afterwards raise."""
+    n = 1 << 16
+    with dbsync.Sender(root, lease_timeout=1.0) as sender:
+        sender.push({"w": torch.ones(n)})
+        receiver = dbsync.Receiver(root, lease_timeout=1.0)
+        snap = receiver.open()
+        view = dict(snap.tensors())["w"]
+        woken: list[tuple[BaseException, float]] = []
+        waiting = threading.Event()
+
+        def wait() -> None:
+            waiting.set()
+            try:
+                receiver.wait(newer_than=99, timeout=60)
+            except dbsync.DBSyncError as exc:
+                woken.append((exc, time.monotonic()))
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        waiting.wait()
+        receiver.watch(lambda version: None)
+        closed_at = time.monotonic()
+        receiver.close()
+        waiter.join(10)
+        assert woken and "closed while waiting" in str(woken[0][0])
+        assert woken[0][1] - closed_at < 1.0
+        assert not [t for t in threading.enumerate() if t.name == "dbsync-watch"]
+        for call in (receiver.open, lambda: receiver.load({"w": torch.zeros(n)}),
+                     lambda: receiver.wait(timeout=0), lambda: receiver.watch(print)):
+            with pytest.raises(dbsync.DBSyncError, match="is closed; create a new one"):
+                call()
+
+        assert sender.push({"w": torch.full((n,), 2.0)}) == 2  # the other slot
+        into_held = threading.Thread(target=sender.push, args=({"w": torch.full((n,), 3.0)},))
+        into_held.start()
+        into_held.join(2.5)  # over twice the lease timeout: the closed receiver still beats
+        assert into_held.is_alive(), "the writer reused a slot an open snapshot holds"
+        assert torch.equal(view, torch.ones(n))
+        snap.close()
+        into_held.join(10)
+        assert sender.latest_version() == 3
+        assert sender.last_push_seconds["wait_for_readers"] >= 2.5
+    assert not os.listdir(os.path.join(root, "readers")), "the lease goes with the last hold"
 
 
 # ---- 9. logging ---------------------------------------------------------------------------------

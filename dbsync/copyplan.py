@@ -31,6 +31,9 @@ class CopyPlan(NamedTuple):
     #: (destination, entry) pairs copied by torch (cast, a non-contiguous destination, a
     #: tensor subclass)
     by_torch: list[tuple[Any, TensorEntry]]
+    #: pairs of entries whose destination is one tensor (tied weights): the caller must make
+    #: sure they are equal, or the last would silently win
+    shared: list[tuple[TensorEntry, TensorEntry]] = []
 
 
 def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: bool
@@ -54,7 +57,8 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
     end = run_bytes = 0
     for entry in entries:
         tensor = get(entry.name)
-        if tensor is None or tensor.shape != entry.shape:
+        if (not isinstance(tensor, torch.Tensor) or tensor.shape != entry.shape
+                or tensor.is_meta):
             return None
         want = dtypes.get(entry.dtype)
         if want is None:
@@ -64,8 +68,9 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
         if not (type(tensor) in plain and tensor.dtype is want and tensor.is_cpu
                 and tensor.is_contiguous() and not tensor.is_neg()
                 and not (want.is_complex and tensor.is_conj())):
-            if tensor.dtype is want or (want.is_floating_point
-                                        and tensor.dtype.is_floating_point):
+            if (tensor.dtype is want or (want.is_floating_point
+                                         and tensor.dtype.is_floating_point)
+                    ) and not overlaps_itself(tensor):
                 by_torch.append((tensor, entry))
                 continue
             return None
@@ -100,6 +105,28 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
     return CopyPlan(raw, raw_destinations, by_torch)
 
 
+def overlaps_itself(tensor: Any) -> bool:
+    """Whether elements of ``tensor`` share memory (an ``expand``ed tensor): no copy can
+    write it."""
+    return any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape,
+                                                               strict=True))
+
+
+def unfit_destination(tensor: Any) -> str | None:
+    """Why nothing can be copied into ``tensor`` whatever its shape and dtype (None: it can)."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        return f"not a tensor in the target (a {type(tensor).__name__})"
+    if tensor.is_meta:
+        return ("on the meta device: it has no memory to load into (materialize the model "
+                "first, e.g. module.to_empty(device='cpu'))")
+    if overlaps_itself(tensor):
+        return ("its elements share memory (an expanded tensor): no copy can write it; give "
+                "it memory of its own (.clone())")
+    return None
+
+
 _LAYOUT = operator.itemgetter(0, 1, 2, 3, 4, 5)  # a TensorEntry without its range
 
 
@@ -115,6 +142,7 @@ class _Kept(NamedTuple):
     #: the tensors torch copies
     raw_at: list[int] | None
     by_torch_at: list[int]
+    shared: list[tuple[TensorEntry, TensorEntry]]
 
 
 class PlanCache:
@@ -142,7 +170,8 @@ class PlanCache:
                 raw_destinations = (targets if kept.raw_at is None
                                     else [targets[i] for i in kept.raw_at])
                 return CopyPlan(kept.raw, raw_destinations,
-                                [(targets[i], entries[i]) for i in kept.by_torch_at])
+                                [(targets[i], entries[i]) for i in kept.by_torch_at],
+                                [(entries[i], entries[j]) for i, j in kept.shared])
         self._kept = None
         plan = plan_copy(entries, dest, strict)
         if plan is None:
@@ -150,6 +179,8 @@ class PlanCache:
         names = [e.name for e in entries]
         targets = list(map(dest.get, names))
         where = {id(t): i for i, t in enumerate(targets)}
+        shared = [] if len(where) == len(targets) else _shared(targets)
+        plan = plan._replace(shared=[(entries[i], entries[j]) for i, j in shared])
         by_torch_at = [where[id(t)] for t, _ in plan.by_torch]
         kept_states = States.of(targets)  # None (not kept) for tensors with no plain memory
         if kept_states is not None and all(
@@ -158,5 +189,16 @@ class PlanCache:
             if raw_at == list(range(len(targets))):
                 raw_at = None  # (every tensor: the common case, no list to build per load)
             self._kept = _Kept(entries, layout, strict, len(dest), names, kept_states,
-                               plan.raw, raw_at, by_torch_at)
+                               plan.raw, raw_at, by_torch_at, shared)
         return plan
+
+
+def _shared(targets: list[Any]) -> list[tuple[int, int]]:
+    """(first, other) positions of targets that are one tensor."""
+    first: dict[int, int] = {}
+    pairs = []
+    for i, t in enumerate(targets):
+        j = first.setdefault(id(t), i)
+        if j != i:
+            pairs.append((j, i))
+    return pairs

@@ -39,7 +39,7 @@ from typing import Any
 import xxhash
 
 from . import fileio, gcpause, gilswitch, scatter
-from .copyplan import PlanCache
+from .copyplan import PlanCache, unfit_destination
 from .errors import (
     DamagedVersionError,
     DBSyncError,
@@ -66,6 +66,8 @@ from .workers import WorkerPools
 log = logging.getLogger(__name__)
 
 LoadWeights = Callable[[Iterable[tuple[str, Any]]], Any]
+#: the suffix of a module's extra state in its state_dict (``nn.Module.get_extra_state``)
+_EXTRA_STATE = "_extra_state"
 #: bytes per verification / copy task
 _TASK_BYTES = 16 << 20
 _LEASELESS_RETRIES = 5
@@ -457,6 +459,9 @@ class Snapshot:
 
         if isinstance(target, torch.nn.Module):
             dest = target.state_dict(keep_vars=True)
+            for name in [k for k in dest if k.endswith(_EXTRA_STATE)]:
+                if not isinstance(dest[name], torch.Tensor):
+                    del dest[name]  # a module's extra state (get_extra_state): not weights
         else:
             dest = target if type(target) is dict else dict(target)
         if (verify or not self.leased) and not self._verified:
@@ -475,6 +480,8 @@ class Snapshot:
         if self._missing:
             raise DamagedVersionError(f"version {self.version} is missing shards",
                                       self._missing)
+        if plan.shared:
+            self._check_shared(plan.shared)
 
         def by_torch(task: list[tuple[Any, Any]]) -> None:
             with torch.no_grad():  # one batched copy per task: little per-tensor overhead
@@ -525,13 +532,84 @@ class Snapshot:
             raise
 
     def _plan_copy(self, dest: dict[str, Any], strict: bool) -> Any:
-        plan = self.receiver.copy_plans.plan(self.manifest.tensors, dest, strict)
+        cache, entries = self.receiver.copy_plans, self.manifest.tensors
+        tied = self.receiver.tied_names
+        if tied and all(dest.get(n) is not None and dest.get(n) is dest.get(twin)
+                        for n, twin in tied.items()):  # (the last load's tied names)
+            plan = cache.plan(entries, {k: v for k, v in dest.items() if k not in tied},
+                              strict)
+            if plan is not None:
+                return plan
+        self.receiver.tied_names = {}
+        plan = cache.plan(entries, dest, strict)
         if plan is None:  # something does not fit: say everything that does not
-            expected = {n: (tuple(t.shape), t.dtype) for n, t in dest.items()}
-            self.check_compatible(expected, allow_missing=() if strict else expected,
-                                  cast_floats=True)
-            raise AssertionError("the copy plan and check_compatible disagree")  # pragma: no cover
+            problems = self._copy_problems(dest, strict)
+            tied = _tied_to_published(problems, dest, entries)
+            if tied:  # names the version lacks only because they are tied to one it has
+                self.receiver.tied_names = tied
+                untied = {k: v for k, v in dest.items() if k not in tied}
+                plan = cache.plan(entries, untied, strict)
+                if plan is not None:
+                    return plan
+            if not problems:  # pragma: no cover
+                raise AssertionError("the copy plan and the listing of problems disagree")
+            listing = "; ".join(f"{describe_name(k)}: {v}"
+                                for k, v in list(problems.items())[:12])
+            more = f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""
+            raise IncompatibleWeightsError(
+                f"version {self.version} does not fit the target ({len(problems)} problem(s)):"
+                f" {listing}{more}; nothing was copied. Load into tensors of the published "
+                "names, shapes and dtypes (floating dtypes are cast)", problems)
         return plan
+
+    def _check_shared(self, shared: list[tuple[Any, Any]]) -> None:
+        """Refuse a version whose tensors differ where the target has one tensor for both
+        (tied weights): the last copy would silently overwrite the first."""
+        import torch
+
+        ranges = self.manifest.ranges
+        differ = []
+        for a, b in shared:
+            ra, rb = ranges[a.range], ranges[b.range]
+            if (ra.offset, ra.nbytes, rb.offset, rb.nbytes) == (a.offset, a.nbytes, b.offset,
+                                                                b.nbytes):
+                same = ra.checksum == rb.checksum  # each alone in its checked range
+            else:
+                ta, tb = self._tensor(a), self._tensor(b)
+                same = ta.dtype == tb.dtype and torch.equal(
+                    ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8))
+            if not same:
+                differ.append(f"{describe_name(a.name)} and {describe_name(b.name)}")
+        if differ:
+            raise IncompatibleWeightsError(
+                f"version {self.version} does not fit the target: "
+                + "; ".join(differ[:12]) + " are one tensor in the target (tied weights) but "
+                "differ in the version; nothing was copied. Publish them equal (tied in the "
+                "trainer too) or load into a target where they are separate tensors",
+                {a.name: f"tied to {b.name} in the target, different in the version"
+                 for a, b in shared})
+
+    def _copy_problems(self, dest: dict[str, Any], strict: bool) -> dict[str, str]:
+        """Every reason why ``dest`` cannot take this version (name -> why)."""
+        problems: dict[str, str] = {}
+        for entry in self.manifest.tensors:
+            tensor = dest.get(entry.name)
+            if entry.name not in dest:
+                problems[entry.name] = "not in the target"
+            elif (why := unfit_destination(tensor)) is not None:
+                problems[entry.name] = why
+            elif tuple(entry.shape) != tuple(tensor.shape):
+                problems[entry.name] = (f"shape {list(entry.shape)} != the target's "
+                                        f"{list(tensor.shape)}")
+            elif entry.torch_dtype != tensor.dtype and not (
+                    entry.torch_dtype.is_floating_point and tensor.dtype.is_floating_point):
+                problems[entry.name] = f"dtype {entry.dtype} != the target's {tensor.dtype}"
+        if strict:
+            published = {e.name for e in self.manifest.tensors}
+            for name in dest:
+                if name not in published:
+                    problems[name] = _MISSING
+        return problems
 
     def _reopen(self, shards: list[int], keep_open: bool = True) -> dict[int, int]:
         """Open these shards again (for scatter reads); each must be the file verified.
@@ -661,6 +739,9 @@ class Receiver:
         self._heads: dict[int, Head] = {}
         #: the last plan of ``load(module or dict)``, reused load after load of one model
         self.copy_plans = PlanCache()
+        #: names of the last target that the version lacks because each is tied to a
+        #: published one ({name: published twin}; checked again at every load)
+        self.tied_names: dict[str, str] = {}
         self._tokens = itertools.count(1)
         self._keeper = _LeaseKeeper(self.store, self.reader_id, self.lease_timeout,
                                     report_loaded)
@@ -948,6 +1029,21 @@ class Receiver:
 def _close_parts(keeper: _LeaseKeeper, workers: WorkerPools) -> None:
     keeper.close()
     workers.close()
+
+
+_MISSING = "missing from the published version"
+
+
+def _tied_to_published(problems: dict[str, str], dest: Mapping[str, Any],
+                       entries: Sequence[Any]) -> dict[str, str]:
+    """{name: published twin} if every problem is a name the version lacks whose target
+    tensor is the target tensor of a published name (tied weights, which checkpoints often
+    store once); else {}."""
+    if not problems or any(why != _MISSING for why in problems.values()):
+        return {}
+    published = {id(dest[e.name]): e.name for e in entries if e.name in dest}
+    twins = {name: published.get(id(dest[name]), "") for name in problems}
+    return twins if all(twins.values()) else {}
 
 
 def _is_tensor_container(target: Any) -> bool:

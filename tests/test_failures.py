@@ -311,3 +311,79 @@ def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
         assert rx.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 2
     assert all(torch.equal(got[k], v + 1) for k, v in weights.items())
     assert json.load(open(head_path))["format_version"] == 3
+
+
+def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lands(root):
+    """A meta tensor (a model never materialized), an expanded tensor (elements sharing
+    memory) and a value that is not a tensor: one error naming each, nothing applied to the
+    tensors that do fit, the refusal recorded for the trainer. A module's extra state
+    (``get_extra_state``) is not weights: it is left alone."""
+    weights = {"a": torch.ones(4), "b": torch.full((2, 4), 2.0), "m": torch.ones(3),
+               "x": torch.ones(2)}
+    with dbsync.Sender(root) as sender:
+        sender.push(weights)
+    dest = {"a": torch.zeros(4), "b": torch.zeros(1, 4).expand(2, 4),
+            "m": torch.empty(3, device="meta"), "x": [0.0, 0.0]}
+    with dbsync.Receiver(root) as rx:
+        with pytest.raises(dbsync.IncompatibleWeightsError) as refused:
+            rx.load(dest)
+        problems = refused.value.problems
+        assert set(problems) == {"b", "m", "x"}, problems
+        assert "expanded" in problems["b"] and "meta" in problems["m"]
+        assert "not a tensor" in problems["x"] and "nothing was copied" in str(refused.value)
+        assert torch.equal(dest["a"], torch.zeros(4))
+        lease = dbsync.store.Store(root).read_lease(rx.reader_id)
+        assert lease["refused"]["version"] == 1
+
+        class WithExtraState(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.a = torch.nn.Parameter(torch.zeros(4))
+                self.register_buffer("x", torch.zeros(2))
+                self.b = torch.nn.Parameter(torch.zeros(2, 4))
+                self.register_buffer("m", torch.zeros(3))
+
+            def get_extra_state(self) -> dict:
+                return {"step": 7}
+
+            def set_extra_state(self, state: dict) -> None:
+                raise AssertionError("not weights: never set by a load")
+
+        module = WithExtraState()
+        assert "_extra_state" in module.state_dict()
+        assert rx.load(module) == 1
+        for name, want in weights.items():
+            assert torch.equal(module.state_dict()[name], want), name
+
+
+def test_tied_weights_load_whether_the_version_stores_them_once_or_twice(root):
+    """A model whose output layer is its embedding (one Parameter under two names).
+    Checkpoints often store it once (``save_pretrained`` drops the tied name): that loads,
+    load after load. Stored twice and equal: loads. Stored twice and different (pushed from
+    an untied model): refused naming both, nothing copied, since one copy would silently
+    overwrite the other."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(6, 4)
+            self.head = torch.nn.Linear(4, 6, bias=False)
+            self.head.weight = self.embed.weight
+            self.norm = torch.nn.Parameter(torch.zeros(4))
+
+    big = torch.arange(24.0).reshape(6, 4)
+    module = Tied()
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
+        for version in (1, 2):  # stored once: the tied name is absent from the version
+            sender.push({"embed.weight": big + version, "norm": torch.full((4,), float(version))})
+            assert rx.load(module) == version
+            assert torch.equal(module.head.weight.detach(), big + version)
+            assert torch.equal(module.norm.detach(), torch.full((4,), float(version)))
+        sender.push({"embed.weight": big, "head.weight": big.clone(), "norm": torch.ones(4)})
+        assert rx.load(module) == 3  # stored twice, equal
+        assert torch.equal(module.embed.weight.detach(), big)
+        sender.push({"embed.weight": big, "head.weight": big + 1, "norm": torch.ones(4) * 5})
+        with pytest.raises(dbsync.IncompatibleWeightsError, match="tied weights") as refused:
+            rx.load(module)
+        assert "embed.weight" in str(refused.value) and "head.weight" in str(refused.value)
+        assert torch.equal(module.norm.detach(), torch.ones(4))  # nothing copied

@@ -418,15 +418,33 @@ class Snapshot:
             )
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
-        """(name, tensor) in manifest order; views valid only while the snapshot is open."""
+        """(name, tensor) in manifest order; views valid only while the snapshot is open.
+        Every checksum is checked first (once per snapshot) when the receiver verifies
+        (``Receiver(verify=True)``, the default) and always for a private copy: a damaged
+        version raises ``DamagedVersionError`` before the first tensor is handed out."""
+        self._check_open()
+        if not self._verified and self.receiver.verify:
+            self.verify()
+        return self._views()
+
+    def _views(self) -> Iterator[tuple[str, Any]]:
+        """``tensors()`` without the receiver's verify setting (a caller that decided)."""
+        self._check_open()
         if self._missing:
             raise DamagedVersionError(
                 f"version {self.version} is missing shards: "
                 + ", ".join(sorted(set(self._missing.values()))), self._missing)
         if not self.leased and not self._verified:
             self.verify()  # a private copy is trusted only once its checksums match
+        return self._each_view()
+
+    def _each_view(self) -> Iterator[tuple[str, Any]]:
         for entry in self.manifest.tensors:
             yield entry.name, self._tensor(entry)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DBSyncError(f"version {self.version}'s snapshot is closed; open it again")
 
     def _tensor(self, entry: Any) -> Any:
         return self._shards[entry.shard].tensor(entry.torch_dtype, entry.shape, entry.offset,
@@ -440,13 +458,14 @@ class Snapshot:
         return TensorDict(dict(self.tensors()), batch_size=[])
 
     def copy_into(self, target: Any, threads: int = 8, strict: bool = True,
-                  verify: bool = False) -> int:
+                  verify: bool | None = None) -> int:
         """Copy this version into the existing tensors of ``target`` (an ``nn.Module``'s
         parameters and buffers by ``state_dict`` name, or a dict of tensors), in parallel
         threads; names and shapes are checked before the first byte is copied. Floating dtypes
-        are cast. Returns the bytes copied. ``verify``: check every checksum first (as
-        ``verify()``, in other threads while the copy is planned); damage is reported before
-        a mismatch of names or shapes, and nothing is copied after either.
+        are cast. Returns the bytes copied. ``verify`` (default: the receiver's setting):
+        check every checksum first (as ``verify()``, in other threads while the copy is
+        planned); damage is reported before a mismatch of names or shapes, and nothing is
+        copied after either.
 
         Tensors of the same dtype land by scatter reads from the shard files (leased) or
         memory copies from the verified private copy (leaseless); the rest through torch.
@@ -457,6 +476,9 @@ class Snapshot:
         ``.to()``, ``load_state_dict(assign=True)``) from another thread while it runs."""
         import torch
 
+        self._check_open()
+        if verify is None:
+            verify = self.receiver.verify
         if isinstance(target, torch.nn.Module):
             dest = target.state_dict(keep_vars=True)
             for name in [k for k in dest if k.endswith(_EXTRA_STATE)]:
@@ -894,7 +916,7 @@ class Receiver:
                     else:
                         if verify or not snap.leased:
                             snap.verify()
-                        target(snap.tensors())
+                        target(snap._views())
                 except _SlotReused:
                     if attempt + 1 < _LEASELESS_RETRIES:
                         log.info("version %d was replaced while %s read it without a lease; "

@@ -387,3 +387,27 @@ def test_tied_weights_load_whether_the_version_stores_them_once_or_twice(root):
             rx.load(module)
         assert "embed.weight" in str(refused.value) and "head.weight" in str(refused.value)
         assert torch.equal(module.norm.detach(), torch.ones(4))  # nothing copied
+
+
+def test_a_snapshot_hands_out_nothing_of_a_damaged_version_when_its_receiver_verifies(root):
+    """``open()`` then ``tensors()`` / ``tensordict()`` / ``copy_into()``: a verifying
+    receiver (the default) checks every checksum before the first tensor is handed out, as
+    ``load`` does; ``Receiver(verify=False)`` is the opt-out. A closed snapshot says so."""
+    publish(root, {"a": torch.zeros(1000), "b": torch.ones(10)})
+    path, offset = shard_of(root, "a")
+    with open(path, "r+b") as f:
+        f.seek(offset + 5)
+        f.write(b"\x01")
+    with dbsync.Receiver(root) as rx, rx.open() as snap:
+        for hand_out in (snap.tensors, snap.tensordict):
+            with pytest.raises(dbsync.DamagedVersionError, match="damaged"):
+                hand_out()
+        dest = {"a": torch.full((1000,), 7.0), "b": torch.full((10,), 7.0)}
+        with pytest.raises(dbsync.DamagedVersionError):
+            snap.copy_into(dest)
+        assert torch.equal(dest["a"], torch.full((1000,), 7.0))
+    with dbsync.Receiver(root, verify=False) as rx, rx.open() as snap:
+        assert torch.equal(dict(snap.tensors())["b"], torch.ones(10))  # not checked: opted out
+    for hand_out in (snap.tensors, snap.tensordict, lambda: snap.copy_into(dest)):
+        with pytest.raises(dbsync.DBSyncError, match="snapshot is closed; open it again"):
+            hand_out()

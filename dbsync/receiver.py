@@ -289,9 +289,11 @@ class Snapshot:
             names = ", ".join(describe_name(n) for n in list(damaged)[:10])
             more = " ..." if len(damaged) > 10 else ""
             shards = "; ".join(sorted(set(self._missing.values())))[:500]
+            where = (f" in {len(bad)} checked range(s); a range is checked as a whole, so "
+                     "every tensor in it is named" if bad else "")
             raise DamagedVersionError(
                 f"version {self.version} in {self.receiver.store.slot_dir(self.manifest.slot)} "
-                f"is damaged ({len(damaged)} tensor(s): {names}{more})"
+                f"is damaged ({len(damaged)} tensor(s){where}: {names}{more})"
                 + (f" [{shards}]" if shards else "") + "; nothing was applied. "
                 "Run `dbsync verify ROOT` and publish again from the trainer",
                 damaged,
@@ -870,6 +872,11 @@ class Receiver:
             if current is not None and current.version == version:
                 head = current
             if head is None:
+                if current is None or version > current.version:
+                    latest = "none yet" if current is None else f"the latest is {current.version}"
+                    raise DBSyncError(f"version {version} was never published in "
+                                      f"{self.store.root} ({latest}); open the current version "
+                                      "(open() without a version)")
                 raise self._gone(version)
             return head
         head = self.store.read_head()

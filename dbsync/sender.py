@@ -52,7 +52,13 @@ from .format import (
     plan_shards,
     shard_file,
 )
-from .leases import DEFAULT_LEASE_TIMEOUT, LeaseMonitor, prune_abandoned
+from .leases import (
+    DEFAULT_LEASE_TIMEOUT,
+    MAX_LEASE_TIMEOUT,
+    MIN_LEASE_TIMEOUT,
+    LeaseMonitor,
+    prune_abandoned,
+)
 from .pushlayout import LayoutCache, PushLayout
 from .status import loaded_versions, wait_for_receivers
 from .store import WRITING, Store
@@ -203,6 +209,10 @@ class Sender:
             raise DBSyncError("num_threads must be at least 1")
         if max_lag is not None and max_lag < 0:
             raise DBSyncError("max_lag must be >= 0 (or None for no bound)")
+        if not (isinstance(lease_timeout, int | float) and not isinstance(lease_timeout, bool)
+                and MIN_LEASE_TIMEOUT <= lease_timeout <= MAX_LEASE_TIMEOUT):
+            raise DBSyncError(f"lease_timeout must be between {MIN_LEASE_TIMEOUT:g} and "
+                              f"{MAX_LEASE_TIMEOUT:g} seconds, not {lease_timeout!r}")
         _refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)
         self.dtype = dtype

@@ -93,7 +93,12 @@ class Store:
     def _create_layout(self) -> None:
         """Create ROOT, readers/ and the slots with explicit modes (never the caller's umask).
         Existing directories are kept, but a symlink or file in their place is refused."""
-        os.makedirs(os.path.dirname(self.root), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise FormatError(
+                f"{self.root} cannot be created: a part of its path is a file, not a "
+                "directory; give the path of a store directory") from None
         if not os.path.isdir(self.root):  # ROOT itself may be a symlink: the operator's choice
             _mkdir(self.root)
         for parts in ((READERS_DIR,), (SLOTS_DIR,), *((SLOTS_DIR, s) for s in SLOTS)):

@@ -411,3 +411,16 @@ def test_a_snapshot_hands_out_nothing_of_a_damaged_version_when_its_receiver_ver
     for hand_out in (snap.tensors, snap.tensordict, lambda: snap.copy_into(dest)):
         with pytest.raises(dbsync.DBSyncError, match="snapshot is closed; open it again"):
             hand_out()
+
+
+def test_settings_and_versions_that_cannot_be_are_refused_clearly(root, tmp_path):
+    with pytest.raises(dbsync.DBSyncError, match="lease_timeout must be between"):
+        dbsync.Sender(root, lease_timeout=-1)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(dbsync.FormatError, match="a part of its path is a file"):
+        dbsync.Sender(str(blocker / "store" / "x"))
+    publish(root, {"w": torch.ones(2)})
+    with dbsync.Receiver(root) as rx:
+        with pytest.raises(dbsync.DBSyncError, match="version 99 was never published.*latest is 1"):
+            rx.open(version=99)

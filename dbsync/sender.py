@@ -272,7 +272,27 @@ class Sender:
             return uuid.uuid4().hex, version, slot
         if head is None:
             return uuid.uuid4().hex, 0, None
-        return head.run_id, head.version, head.slot
+        return head.run_id, self._past_loaded(head.run_id, head.version), head.slot
+
+    def _past_loaded(self, run_id: str, version: int) -> int:
+        """``version``, or the highest version of run ``run_id`` a reader reports loaded if
+        that is higher: the head was restored from an older copy, and numbering on from it
+        would publish versions those readers take for ones they already have."""
+        try:
+            leases = self.store.read_leases()
+        except (OSError, FormatError):
+            return version
+        loaded = [lease.get("loaded_version") for lease in leases.values()
+                  if lease.get("loaded_run_id") == run_id]
+        highest = max((v for v in loaded if isinstance(v, int) and not isinstance(v, bool)),
+                      default=version)
+        if highest > version:
+            log.warning("%s went back to version %d of run %s, but readers report version %d "
+                        "of that run loaded (its head was restored from an older copy?): the "
+                        "next push is version %d", self.store.root, version, run_id, highest,
+                        highest + 1)
+            return highest
+        return version
 
     @property
     def root(self) -> str:

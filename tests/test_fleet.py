@@ -597,6 +597,14 @@ def test_new_run_is_followed_and_rewind_refused(root, caplog):
         with pytest.raises(dbsync.StoreRewoundError, match="version 3 to 2"):
             receiver.load(applied.append)
         assert applied == [] and receiver.loaded_version == 3
+
+        # The trainer restarts on the restored store: it numbers on past what readers report
+        # loaded, so the receiver takes its next push instead of ignoring it as one it has.
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dbsync"), dbsync.Sender(root) as sender:
+            assert sender.push(weights_for(7)) == 4
+        assert any("restored from an older copy" in r.getMessage() for r in caplog.records)
+        assert load(receiver) == (4, [7.0])
     finally:
         watcher.stop()
         receiver.close()

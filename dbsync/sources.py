@@ -45,6 +45,15 @@ def target_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+    """The dotted names of ``module``'s non-persistent buffers (left out of its state_dict)."""
+    names: set[str] = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name in getattr(sub, "_non_persistent_buffers_set", ()):
+            names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
 def pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
     """(name, value) pairs of ``weights``, not yet validated (``validate``)."""
     if isinstance(weights, str | os.PathLike):
@@ -53,7 +62,11 @@ def pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
         if strategy == "tensordict":
             from tensordict import TensorDict
 
-            return _tensordict_pairs(TensorDict.from_module(weights))
+            # (without non-persistent buffers: not in the module's state_dict, so a receiver
+            # loading into the same kind of module has nowhere to put them)
+            transient = non_persistent_buffers(weights)
+            return [(name, t) for name, t in _tensordict_pairs(TensorDict.from_module(weights))
+                    if name not in transient]
         return list(weights.state_dict().items())
     tensordict = sys.modules.get("tensordict")  # no TensorDict exists unless it was imported
     if tensordict is not None and isinstance(weights, tensordict.TensorDictBase):

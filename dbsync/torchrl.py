@@ -73,6 +73,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .errors import DBSyncError, InvalidWeightsError, StoreNotFoundError
 from .receiver import Receiver
 from .sender import Sender
+from .sources import non_persistent_buffers
 from .store import Store
 from .watch import Watcher
 
@@ -94,21 +95,13 @@ __all__ = [
 
 
 # ---- weights ---------------------------------------------------------------------------------
-def _non_persistent_buffers(module: nn.Module) -> set[str]:
-    names: set[str] = set()
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name in getattr(sub, "_non_persistent_buffers_set", ()):
-            names.add(f"{prefix}.{name}" if prefix else name)
-    return names
-
-
 def extract_weights(strategy: WeightStrategy, source: Any) -> Any:
     """``strategy.extract_weights(source)`` (torchrl's extraction, unchanged), except that for an
     ``nn.Module`` under ``"tensordict"`` its non-persistent buffers are left out (they are not
     in its state_dict, not in its checkpoint, and an engine would refuse them)."""
     weights = strategy.extract_weights(source)
     if strategy.extract_as == "tensordict" and isinstance(source, nn.Module):
-        dropped = _non_persistent_buffers(source)
+        dropped = non_persistent_buffers(source)
         if dropped:
             keys = [tuple(name.split(".")) for name in dropped]
             weights = weights.exclude(*keys)

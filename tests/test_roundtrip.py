@@ -178,3 +178,27 @@ def test_traversal_looking_names_stay_inside_the_slot(root, name):
     assert all(p.startswith(root + os.sep) for p in store_files)
     _, got = load_all(root)
     assert list(got) == [name] and torch.equal(got[name], torch.ones(2))
+
+
+def test_a_module_pushed_as_a_tensordict_loads_into_the_same_kind_of_module(tmp_path):
+    """``strategy="tensordict"`` publishes a module's parameters and persistent buffers (its
+    state_dict's tensors), not its non-persistent buffers (a rotary table computed at
+    construction): a receiver loading into the same kind of module has nowhere to put them."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+            self.register_buffer("steps", torch.zeros(1))
+            self.register_buffer("table", torch.arange(6.0), persistent=False)
+
+    source, target = Block(), Block()
+    source.steps.fill_(9.0)
+    root = str(tmp_path / "store")
+    with dbsync.Sender(root, strategy="tensordict") as sender:
+        sender.push(source)
+    with dbsync.Receiver(root) as rx:
+        assert {e.name for e in rx.manifest().tensors} == {"lin.weight", "lin.bias", "steps"}
+        assert rx.load(target) == 1
+    for name, want in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], want), name

@@ -29,6 +29,7 @@ import errno
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -462,7 +463,8 @@ class Snapshot:
     def copy_into(self, target: Any, threads: int = 8, strict: bool = True,
                   verify: bool | None = None) -> int:
         """Copy this version into the existing tensors of ``target`` (an ``nn.Module``'s
-        parameters and buffers by ``state_dict`` name, or a dict of tensors), in parallel
+        parameters and buffers by ``state_dict`` name, a dict of tensors, or a TensorDict by
+        its keys joined with '.'), in parallel
         threads; names and shapes are checked before the first byte is copied. Floating dtypes
         are cast. Returns the bytes copied. ``verify`` (default: the receiver's setting):
         check every checksum first (as ``verify()``, in other threads while the copy is
@@ -481,11 +483,14 @@ class Snapshot:
         self._check_open()
         if verify is None:
             verify = self.receiver.verify
+        tensordict = sys.modules.get("tensordict")  # (no TensorDict unless it was imported)
         if isinstance(target, torch.nn.Module):
             dest = target.state_dict(keep_vars=True)
             for name in [k for k in dest if k.endswith(_EXTRA_STATE)]:
                 if not isinstance(dest[name], torch.Tensor):
                     del dest[name]  # a module's extra state (get_extra_state): not weights
+        elif tensordict is not None and isinstance(target, tensordict.TensorDictBase):
+            dest = dict(target.flatten_keys(".").items())  # (its own leaves, names as pushed)
         else:
             dest = target if type(target) is dict else dict(target)
         if (verify or not self.leased) and not self._verified:
@@ -904,8 +909,9 @@ class Receiver:
         """Apply the latest complete version, after verifying it, and return that version.
 
         ``target``: a ``load_weights`` callable (called once with an iterable of (name,
-        tensor) in manifest order), or a plain ``nn.Module`` / dict of tensors (copied into
-        in place, in ``threads`` parallel threads, names and shapes checked first)."""
+        tensor) in manifest order), or a plain ``nn.Module`` / dict of tensors / TensorDict
+        (copied into in place, in ``threads`` parallel threads, names and shapes checked
+        first; see ``Snapshot.copy_into``)."""
         self._check_open()
         verify = self.verify if verify is None else verify
         if callable(target) and not _is_tensor_container(target):

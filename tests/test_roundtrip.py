@@ -202,3 +202,19 @@ def test_a_module_pushed_as_a_tensordict_loads_into_the_same_kind_of_module(tmp_
         assert rx.load(target) == 1
     for name, want in source.state_dict().items():
         assert torch.equal(target.state_dict()[name], want), name
+
+
+def test_a_nested_tensordict_loads_in_place(tmp_path):
+    from tensordict import TensorDict
+
+    source = TensorDict({"a": {"b": torch.arange(4.0), "c": torch.ones(2, 2)},
+                         "d": torch.full((3,), 5.0)}, batch_size=[])
+    target = source.apply(torch.zeros_like)
+    leaf = target["a", "b"]
+    root = str(tmp_path / "store")
+    with dbsync.Sender(root) as sender:
+        sender.push(source)
+    with dbsync.Receiver(root) as rx:
+        assert rx.load(target) == 1
+    assert (target == source).all()
+    assert target["a", "b"] is leaf  # copied into the tensors the caller holds

@@ -798,7 +798,7 @@ class Receiver:
             return forced
         if not os.path.isdir(self.store.readers_dir):
             try:  # a store created before its first push by an older writer, or by hand
-                Store(self.store.root, create=True)
+                self.store.create_readers_dir()
             except (OSError, FormatError):
                 pass
         if self.store.writable():

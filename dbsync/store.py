@@ -104,6 +104,11 @@ class Store:
         for parts in ((READERS_DIR,), (SLOTS_DIR,), *((SLOTS_DIR, s) for s in SLOTS)):
             _mkdir(os.path.join(self.root, *parts))
 
+    def create_readers_dir(self) -> None:
+        """Create ``readers/`` only (a receiver that starts before the first push needs it for
+        its lease; the slots are the writer's to create)."""
+        _mkdir(self.readers_dir)
+
     # ---- safe opening ----------------------------------------------------------------------
     @contextmanager
     def dir_fd(self, *parts: str) -> Iterator[int]:

@@ -424,3 +424,13 @@ def test_settings_and_versions_that_cannot_be_are_refused_clearly(root, tmp_path
     with dbsync.Receiver(root) as rx:
         with pytest.raises(dbsync.DBSyncError, match="version 99 was never published.*latest is 1"):
             rx.open(version=99)
+
+
+def test_a_receiver_started_before_the_first_push_creates_only_its_lease_directory(tmp_path):
+    empty = tmp_path / "not-yet-a-store"
+    empty.mkdir()
+    with dbsync.Receiver(str(empty)) as rx:
+        assert sorted(os.listdir(empty)) == ["readers"]
+        assert rx.latest_version() is None
+    with dbsync.Sender(str(empty)) as sender:  # the writer creates the rest and publishes
+        assert sender.push({"w": torch.ones(2)}) == 1

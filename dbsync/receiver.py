@@ -988,6 +988,8 @@ class Receiver:
         floor = self.loaded_version if newer_than is None else newer_than
         floor = 0 if floor is None else floor
         run = self.loaded_run_id
+        if newer_than is not None and newer_than in self._heads:  # a version it opened
+            run = self._heads[newer_than].run_id
         if run is None:
             head = self._read_head_quietly()
             run = None if head is None else head.run_id

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -434,3 +435,19 @@ def test_a_receiver_started_before_the_first_push_creates_only_its_lease_directo
         assert rx.latest_version() is None
     with dbsync.Sender(str(empty)) as sender:  # the writer creates the rest and publishes
         assert sender.push({"w": torch.ones(2)}) == 1
+
+
+def test_waiting_past_an_opened_version_sees_a_new_run(root):
+    """A receiver that opened version 3 (never load()ed) and waits for something newer: a
+    new run at the same path counts, even one already at version 2 when the wait starts."""
+    with dbsync.Sender(root) as sender:
+        for version in (1, 2, 3):
+            sender.push({"w": torch.full((2,), float(version))})
+    with dbsync.Receiver(root) as rx:
+        with rx.open() as snap:
+            seen = snap.version
+        shutil.rmtree(root)
+        with dbsync.Sender(root) as sender:
+            sender.push({"w": torch.ones(2)})
+            sender.push({"w": torch.ones(2)})
+        assert rx.wait(newer_than=seen, timeout=5) == 2

@@ -240,9 +240,10 @@ def _wait_until_unused(store: Store, reader_id: str, sleep: Callable[[float], No
         return  # its process is gone (or was this one): the lease is stale
     timeout = lease_timeout_of(lease, DEFAULT_LEASE_TIMEOUT)
     beat, start = lease.get("beat"), clock()
-    log.info("reader id %s has a lease in %s from host %s; waiting up to %.0f s to see "
-             "whether that reader still lives", reader_id, store.root, lease.get("host"),
-             timeout)
+    log.log(logging.WARNING if timeout > 10 else logging.INFO,
+            "reader id %s has a lease in %s from host %s (pid %s); waiting up to %.0f s to see "
+            "whether that reader still lives (a live one refuses this receiver)", reader_id,
+            store.root, lease.get("host"), lease.get("pid"), timeout)
     while clock() - start < timeout:
         sleep(min(timeout / 8, 1.0))
         again = store.read_lease(reader_id)

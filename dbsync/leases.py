@@ -331,13 +331,14 @@ class LeaseMonitor:
         stamp_version, _ = self.store.read_stamp(slot)
         return sorted(r for r, lease in live.items() if blocks(lease, slot, stamp_version))
 
-    def wait_until_free(self, slot: str, sleep: Callable[[float], None] = time.sleep,
-                        interval: float = 0.02) -> float:
-        """Block until no live reader holds ``slot``. Returns the seconds waited. Waits at most
-        about the longest lease timeout for a reader that stopped beating."""
+    def wait_until_free(self, slot: str, sleep: Callable[[float], Any] = time.sleep,
+                        interval: float = 0.02, stop: threading.Event | None = None) -> float:
+        """Block until no live reader holds ``slot``, or ``stop`` is set (give ``stop.wait``
+        as ``sleep`` to end at once). Returns the seconds waited. Waits at most about the
+        longest lease timeout for a reader that stopped beating."""
         start = self.clock()
         told = 0  # 1: said at INFO; 2: warned (a reader holds the slot for long)
-        while holding := self.holders(slot):
+        while not (stop is not None and stop.is_set()) and (holding := self.holders(slot)):
             waited = self.clock() - start
             if told < 1 and waited > 1.0:
                 log.info("waiting for reader(s) %s to release slot %s", ", ".join(holding), slot)

@@ -56,6 +56,7 @@ from .leases import (
     DEFAULT_LEASE_TIMEOUT,
     MAX_LEASE_TIMEOUT,
     MIN_LEASE_TIMEOUT,
+    SLOW_HOLDER_WARN_S,
     LeaseMonitor,
     prune_abandoned,
 )
@@ -403,6 +404,7 @@ class Sender:
             return 0.0
         start = time.monotonic()
         interval = 0.02
+        told = False
         while True:
             live, _ = self._leases.scan()
             behind = {r: self._version - v for r, v in loaded_versions(live).items()
@@ -417,7 +419,14 @@ class Sender:
                     f"still more than {self.max_lag} version(s) behind version {self._version};"
                     f" nothing was published. See `dbsync status {self.store.root}`"
                 )
-            time.sleep(interval)
+            if not told and waited > SLOW_HOLDER_WARN_S:
+                log.warning("the push has waited %.0f s for receiver(s) %s to catch up "
+                            "(max_lag=%d); see `dbsync status %s`", waited,
+                            ", ".join(sorted(behind)), self.max_lag, self.store.root)
+                told = True
+            if self._abort.wait(interval):
+                raise _Aborted("push interrupted while waiting for receivers to catch up; "
+                               "nothing was published")
             interval = min(interval * 1.5, 0.25)
 
     def _check_kind(self, kind: str) -> None:
@@ -444,7 +453,9 @@ class Sender:
         lagged = self._wait_for_lag()
         version = self._version + 1
         slot = SLOTS[0] if self._slot is None else SLOTS[1 - SLOTS.index(self._slot)]
-        waited = self._leases.wait_until_free(slot)
+        waited = self._leases.wait_until_free(slot, sleep=self._abort.wait, stop=self._abort)
+        if self._abort.is_set():
+            raise _Aborted("push interrupted while waiting for readers; nothing was published")
         t1 = time.perf_counter()
 
         with gcpause.paused():

@@ -118,8 +118,9 @@ def blocks(lease: dict[str, Any], slot: str, stamp_version: Any) -> bool:
 
 def lease_problem(lease: dict[str, Any]) -> str | None:
     """Why a reader file is not a lease any dbsync reader writes, or None. Such a file is not
-    listed as a receiver (``dbsync status`` names it); a waiting writer still honours the
-    slots it names, to be safe."""
+    listed as a receiver (``dbsync status`` names it), and a writer honours no slot it names:
+    every receiver writes these fields, so it is no live reader's, and a garbled file must
+    not stall pushes for up to an hour."""
     def number(value: Any) -> bool:
         return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
@@ -266,6 +267,8 @@ class LeaseMonitor:
         self.clock = clock
         # reader_id -> (beat last seen, when this writer first saw that beat)
         self._seen: dict[str, tuple[Any, float]] = {}
+        #: reader files found not to be leases (logged once each)
+        self._ignored: set[str] = set()
         self._timeouts: dict[str, float] = {}  # reader_id -> its lease's own timeout
         self._live: dict[str, dict[str, Any]] = {}  # the live leases of the last holders()
 
@@ -300,6 +303,13 @@ class LeaseMonitor:
         live: dict[str, dict[str, Any]] = {}
         dead: list[str] = []
         for reader_id, lease in leases.items():
+            problem = lease_problem(lease)
+            if problem is not None:
+                if reader_id not in self._ignored:
+                    self._ignored.add(reader_id)
+                    log.warning("ignoring %s/%s.json: not a reader's lease (%s); remove it",
+                                self.store.readers_dir, reader_id, problem)
+                continue
             overdue = self._dead_for(reader_id, lease, now)
             if overdue is None:
                 live[reader_id] = lease

@@ -15,6 +15,7 @@ import pickle
 import stat
 import struct
 import threading
+import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -335,6 +336,11 @@ def test_hostile_lease_files_never_block_the_writer(root, tmp_path, fifos):
     with open(os.path.join(readers, "huge.json"), "wb") as f:
         f.truncate(1 << 30)
     write_bytes(os.path.join(readers, "garbage.json"), b"[" * 100_000)
+    for name, record in (("no-host", {"held": [["a", 1], ["b", 2]]}),  # parses, but no
+                         ("forever", {"reader_id": "forever", "host": "h", "pid": 1,  # reader's
+                                      "held": [["a", 1], ["b", 2]], "lease_timeout": 1e308,
+                                      "beat": 1, "updated_at": time.time()})):
+        write_bytes(os.path.join(readers, f"{name}.json"), json.dumps(record).encode())
     spy = OpenSpy(outside)
     try:
         def push_twice() -> list[int]:

@@ -276,20 +276,28 @@ class Sender:
         return head.run_id, self._past_loaded(head.run_id, head.version), head.slot
 
     def _past_loaded(self, run_id: str, version: int) -> int:
-        """``version``, or the highest version of run ``run_id`` a reader reports loaded if
-        that is higher: the head was restored from an older copy, and numbering on from it
-        would publish versions those readers take for ones they already have."""
+        """``version``, or the highest version of run ``run_id`` that a slot's stamp names or
+        a reader reports loaded, if that is higher: the head was restored from an older copy,
+        and numbering on from it would publish versions that readers take for ones they
+        already have."""
+        seen: list[Any] = []
         try:
-            leases = self.store.read_leases()
+            seen += [lease.get("loaded_version") for lease in self.store.read_leases().values()
+                     if lease.get("loaded_run_id") == run_id]
         except (OSError, FormatError):
-            return version
-        loaded = [lease.get("loaded_version") for lease in leases.values()
-                  if lease.get("loaded_run_id") == run_id]
-        highest = max((v for v in loaded if isinstance(v, int) and not isinstance(v, bool)),
+            pass
+        for slot in SLOTS:
+            try:
+                stamped, stamp_run = self.store.read_stamp(slot)
+            except (OSError, FormatError):
+                continue
+            if stamp_run == run_id:
+                seen.append(stamped)
+        highest = max((v for v in seen if isinstance(v, int) and not isinstance(v, bool)),
                       default=version)
         if highest > version:
-            log.warning("%s went back to version %d of run %s, but readers report version %d "
-                        "of that run loaded (its head was restored from an older copy?): the "
+            log.warning("%s went back to version %d of run %s, but version %d of that run was "
+                        "published there (its head was restored from an older copy?): the "
                         "next push is version %d", self.store.root, version, run_id, highest,
                         highest + 1)
             return highest

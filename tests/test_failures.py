@@ -451,3 +451,18 @@ def test_waiting_past_an_opened_version_sees_a_new_run(root):
             sender.push({"w": torch.ones(2)})
             sender.push({"w": torch.ones(2)})
         assert rx.wait(newer_than=seen, timeout=5) == 2
+
+
+def test_a_writer_on_a_restored_head_numbers_past_what_the_slots_held(root):
+    """The head restored from a backup of version 1 while the slots hold versions 2 and 3 of
+    the same run, and no reader reports anything (read-only readers write no lease): the next
+    push is version 4, never a second, different version 2."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(2)})
+        backup = open(os.path.join(root, MANIFEST_FILE), "rb").read()
+        sender.push({"w": torch.full((2,), 2.0)})
+        sender.push({"w": torch.full((2,), 3.0)})
+    with open(os.path.join(root, MANIFEST_FILE), "wb") as f:
+        f.write(backup)
+    with dbsync.Sender(root) as sender:
+        assert sender.push({"w": torch.full((2,), 4.0)}) == 4

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from .format import TensorEntry, torch_dtype
 from .scatter import MAX_GAP, MAX_IOVECS, SCRATCH_ADDRESS, Read
-from .tensorstate import States
+from .tensorstate import ADDRESS, DTYPE, SHAPE, States
 
 #: bytes per read (one thread's task)
 READ_BYTES = 16 << 20
@@ -33,7 +33,7 @@ class CopyPlan(NamedTuple):
     by_torch: list[tuple[Any, TensorEntry]]
     #: pairs of entries whose destination is one tensor (tied weights): the caller must make
     #: sure they are equal, or the last would silently win
-    shared: list[tuple[TensorEntry, TensorEntry]] = []
+    shared: Sequence[tuple[TensorEntry, TensorEntry]] = ()
 
 
 def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: bool
@@ -179,10 +179,10 @@ class PlanCache:
         names = [e.name for e in entries]
         targets = list(map(dest.get, names))
         where = {id(t): i for i, t in enumerate(targets)}
-        shared = [] if len(where) == len(targets) else _shared(targets)
-        plan = plan._replace(shared=[(entries[i], entries[j]) for i, j in shared])
         by_torch_at = [where[id(t)] for t, _ in plan.by_torch]
         kept_states = States.of(targets)  # None (not kept) for tensors with no plain memory
+        shared = _shared(targets, kept_states)
+        plan = plan._replace(shared=[(entries[i], entries[j]) for i, j in shared])
         if kept_states is not None and all(
                 entries[i] is e for i, (_, e) in zip(by_torch_at, plan.by_torch, strict=True)):
             raw_at: list[int] | None = [where[id(t)] for t in plan.raw_destinations]
@@ -193,12 +193,20 @@ class PlanCache:
         return plan
 
 
-def _shared(targets: list[Any]) -> list[tuple[int, int]]:
-    """(first, other) positions of targets that are one tensor."""
-    first: dict[int, int] = {}
+def _shared(targets: list[Any], states: States | None) -> list[tuple[int, int]]:
+    """(first, other) positions of targets that are one tensor: the same object, or the same
+    memory seen as the same dtype and shape (``state_dict()`` without ``keep_vars`` gives a
+    new tensor object per name, tied or not)."""
+    if states is None:
+        keys: list[Any] = list(map(id, targets))
+    else:
+        columns = states.columns
+        keys = [(a, d, s) if a else i for i, (a, d, s) in enumerate(zip(
+            columns[ADDRESS], columns[DTYPE], columns[SHAPE], strict=True))]
+    first: dict[Any, int] = {}
     pairs = []
-    for i, t in enumerate(targets):
-        j = first.setdefault(id(t), i)
+    for i, key in enumerate(keys):
+        j = first.setdefault(key, i)
         if j != i:
             pairs.append((j, i))
     return pairs

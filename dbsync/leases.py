@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .errors import DBSyncError
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -194,8 +195,28 @@ class ReaderIdInUse(Exception):
     """Raised by ``claim_reader_id``; its message names the live reader."""
 
 
+#: (store root, reader id) of the open receivers of this process that write leases
 _CLAIMED: set[tuple[str, str]] = set()
 _CLAIMED_LOCK = threading.Lock()
+
+
+def _forget_claims_in_child() -> None:  # a forked child has none of its parent's receivers
+    global _CLAIMED_LOCK
+    _CLAIMED.clear()
+    _CLAIMED_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_claims_in_child)
+
+
+def check_lease_timeout(value: Any) -> float:
+    """``value`` as a lease timeout in seconds; raises ``DBSyncError`` unless it is a number
+    in [MIN_LEASE_TIMEOUT, MAX_LEASE_TIMEOUT]."""
+    if not (isinstance(value, int | float) and not isinstance(value, bool)
+            and MIN_LEASE_TIMEOUT <= value <= MAX_LEASE_TIMEOUT):
+        raise DBSyncError(f"lease_timeout must be between {MIN_LEASE_TIMEOUT:g} and "
+                          f"{MAX_LEASE_TIMEOUT:g} seconds, not {value!r}")
+    return float(value)
 
 
 def claim_reader_id(store: Store, reader_id: str, sleep: Callable[[float], None] = time.sleep,
@@ -224,6 +245,7 @@ def claim_reader_id(store: Store, reader_id: str, sleep: Callable[[float], None]
 
 
 def release_reader_id(claim: tuple[str, str] | None) -> None:
+    """End a claim made by ``claim_reader_id`` (None: nothing to end)."""
     if claim is not None:
         with _CLAIMED_LOCK:
             _CLAIMED.discard(claim)
@@ -237,8 +259,14 @@ def _wait_until_unused(store: Store, reader_id: str, sleep: Callable[[float], No
     pid = lease.get("pid")
     if same_pid_namespace(lease):
         if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
-            raise ReaderIdInUse(f"process {pid} on this host renews its lease")
+            raise ReaderIdInUse(
+                f"its lease was written by process {pid} on this host, which is alive (if that "
+                f"is not a dbsync receiver, remove {store.lease_path(reader_id)})")
         return  # its process is gone (or was this one): the lease is stale
+    me = host_identity()
+    if lease.get("host") == me["host"] and me["boot_id"] is not None and lease.get(
+            "boot_id") not in (None, me["boot_id"]):
+        return  # written on this host before it rebooted: stale
     timeout = lease_timeout_of(lease, DEFAULT_LEASE_TIMEOUT)
     beat, start = lease.get("beat"), clock()
     log.log(logging.WARNING if timeout > 10 else logging.INFO,

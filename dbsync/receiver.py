@@ -25,6 +25,7 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -57,6 +58,7 @@ from .leases import (
     IDLE,
     READING,
     ReaderIdInUse,
+    check_lease_timeout,
     claim_reader_id,
     host_identity,
     release_reader_id,
@@ -72,6 +74,8 @@ _EXTRA_STATE = "_extra_state"
 #: bytes per verification / copy task
 _TASK_BYTES = 16 << 20
 _LEASELESS_RETRIES = 5
+#: tensors per autograd version bump call
+_BUMP_CHUNK = 512
 _EMPTY_CHECKSUM = checksum(b"")
 
 
@@ -99,7 +103,7 @@ class _LeaseKeeper:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._ended = False
-        #: this process's claim on the reader id (see ``_claim_reader_id``), if it made one
+        #: this process's claim on the reader id (``leases.claim_reader_id``), if it made one
         self.claim: tuple[str, str] | None = None
 
     def record(self) -> dict[str, Any]:
@@ -189,7 +193,9 @@ class _LeaseKeeper:
                 return
             self._ended = True
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._thread is None:
+            return  # never wrote a lease (read-only): the file, if any, is another reader's
+        if self._thread is not threading.current_thread():
             self._thread.join()
         try:
             self.store.remove_lease(self.reader_id)
@@ -207,6 +213,9 @@ class Snapshot:
         self.manifest = manifest
         self.leased = leased
         self._token = token
+        # (a snapshot dropped without close() releases its hold too: its views are then
+        # unprotected, as documented, but the writer is not blocked forever)
+        self._release = weakref.finalize(self, receiver._keeper.release, token)
         self._shards: dict[int, ShardView] = {}
         self._missing: dict[str, str] = {}
         self._closed = False
@@ -409,7 +418,7 @@ class Snapshot:
         published = {e.name for e in self.manifest.tensors}
         for name in expected:
             if name not in published and name not in optional:
-                problems[name] = "missing from the published version"
+                problems[name] = _MISSING
         if problems:
             listing = "; ".join(f"{describe_name(k)}: {v}"
                                 for k, v in list(problems.items())[:12])
@@ -486,7 +495,7 @@ class Snapshot:
         tensordict = sys.modules.get("tensordict")  # (no TensorDict unless it was imported)
         if isinstance(target, torch.nn.Module):
             dest = target.state_dict(keep_vars=True)
-            for name in [k for k in dest if k.endswith(_EXTRA_STATE)]:
+            for name in [k for k in dest if k == _EXTRA_STATE or k.endswith("." + _EXTRA_STATE)]:
                 if not isinstance(dest[name], torch.Tensor):
                     del dest[name]  # a module's extra state (get_extra_state): not weights
         elif tensordict is not None and isinstance(target, tensordict.TensorDictBase):
@@ -520,10 +529,7 @@ class Snapshot:
         shards = sorted(plan.raw)
         if self.leased and len(shards) > fileio.SHARDS_OPEN_AT_ONCE:
             self._reopen(shards, keep_open=False)  # every file checked before any byte lands
-        # (the switch interval is short from before the first read is queued: a copy thread
-        # woken meanwhile waits that long for the GIL, which the version bump holds)
-        with gilswitch.fast_switching():
-            self._copy(plan, shards, by_torch, threads)
+        self._copy(plan, shards, by_torch, threads)
         return self.manifest.total_bytes
 
     def _copy(self, plan: Any, shards: list[int], by_torch: Callable[[Any], None],
@@ -531,6 +537,11 @@ class Snapshot:
         """Run the copy plan in the receiver's worker threads and bump the destinations'
         autograd versions meanwhile; return once every copy has ended."""
         pool = self.receiver.workers.get(threads)
+        # The switch interval is short from before the first task is queued until the bump
+        # ends: a copy thread woken meanwhile waits that long for the GIL, which the bump
+        # holds. (Back to normal while the copy runs on.)
+        switching = contextlib.ExitStack()
+        switching.enter_context(gilswitch.fast_switching())
         futures = [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
                    _task_bounds([e.nbytes for _, e in plan.by_torch])]
         try:  # (never leave a copy running past this call; the first error is the one raised)
@@ -548,6 +559,7 @@ class Snapshot:
                     if not first:  # bumped while the first bytes land, and before a failed
                         # read could leave it unbumped
                         _bump_versions(plan.raw_destinations)
+                        switching.close()
                     wait_all(futures)
                 except BaseException:
                     settle(futures)  # (before the files close: no read on a closed fd)
@@ -559,23 +571,25 @@ class Snapshot:
         except BaseException:
             settle(futures)
             raise
+        finally:
+            switching.close()
 
     def _plan_copy(self, dest: dict[str, Any], strict: bool) -> Any:
         cache, entries = self.receiver.copy_plans, self.manifest.tensors
-        tied = self.receiver.tied_names
-        if tied and all(dest.get(n) is not None and dest.get(n) is dest.get(twin)
+        tied = self.receiver._tied_names
+        if tied and all(n in dest and twin in dest and _tie_key(dest[n]) == _tie_key(dest[twin])
                         for n, twin in tied.items()):  # (the last load's tied names)
             plan = cache.plan(entries, {k: v for k, v in dest.items() if k not in tied},
                               strict)
             if plan is not None:
                 return plan
-        self.receiver.tied_names = {}
+        self.receiver._tied_names = {}
         plan = cache.plan(entries, dest, strict)
         if plan is None:  # something does not fit: say everything that does not
             problems = self._copy_problems(dest, strict)
             tied = _tied_to_published(problems, dest, entries)
             if tied:  # names the version lacks only because they are tied to one it has
-                self.receiver.tied_names = tied
+                self.receiver._tied_names = tied
                 untied = {k: v for k, v in dest.items() if k not in tied}
                 plan = cache.plan(entries, untied, strict)
                 if plan is not None:
@@ -597,26 +611,29 @@ class Snapshot:
         import torch
 
         ranges = self.manifest.ranges
-        differ = []
+        differ: list[tuple[Any, Any]] = []
         for a, b in shared:
             ra, rb = ranges[a.range], ranges[b.range]
-            if (ra.offset, ra.nbytes, rb.offset, rb.nbytes) == (a.offset, a.nbytes, b.offset,
-                                                                b.nbytes):
+            if a.dtype != b.dtype:
+                same = False
+            elif (ra.offset, ra.nbytes, rb.offset, rb.nbytes) == (a.offset, a.nbytes, b.offset,
+                                                                  b.nbytes):
                 same = ra.checksum == rb.checksum  # each alone in its checked range
             else:
-                ta, tb = self._tensor(a), self._tensor(b)
-                same = ta.dtype == tb.dtype and torch.equal(
-                    ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8))
+                same = torch.equal(self._tensor(a).reshape(-1).view(torch.uint8),
+                                   self._tensor(b).reshape(-1).view(torch.uint8))
             if not same:
-                differ.append(f"{describe_name(a.name)} and {describe_name(b.name)}")
+                differ.append((a, b))
         if differ:
             raise IncompatibleWeightsError(
                 f"version {self.version} does not fit the target: "
-                + "; ".join(differ[:12]) + " are one tensor in the target (tied weights) but "
-                "differ in the version; nothing was copied. Publish them equal (tied in the "
-                "trainer too) or load into a target where they are separate tensors",
+                + "; ".join(f"{describe_name(a.name)} and {describe_name(b.name)}"
+                            for a, b in differ[:12])
+                + " are one tensor in the target (tied weights) but differ in the version; "
+                "nothing was copied. Publish them equal (tied in the trainer too) or load into "
+                "a target where they are separate tensors",
                 {a.name: f"tied to {b.name} in the target, different in the version"
-                 for a, b in shared})
+                 for a, b in differ})
 
     def _copy_problems(self, dest: dict[str, Any], strict: bool) -> dict[str, str]:
         """Every reason why ``dest`` cannot take this version (name -> why)."""
@@ -691,7 +708,7 @@ class Snapshot:
         for shard in self._shards.values():
             shard.close()
         self._shards.clear()
-        self.receiver._keeper.release(self._token)
+        self._release()
 
     def __enter__(self) -> Snapshot:
         return self
@@ -710,9 +727,6 @@ def _bump_versions(tensors: list[Any]) -> None:
     for lo in range(0, len(tensors), _BUMP_CHUNK):
         bump(tensors[lo:lo + _BUMP_CHUNK])
 
-
-#: tensors per autograd version bump call
-_BUMP_CHUNK = 512
 
 
 def _mismatch(got: str, r: Any) -> str:
@@ -754,9 +768,7 @@ class Receiver:
         self.reader_id = check_reader_id(
             reader_id or f"{host_identity()['host']}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
-        if not (isinstance(lease_timeout, int | float) and 0.5 <= lease_timeout <= 3600):
-            raise DBSyncError("lease_timeout must be between 0.5 and 3600 seconds")
-        self.lease_timeout = float(lease_timeout)
+        self.lease_timeout = check_lease_timeout(lease_timeout)
         self.verify = verify
         self.poll_interval = poll_interval
         #: False for helper readers (e.g. a worker staging broadcasts) whose loads must not be
@@ -770,7 +782,7 @@ class Receiver:
         self.copy_plans = PlanCache()
         #: names of the last target that the version lacks because each is tied to a
         #: published one ({name: published twin}; checked again at every load)
-        self.tied_names: dict[str, str] = {}
+        self._tied_names: dict[str, str] = {}
         self._tokens = itertools.count(1)
         self._keeper = _LeaseKeeper(self.store, self.reader_id, self.lease_timeout,
                                     report_loaded)
@@ -784,11 +796,16 @@ class Receiver:
                     "receivers sharing an id overwrite each other's lease, and the writer may "
                     "then reuse a slot one of them still reads: give each receiver its own "
                     "reader_id (or leave it unset for a unique one)") from None
-            self._keeper.write()
-            self._keeper.start()
+            try:
+                self._keeper.write()
+                self._keeper.start()
+            except BaseException:
+                release_reader_id(self._keeper.claim)
+                raise
         #: worker threads kept from one load to the next (see ``workers``)
         self.workers = WorkerPools("dbsync-read")
         self._closed = threading.Event()
+        self._closing = threading.Lock()
         self._waits: set[threading.Event] = set()  # events of the wait() calls under way
         self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()  # started by watch()
         self._finalizer = weakref.finalize(self, _close_parts, self._keeper, self.workers)
@@ -879,7 +896,7 @@ class Receiver:
             if head is None:
                 if current is None or version > current.version:
                     latest = "none yet" if current is None else f"the latest is {current.version}"
-                    raise DBSyncError(f"version {version} was never published in "
+                    raise DBSyncError(f"version {version} is not published in "
                                       f"{self.store.root} ({latest}); open the current version "
                                       "(open() without a version)")
                 raise self._gone(version)
@@ -1033,10 +1050,11 @@ class Receiver:
         (``close()`` stops it too)."""
         from .watch import Watcher
 
-        self._check_open()
         kwargs.setdefault("poll_interval", self.poll_interval)
         watcher = Watcher(self.store.root, callback, **kwargs)
-        self._watchers.add(watcher)
+        with self._closing:
+            self._check_open()
+            self._watchers.add(watcher)
         watcher.start()
         return watcher
 
@@ -1045,11 +1063,13 @@ class Receiver:
         ``watch()`` stop, and later calls of ``open``, ``load``, ``wait`` and ``watch`` raise.
         The heartbeat stops and the lease is removed once snapshots still open are closed (a
         slot they read stays protected until then). Safe to call more than once."""
-        self._closed.set()
+        with self._closing:  # (watch() adds under it: no watcher starts unseen)
+            self._closed.set()
+            watchers, self._watchers = list(self._watchers), weakref.WeakSet()
         for event in list(self._waits):
             event.set()
-        for watcher in list(self._watchers):
-            watcher.stop()
+        for watcher in watchers:  # (only the first close joins them: two callbacks that
+            watcher.stop()  # close at once must not wait for each other)
         self._finalizer()
 
     def _check_open(self) -> None:
@@ -1078,9 +1098,16 @@ def _tied_to_published(problems: dict[str, str], dest: Mapping[str, Any],
     store once); else {}."""
     if not problems or any(why != _MISSING for why in problems.values()):
         return {}
-    published = {id(dest[e.name]): e.name for e in entries if e.name in dest}
-    twins = {name: published.get(id(dest[name]), "") for name in problems}
+    published = {_tie_key(dest[e.name]): e.name for e in entries if e.name in dest}
+    twins = {name: published.get(_tie_key(dest[name]), "") for name in problems}
     return twins if all(twins.values()) else {}
+
+
+def _tie_key(tensor: Any) -> Any:
+    """What makes two destinations one tensor: the same memory as the same dtype and shape
+    (or the same object, for one without memory of its own)."""
+    address = tensor.data_ptr() if hasattr(tensor, "data_ptr") else 0
+    return (address, tensor.dtype, tuple(tensor.shape)) if address else id(tensor)
 
 
 def _is_tensor_container(target: Any) -> bool:

@@ -54,10 +54,9 @@ from .format import (
 )
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
-    MAX_LEASE_TIMEOUT,
-    MIN_LEASE_TIMEOUT,
     SLOW_HOLDER_WARN_S,
     LeaseMonitor,
+    check_lease_timeout,
     prune_abandoned,
 )
 from .pushlayout import LayoutCache, PushLayout
@@ -210,10 +209,7 @@ class Sender:
             raise DBSyncError("num_threads must be at least 1")
         if max_lag is not None and max_lag < 0:
             raise DBSyncError("max_lag must be >= 0 (or None for no bound)")
-        if not (isinstance(lease_timeout, int | float) and not isinstance(lease_timeout, bool)
-                and MIN_LEASE_TIMEOUT <= lease_timeout <= MAX_LEASE_TIMEOUT):
-            raise DBSyncError(f"lease_timeout must be between {MIN_LEASE_TIMEOUT:g} and "
-                              f"{MAX_LEASE_TIMEOUT:g} seconds, not {lease_timeout!r}")
+        check_lease_timeout(lease_timeout)
         _refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)
         self.dtype = dtype

@@ -43,9 +43,10 @@ def _getters() -> list[Callable[[Any], Any]]:
     return _GETTERS
 
 
-_ADDRESS = 2
-_DTYPE = 3
-_SHAPE = 4
+#: positions of the address, dtype and shape columns in ``States.columns``
+ADDRESS = 2
+DTYPE = 3
+SHAPE = 4
 #: tensors per call of the tensor-match check
 CHUNK = 512
 
@@ -102,7 +103,7 @@ class States:
             columns = [list(map(get, tensors)) for get in _getters()]
         except (AttributeError, TypeError, RuntimeError):
             return None
-        columns[_SHAPE] = list(map(tuple, columns[_SHAPE]))  # (torch.Size: tracked objects)
+        columns[SHAPE] = list(map(tuple, columns[SHAPE]))  # (torch.Size: tracked objects)
         match = None
         matcher = _match_class()
         if matcher is not None:
@@ -124,14 +125,14 @@ class States:
             if self._match is not None:
                 # (a chunk at a time: each call holds the GIL, which other threads, such as
                 # a verify's hashing threads, get between two calls)
-                address, addresses = getters[_ADDRESS], self.columns[_ADDRESS]
+                address, addresses = getters[ADDRESS], self.columns[ADDRESS]
                 for k, match in enumerate(self._match):
                     chunk = tensors[k * CHUNK:(k + 1) * CHUNK]
                     if (list(map(address, chunk)) != addresses[k * CHUNK:(k + 1) * CHUNK]
                             or not match.check(*chunk)):
                         return False
                 return True
-            order = [_ADDRESS] + [k for k in range(len(getters)) if k != _ADDRESS]
+            order = [ADDRESS] + [k for k in range(len(getters)) if k != ADDRESS]
             # (a torch.Size equals the tuple of its dims: shapes compare without converting)
             return all(list(map(getters[k], tensors)) == self.columns[k] for k in order)
         except (AttributeError, TypeError, RuntimeError):
@@ -144,13 +145,13 @@ class States:
         getters = _getters()
         try:
             return all(list(map(getters[k], tensors)) == self.columns[k]
-                       for k in (_DTYPE, _SHAPE))
+                       for k in (DTYPE, SHAPE))
         except (AttributeError, TypeError, RuntimeError):
             return False
 
     @property
     def addresses(self) -> list[int]:
-        return self.columns[_ADDRESS]
+        return self.columns[ADDRESS]
 
     @property
     def all_cpu_contiguous(self) -> bool:

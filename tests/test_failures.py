@@ -374,6 +374,7 @@ def test_tied_weights_load_whether_the_version_stores_them_once_or_twice(root):
 
     big = torch.arange(24.0).reshape(6, 4)
     module = Tied()
+    _tied_into_dicts_by_memory(root + "-dict")
     with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
         for version in (1, 2):  # stored once: the tied name is absent from the version
             sender.push({"embed.weight": big + version, "norm": torch.full((4,), float(version))})
@@ -423,7 +424,7 @@ def test_settings_and_versions_that_cannot_be_are_refused_clearly(root, tmp_path
         dbsync.Sender(str(blocker / "store" / "x"))
     publish(root, {"w": torch.ones(2)})
     with dbsync.Receiver(root) as rx:
-        with pytest.raises(dbsync.DBSyncError, match="version 99 was never published.*latest is 1"):
+        with pytest.raises(dbsync.DBSyncError, match="version 99 is not published.*latest is 1"):
             rx.open(version=99)
 
 
@@ -466,3 +467,23 @@ def test_a_writer_on_a_restored_head_numbers_past_what_the_slots_held(root):
         f.write(backup)
     with dbsync.Sender(root) as sender:
         assert sender.push({"w": torch.full((2,), 4.0)}) == 4
+
+
+def _tied_into_dicts_by_memory(root: str) -> None:
+    """The same through ``state_dict()`` (no ``keep_vars``: a new tensor object per name, tied
+    ones sharing memory), with tensors large enough to be checked alone (compared by their
+    range checksums): stored once loads; stored twice and different is refused."""
+    embed = torch.nn.Embedding(1 << 18, 5)  # 5 MiB: a checked range of its own
+    head = torch.nn.Linear(5, 1 << 18, bias=False)
+    head.weight = embed.weight
+    model = torch.nn.Sequential(embed, head)
+    dest = model.state_dict()
+    assert dest["0.weight"] is not dest["1.weight"]
+    weight = torch.randn(1 << 18, 5)
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
+        sender.push({"0.weight": weight})
+        assert rx.load(dest) == 1 and torch.equal(embed.weight.detach(), weight)
+        sender.push({"0.weight": weight, "1.weight": weight + 1})
+        with pytest.raises(dbsync.IncompatibleWeightsError, match="tied weights"):
+            rx.load(model.state_dict())
+        assert torch.equal(embed.weight.detach(), weight)

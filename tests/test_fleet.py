@@ -731,6 +731,39 @@ def test_closing_a_receiver_keeps_its_open_snapshots_safe_and_ends_everything_el
         assert sender.latest_version() == 3
         assert sender.last_push_seconds["wait_for_readers"] >= 2.5
     assert not os.listdir(os.path.join(root, "readers")), "the lease goes with the last hold"
+    assert not [t for t in threading.enumerate() if t.name == "dbsync-lease"]
+    dbsync.Receiver(root, reader_id=receiver.reader_id).close()  # its id is free again
+
+    # a snapshot dropped without close() ends its hold too (not the writer's problem forever)
+    dropped = dbsync.Receiver(root)
+    dropped.open()
+    dropped.close()
+    gc.collect()
+    assert not os.listdir(os.path.join(root, "readers"))
+    assert not [t for t in threading.enumerate() if t.name == "dbsync-lease"]
+
+    # a read-only receiver sharing a live receiver's id leaves that receiver's lease alone
+    with dbsync.Receiver(root, reader_id="live") as live:
+        dbsync.Receiver(root, reader_id="live", read_only=True).close()
+        assert Store(root).read_lease("live")["pid"] == os.getpid()
+        assert live.load(lambda pairs: None) == 3
+
+    # two watchers whose callbacks both close the receiver at once: neither waits forever
+    both = threading.Barrier(2)
+    closing = dbsync.Receiver(root, poll_interval=0.05)
+    closed: list[str] = []
+    all_closed = threading.Event()
+
+    def close_from_callback(version: int) -> None:
+        both.wait(10)
+        closing.close()
+        closed.append(threading.current_thread().name)
+        if len(closed) == 2:
+            all_closed.set()
+
+    closing.watch(close_from_callback)
+    closing.watch(close_from_callback)
+    assert all_closed.wait(10), "close() from two watcher callbacks deadlocked"
 
 
 # ---- 9. logging ---------------------------------------------------------------------------------

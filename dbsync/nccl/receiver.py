@@ -87,6 +87,16 @@ class BroadcastReceiver:
         self.fs = Receiver(root, reader_id=reader_id, lease_timeout=lease_timeout,
                            verify=verify if fs_verify is None else fs_verify,
                            report_loaded=report_loaded)
+        try:
+            self._set_up(device, verify, timeout, fallback_timeout, poll_interval, address,
+                         depth, whole_version)
+        except BaseException:
+            self.fs.close()  # (its lease and reader id, not kept by a half-built receiver)
+            raise
+
+    def _set_up(self, device: str | torch.device, verify: bool, timeout: float,
+                fallback_timeout: float, poll_interval: float, address: str | None,
+                depth: int | None, whole_version: bool | Callable[[Header], bool]) -> None:
         self.reader_id = self.fs.reader_id
         self.device = torch.device(device)
         self.verify = verify

@@ -80,15 +80,39 @@ class Store:
     """Paths, safe opens and small atomic records under one dbsync root."""
 
     def __init__(self, root: str | os.PathLike[str], create: bool = False):
+        if not os.fspath(root):  # ("" would be the current directory: an unset variable?)
+            raise StoreNotFoundError("the store path is empty (an unset variable?); give the "
+                                     "path of the store directory")
         self.root = os.path.abspath(os.fspath(root))
         self._parsed: dict[str, Index] = {}  # index checksum -> parsed index (the last two)
         if create:
+            self._refuse_foreign_directory()
             self._create_layout()
         elif not os.path.isdir(self.root):
             raise StoreNotFoundError(
                 f"{self.root} does not exist or is not a directory; check the path and that "
                 "the volume is mounted (a Sender creates a store; readers never do)"
             )
+
+    def _refuse_foreign_directory(self) -> None:
+        """Refuse to make a store of a directory that holds other files (a checkpoint
+        directory given as ROOT, SRC and ROOT swapped): a push would mix the store's files
+        with them. An empty directory, a store, and a mount's ``lost+found`` and hidden
+        entries are fine."""
+        try:
+            names = os.listdir(self.root)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return  # created below (or refused there, saying why)
+        ours = {MANIFEST_FILE, SLOTS_DIR, READERS_DIR, WRITER_LOCK_FILE}
+        if ours & set(names):
+            return
+        foreign = sorted(n for n in names if not n.startswith(".") and n != "lost+found")
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+            raise FormatError(
+                f"{self.root} is not a dbsync store but holds other files ({shown}); a push "
+                "would mix a store's files with them. Give an empty or new directory, or the "
+                "root of an existing store (is SRC given as ROOT?)")
 
     def _create_layout(self) -> None:
         """Create ROOT, readers/ and the slots with explicit modes (never the caller's umask).

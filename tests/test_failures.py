@@ -487,3 +487,22 @@ def _tied_into_dicts_by_memory(root: str) -> None:
         with pytest.raises(dbsync.IncompatibleWeightsError, match="tied weights"):
             rx.load(model.state_dict())
         assert torch.equal(embed.weight.detach(), weight)
+
+
+def test_a_directory_holding_other_files_is_never_made_a_store(tmp_path):
+    """A checkpoint directory given as ROOT (or SRC and ROOT swapped) is refused, untouched;
+    a mount's lost+found is fine; an empty path (an unset variable) is never the current
+    directory."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    with pytest.raises(dbsync.FormatError, match="not a dbsync store but holds other files"):
+        dbsync.Sender(str(checkpoint))
+    assert sorted(os.listdir(checkpoint)) == ["config.json"]
+    volume = tmp_path / "volume"
+    (volume / "lost+found").mkdir(parents=True)
+    with dbsync.Sender(str(volume)) as sender:
+        assert sender.push({"w": torch.ones(2)}) == 1
+    for make in (dbsync.Sender, dbsync.Receiver):
+        with pytest.raises(dbsync.StoreNotFoundError, match="path is empty"):
+            make("")

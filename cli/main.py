@@ -258,10 +258,19 @@ def status(root: str, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=1, sort_keys=True))
     else:
         for line in _status_lines(info):
-            click.echo(line)
+            click.echo(_printable(line))
     if problems:
         fail(f"version {info['version']} in {store.root} is damaged ({len(problems)} "
              f"problem(s), listed above); publish again (dbsync push SRC {root})")
+
+
+def _printable(line: str) -> str:
+    """``line`` with characters a terminal would act on (escape sequences, carriage returns,
+    newlines: a store's host names and reasons are anyone's text) shown escaped."""
+    if line.isprintable():
+        return line
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in line)
 
 
 def _status_lines(info: dict[str, Any]) -> list[str]:

@@ -335,3 +335,19 @@ def test_status_names_reader_files_that_are_not_leases(store2):
     assert "readers/odd.json: not a reader's lease (pid 'abc'" in human
     assert [r["id"] for r in as_json["receivers"]] == ["engine"]
     assert set(as_json["malformed_reader_files"]) == {"empty", "odd"}
+
+
+def test_status_shows_a_stores_control_characters_escaped(store2):
+    """Host names and refusal reasons are anyone's text: escape sequences, carriage returns
+    and newlines from the store are shown escaped, never acted on by the terminal or forging
+    lines of their own."""
+    lease = {"reader_id": "evil", "host": "h\x1b[2Jx", "pid": 4242, "lease_timeout": 30,
+             "beat": 1, "updated_at": time.time(), "held": [], "loaded_version": 2,
+             "loaded_run_id": None, "refused": {"version": 2, "at": time.time(),
+                                                "reason": "bad\x1b]0;title\x07\nversion    999"}}
+    with open(os.path.join(store2, "readers", "evil.json"), "w") as f:
+        json.dump(lease, f)
+    human = run("status", store2).stdout
+    assert "\x1b" not in human and "\x07" not in human
+    assert "version    999" not in human.splitlines()
+    assert "h\\x1b[2Jx" in human

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from .format import TensorEntry, torch_dtype
 from .scatter import MAX_GAP, MAX_IOVECS, SCRATCH_ADDRESS, Read
-from .tensorstate import ADDRESS, DTYPE, SHAPE, States
+from .tensorstate import ADDRESS, CONTIGUOUS, DTYPE, SHAPE, States
 
 #: bytes per read (one thread's task)
 READ_BYTES = 16 << 20
@@ -195,14 +195,15 @@ class PlanCache:
 
 def _shared(targets: list[Any], states: States | None) -> list[tuple[int, int]]:
     """(first, other) positions of targets that are one tensor: the same object, or the same
-    memory seen as the same dtype and shape (``state_dict()`` without ``keep_vars`` gives a
-    new tensor object per name, tied or not)."""
+    memory seen as the same dtype, shape and contiguity (``state_dict()`` without
+    ``keep_vars`` gives a new tensor object per name, tied or not)."""
     if states is None:
         keys: list[Any] = list(map(id, targets))
     else:
         columns = states.columns
-        keys = [(a, d, s) if a else i for i, (a, d, s) in enumerate(zip(
-            columns[ADDRESS], columns[DTYPE], columns[SHAPE], strict=True))]
+        keys = [(a, d, s, c) if a else i for i, (a, d, s, c) in enumerate(zip(
+            columns[ADDRESS], columns[DTYPE], columns[SHAPE], columns[CONTIGUOUS],
+            strict=True))]
     first: dict[Any, int] = {}
     pairs = []
     for i, key in enumerate(keys):

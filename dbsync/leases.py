@@ -263,10 +263,6 @@ def _wait_until_unused(store: Store, reader_id: str, sleep: Callable[[float], No
                 f"its lease was written by process {pid} on this host, which is alive (if that "
                 f"is not a dbsync receiver, remove {store.lease_path(reader_id)})")
         return  # its process is gone (or was this one): the lease is stale
-    me = host_identity()
-    if lease.get("host") == me["host"] and me["boot_id"] is not None and lease.get(
-            "boot_id") not in (None, me["boot_id"]):
-        return  # written on this host before it rebooted: stale
     timeout = lease_timeout_of(lease, DEFAULT_LEASE_TIMEOUT)
     beat, start = lease.get("beat"), clock()
     log.log(logging.WARNING if timeout > 10 else logging.INFO,

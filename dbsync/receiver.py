@@ -25,6 +25,7 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import itertools
@@ -103,6 +104,9 @@ class _LeaseKeeper:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._ended = False
+        self._wake = threading.Event()  # wakes the heartbeat early (a release, the end)
+        self._released: collections.deque[int] = collections.deque()  # see release_later
+        self._pid = os.getpid()
         #: this process's claim on the reader id (``leases.claim_reader_id``), if it made one
         self.claim: tuple[str, str] | None = None
 
@@ -123,6 +127,8 @@ class _LeaseKeeper:
 
     def write(self) -> bool:
         """Write the lease now; False (logged once per kind of error) if it cannot be."""
+        if os.getpid() != self._pid:
+            return False  # a forked child: the lease is its parent's
         with self.lock:
             if self._ended:  # (a closed receiver's lease stays removed)
                 return False
@@ -161,6 +167,8 @@ class _LeaseKeeper:
         return self.write()
 
     def release(self, token: int) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child: the holds and the lease are its parent's
         with self.lock:
             if self.held.pop(token, None) is None:
                 return
@@ -170,12 +178,25 @@ class _LeaseKeeper:
         else:
             self.write()
 
+    def release_later(self, token: int) -> None:
+        """``release`` from the heartbeat thread, soon: for a snapshot's finalizer, which
+        garbage collection may run in any thread, this one included, even inside ``write``
+        (holding ``lock``)."""
+        self._released.append(token)
+        self._wake.set()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dbsync-lease", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.timeout / 4):
+        while True:
+            self._wake.wait(self.timeout / 4)
+            self._wake.clear()
+            while self._released and not self._stop.is_set():
+                self.release(self._released.popleft())
+            if self._stop.is_set():
+                return
             self.write()
 
     def close(self) -> None:
@@ -193,6 +214,7 @@ class _LeaseKeeper:
                 return
             self._ended = True
         self._stop.set()
+        self._wake.set()
         if self._thread is None:
             return  # never wrote a lease (read-only): the file, if any, is another reader's
         if self._thread is not threading.current_thread():
@@ -206,7 +228,8 @@ class _LeaseKeeper:
 
 class Snapshot:
     """One opened version: leased (shards mapped) or leaseless (private verified copies).
-    Use as a context manager; the hold on the slot ends on exit."""
+    Use as a context manager; the hold on the slot ends on exit (or, for a snapshot dropped
+    without ``close()``, once it is garbage-collected: its views are then unprotected)."""
 
     def __init__(self, receiver: Receiver, manifest: Manifest, token: int, leased: bool):
         self.receiver = receiver
@@ -215,7 +238,7 @@ class Snapshot:
         self._token = token
         # (a snapshot dropped without close() releases its hold too: its views are then
         # unprotected, as documented, but the writer is not blocked forever)
-        self._release = weakref.finalize(self, receiver._keeper.release, token)
+        self._dropped = weakref.finalize(self, receiver._keeper.release_later, token)
         self._shards: dict[int, ShardView] = {}
         self._missing: dict[str, str] = {}
         self._closed = False
@@ -540,11 +563,17 @@ class Snapshot:
         # The switch interval is short from before the first task is queued until the bump
         # ends: a copy thread woken meanwhile waits that long for the GIL, which the bump
         # holds. (Back to normal while the copy runs on.)
-        switching = contextlib.ExitStack()
-        switching.enter_context(gilswitch.fast_switching())
-        futures = [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
-                   _task_bounds([e.nbytes for _, e in plan.by_torch])]
+        with contextlib.ExitStack() as switching:
+            switching.enter_context(gilswitch.fast_switching())
+            self._run_copy(plan, shards, by_torch, pool, switching)
+
+    def _run_copy(self, plan: Any, shards: list[int], by_torch: Callable[[Any], None],
+                  pool: Any, switching: contextlib.ExitStack) -> None:
+        """The body of ``_copy``; it closes ``switching`` once the bump is done."""
+        futures: list[Any] = []
         try:  # (never leave a copy running past this call; the first error is the one raised)
+            futures += [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
+                        _task_bounds([e.nbytes for _, e in plan.by_torch])]
             for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
                 batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
                 fds = self._reopen(batch) if self.leased else {}
@@ -571,8 +600,6 @@ class Snapshot:
         except BaseException:
             settle(futures)
             raise
-        finally:
-            switching.close()
 
     def _plan_copy(self, dest: dict[str, Any], strict: bool) -> Any:
         cache, entries = self.receiver.copy_plans, self.manifest.tensors
@@ -708,7 +735,8 @@ class Snapshot:
         for shard in self._shards.values():
             shard.close()
         self._shards.clear()
-        self._release()
+        self._dropped.detach()
+        self.receiver._keeper.release(self._token)
 
     def __enter__(self) -> Snapshot:
         return self
@@ -1052,10 +1080,10 @@ class Receiver:
 
         kwargs.setdefault("poll_interval", self.poll_interval)
         watcher = Watcher(self.store.root, callback, **kwargs)
-        with self._closing:
+        with self._closing:  # (callbacks run in the watcher's thread: no deadlock)
             self._check_open()
             self._watchers.add(watcher)
-        watcher.start()
+            watcher.start()
         return watcher
 
     def close(self) -> None:
@@ -1106,8 +1134,12 @@ def _tied_to_published(problems: dict[str, str], dest: Mapping[str, Any],
 def _tie_key(tensor: Any) -> Any:
     """What makes two destinations one tensor: the same memory as the same dtype and shape
     (or the same object, for one without memory of its own)."""
-    address = tensor.data_ptr() if hasattr(tensor, "data_ptr") else 0
-    return (address, tensor.dtype, tuple(tensor.shape)) if address else id(tensor)
+    try:
+        address = tensor.data_ptr()
+        return ((address, tensor.dtype, tuple(tensor.shape), tensor.is_contiguous()) if address
+                else id(tensor))
+    except (AttributeError, RuntimeError):  # (not a tensor, or no storage)
+        return id(tensor)
 
 
 def _is_tensor_container(target: Any) -> bool:

@@ -293,8 +293,8 @@ class Sender:
                       default=version)
         if highest > version:
             log.warning("%s went back to version %d of run %s, but version %d of that run was "
-                        "published there (its head was restored from an older copy?): the "
-                        "next push is version %d", self.store.root, version, run_id, highest,
+                        "written or loaded there (its head was restored from an older copy?): "
+                        "the next push is version %d", self.store.root, version, run_id, highest,
                         highest + 1)
             return highest
         return version
@@ -311,6 +311,11 @@ class Sender:
     def latest_version(self) -> int | None:
         head = self.store.read_head()
         return None if head is None else head.version
+
+    @property
+    def next_version(self) -> int:
+        """The version the next push will publish (after those still pending)."""
+        return self._version + 1
 
     @overload
     def push(self, weights: Weights, blocking: Literal[True] = True,
@@ -538,6 +543,11 @@ class Sender:
             )
 
     def _free_slot(self, slot: str) -> None:
+        try:  # (first: a stamp naming a version that was never flipped to would make the
+            # next writer number past it, taking the head for one restored from a backup)
+            self.store.write_stamp(slot, WRITING, None, durable=False)
+        except OSError as exc:
+            log.info("could not mark slot %s of %s as free: %s", slot, self.store.root, exc)
         try:
             freed = self.store.remove_slot_files(slot)
             log.info("push into %s failed: removed %d bytes of partial files from slot %s",

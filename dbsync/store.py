@@ -103,10 +103,11 @@ class Store:
             names = os.listdir(self.root)
         except (FileNotFoundError, NotADirectoryError, PermissionError):
             return  # created below (or refused there, saying why)
-        ours = {MANIFEST_FILE, SLOTS_DIR, READERS_DIR, WRITER_LOCK_FILE}
-        if ours & set(names):
+        if {MANIFEST_FILE, SLOTS_DIR, WRITER_LOCK_FILE} & set(names):
             return
-        foreign = sorted(n for n in names if not n.startswith(".") and n != "lost+found")
+        # (readers/ alone proves nothing: a receiver creates it wherever it is pointed)
+        foreign = sorted(n for n in names if not n.startswith(".")
+                         and n not in ("lost+found", READERS_DIR))
         if foreign:
             shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
             raise FormatError(

@@ -43,10 +43,11 @@ def _getters() -> list[Callable[[Any], Any]]:
     return _GETTERS
 
 
-#: positions of the address, dtype and shape columns in ``States.columns``
+#: positions of the address, dtype, shape and contiguity columns in ``States.columns``
 ADDRESS = 2
 DTYPE = 3
 SHAPE = 4
+CONTIGUOUS = 5
 #: tensors per call of the tensor-match check
 CHUNK = 512
 
@@ -155,4 +156,4 @@ class States:
 
     @property
     def all_cpu_contiguous(self) -> bool:
-        return all(self.columns[1]) and all(self.columns[5])
+        return all(self.columns[1]) and all(self.columns[CONTIGUOUS])

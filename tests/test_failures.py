@@ -1,5 +1,6 @@
 """Bad input, damaged stores, and what is never allowed to happen because of them."""
 
+import errno
 import json
 import os
 import shutil
@@ -506,3 +507,21 @@ def test_a_directory_holding_other_files_is_never_made_a_store(tmp_path):
     for make in (dbsync.Sender, dbsync.Receiver):
         with pytest.raises(dbsync.StoreNotFoundError, match="path is empty"):
             make("")
+
+
+def test_a_push_failing_after_its_stamp_leaves_the_numbering_alone(root, monkeypatch):
+    """A push that fails after stamping its slot (here the final directory fsync) frees the
+    slot: the next writer continues at the next version, not past a version never published."""
+    with dbsync.Sender(root) as sender:
+        assert sender.push({"w": torch.ones(2)}) == 1
+
+    def eio(self, slot):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(dbsync.store.Store, "sync_slot", eio)
+    with dbsync.Sender(root) as sender, pytest.raises(OSError):
+        sender.push({"w": torch.full((2,), 2.0)})
+    monkeypatch.undo()
+    with dbsync.Sender(root) as sender:
+        assert sender.next_version == 2
+        assert sender.push({"w": torch.full((2,), 2.0)}) == 2

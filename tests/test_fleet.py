@@ -734,13 +734,17 @@ def test_closing_a_receiver_keeps_its_open_snapshots_safe_and_ends_everything_el
     assert not [t for t in threading.enumerate() if t.name == "dbsync-lease"]
     dbsync.Receiver(root, reader_id=receiver.reader_id).close()  # its id is free again
 
-    # a snapshot dropped without close() ends its hold too (not the writer's problem forever)
+    # a snapshot dropped without close() ends its hold too, the closed receiver's lease with
+    # it (not the writer's problem forever)
     dropped = dbsync.Receiver(root)
-    dropped.open()
+    forgotten = dropped.open()
     dropped.close()
+    assert os.listdir(os.path.join(root, "readers")), "the hold keeps the lease"
+    del forgotten
     gc.collect()
+    for heartbeat in [t for t in threading.enumerate() if t.name == "dbsync-lease"]:
+        heartbeat.join(10)  # (the heartbeat thread ends the hold of a collected snapshot)
     assert not os.listdir(os.path.join(root, "readers"))
-    assert not [t for t in threading.enumerate() if t.name == "dbsync-lease"]
 
     # a read-only receiver sharing a live receiver's id leaves that receiver's lease alone
     with dbsync.Receiver(root, reader_id="live") as live:

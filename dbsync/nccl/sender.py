@@ -167,7 +167,7 @@ class BroadcastSender:
         with self._lock:
             self._finish_pending()
             pairs = sources.collect(weights, self.sender.strategy)  # dtype: per bucket
-            version = (self.sender.latest_version() or 0) + 1
+            version = self.sender.next_version
             stats: dict[str, Any] = {"version": version, "broadcast": False, "members": 0,
                                      "setup_seconds": 0.0, "error": None}
             t0 = time.perf_counter()

@@ -698,6 +698,8 @@ def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
     d.collect([0], 600)
     push, takes = push_to(survivors, 5)
     out["after_kill"] = summary(push, takes)
+    if not survivors:  # (one receiver: it was the victim)
+        return out
     # a byte flipped on arrival at the first survivor, before verification
     flipped = survivors[0]
     d.send([r for r in survivors if r != flipped], op="receive")

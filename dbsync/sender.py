@@ -269,26 +269,29 @@ class Sender:
             return uuid.uuid4().hex, version, slot
         if head is None:
             return uuid.uuid4().hex, 0, None
-        return head.run_id, self._past_loaded(head.run_id, head.version), head.slot
+        return head.run_id, self._past_loaded(head.run_id, head.version, head.slot), head.slot
 
-    def _past_loaded(self, run_id: str, version: int) -> int:
-        """``version``, or the highest version of run ``run_id`` that a slot's stamp names or
-        a reader reports loaded, if that is higher: the head was restored from an older copy,
-        and numbering on from it would publish versions that readers take for ones they
-        already have."""
+    def _past_loaded(self, run_id: str, version: int, slot: str) -> int:
+        """``version``, or the highest version of run ``run_id`` that a reader reports loaded
+        or, when the head's own slot was rewritten since (its stamp names another version), a
+        slot's stamp names, if that is higher: the head was restored from an older copy, and
+        numbering on from it would publish versions that readers take for ones they already
+        have. (The other slot stamped ``version + 1`` alone is a writer that died between its
+        stamp and its flip: nobody saw that version.)"""
         seen: list[Any] = []
         try:
             seen += [lease.get("loaded_version") for lease in self.store.read_leases().values()
                      if lease.get("loaded_run_id") == run_id]
         except (OSError, FormatError):
             pass
-        for slot in SLOTS:
+        stamps = {}
+        for name in SLOTS:
             try:
-                stamped, stamp_run = self.store.read_stamp(slot)
+                stamps[name] = self.store.read_stamp(name)
             except (OSError, FormatError):
-                continue
-            if stamp_run == run_id:
-                seen.append(stamped)
+                stamps[name] = (None, None)
+        if stamps[slot] != (version, run_id):
+            seen += [stamped for stamped, stamp_run in stamps.values() if stamp_run == run_id]
         highest = max((v for v in seen if isinstance(v, int) and not isinstance(v, bool)),
                       default=version)
         if highest > version:

@@ -525,3 +525,16 @@ def test_a_push_failing_after_its_stamp_leaves_the_numbering_alone(root, monkeyp
     with dbsync.Sender(root) as sender:
         assert sender.next_version == 2
         assert sender.push({"w": torch.full((2,), 2.0)}) == 2
+
+
+def test_a_writer_that_died_before_its_flip_leaves_the_numbering_alone(root):
+    """A writer killed after stamping its slot with the next version but before the flip:
+    nobody saw that version, and the next writer publishes that number itself (a restored
+    head is told apart by its own slot's stamp, rewritten since)."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(2)})  # version 1 in slot a
+        sender.push({"w": torch.full((2,), 2.0)})  # version 2 in slot b
+        run = sender.run_id
+    dbsync.store.Store(root).write_stamp("a", 3, run, durable=False)  # died before its flip
+    with dbsync.Sender(root) as sender:
+        assert sender.push({"w": torch.full((2,), 3.0)}) == 3

@@ -193,10 +193,21 @@ class PlanCache:
         return plan
 
 
+def tie_key(tensor: Any) -> Any:
+    """What makes two destinations one tensor (tied weights): the same memory seen as the same
+    dtype, shape and contiguity (``state_dict()`` without ``keep_vars`` gives a new tensor
+    object per name, tied or not), or the same object for one without memory of its own."""
+    try:
+        address = tensor.data_ptr()
+        return ((address, tensor.dtype, tuple(tensor.shape), tensor.is_contiguous()) if address
+                else id(tensor))
+    except (AttributeError, RuntimeError):  # (not a tensor, or no storage)
+        return id(tensor)
+
+
 def _shared(targets: list[Any], states: States | None) -> list[tuple[int, int]]:
-    """(first, other) positions of targets that are one tensor: the same object, or the same
-    memory seen as the same dtype, shape and contiguity (``state_dict()`` without
-    ``keep_vars`` gives a new tensor object per name, tied or not)."""
+    """(first, other) positions of targets that are one tensor (``tie_key``, here from the
+    columns already read: no second look at every tensor)."""
     if states is None:
         keys: list[Any] = list(map(id, targets))
     else:

@@ -365,11 +365,13 @@ class LeaseMonitor:
         stamp_version, _ = self.store.read_stamp(slot)
         return sorted(r for r, lease in live.items() if blocks(lease, slot, stamp_version))
 
-    def wait_until_free(self, slot: str, sleep: Callable[[float], Any] = time.sleep,
+    def wait_until_free(self, slot: str, sleep: Callable[[float], Any] | None = None,
                         interval: float = 0.02, stop: threading.Event | None = None) -> float:
-        """Block until no live reader holds ``slot``, or ``stop`` is set (give ``stop.wait``
-        as ``sleep`` to end at once). Returns the seconds waited. Waits at most about the
-        longest lease timeout for a reader that stopped beating."""
+        """Block until no live reader holds ``slot``, or ``stop`` is set (the wait sleeps on
+        it, so it ends at once). Returns the seconds waited. Waits at most about the longest
+        lease timeout for a reader that stopped beating."""
+        if sleep is None:
+            sleep = time.sleep if stop is None else stop.wait
         start = self.clock()
         told = 0  # 1: said at INFO; 2: warned (a reader holds the slot for long)
         while not (stop is not None and stop.is_set()) and (holding := self.holders(slot)):

@@ -42,7 +42,7 @@ from typing import Any
 import xxhash
 
 from . import fileio, gcpause, gilswitch, scatter
-from .copyplan import PlanCache, unfit_destination
+from .copyplan import PlanCache, tie_key, unfit_destination
 from .errors import (
     DamagedVersionError,
     DBSyncError,
@@ -100,7 +100,6 @@ class _LeaseKeeper:
         self.beat = 0
         self.last_ok: float | None = None
         self.error: OSError | None = None
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing = False
         self._ended = False
@@ -193,9 +192,9 @@ class _LeaseKeeper:
         while True:
             self._wake.wait(self.timeout / 4)
             self._wake.clear()
-            while self._released and not self._stop.is_set():
+            while self._released and not self._ended:
                 self.release(self._released.popleft())
-            if self._stop.is_set():
+            if self._ended:
                 return
             self.write()
 
@@ -213,7 +212,6 @@ class _LeaseKeeper:
             if self._ended:
                 return
             self._ended = True
-        self._stop.set()
         self._wake.set()
         if self._thread is None:
             return  # never wrote a lease (read-only): the file, if any, is another reader's
@@ -443,14 +441,9 @@ class Snapshot:
             if name not in published and name not in optional:
                 problems[name] = _MISSING
         if problems:
-            listing = "; ".join(f"{describe_name(k)}: {v}"
-                                for k, v in list(problems.items())[:12])
-            more = f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""
             raise IncompatibleWeightsError(
-                f"version {self.version} does not fit the model ({len(problems)} problem(s)): "
-                f"{listing}{more}. Publish weights of the served architecture",
-                problems,
-            )
+                f"version {self.version} does not fit the model {_listing(problems)}. "
+                "Publish weights of the served architecture", problems)
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
         """(name, tensor) in manifest order; views valid only while the snapshot is open.
@@ -471,11 +464,7 @@ class Snapshot:
                 + ", ".join(sorted(set(self._missing.values()))), self._missing)
         if not self.leased and not self._verified:
             self.verify()  # a private copy is trusted only once its checksums match
-        return self._each_view()
-
-    def _each_view(self) -> Iterator[tuple[str, Any]]:
-        for entry in self.manifest.tensors:
-            yield entry.name, self._tensor(entry)
+        return ((entry.name, self._tensor(entry)) for entry in self.manifest.tensors)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -563,48 +552,49 @@ class Snapshot:
         # The switch interval is short from before the first task is queued until the bump
         # ends: a copy thread woken meanwhile waits that long for the GIL, which the bump
         # holds. (Back to normal while the copy runs on.)
-        with contextlib.ExitStack() as switching:
-            switching.enter_context(gilswitch.fast_switching())
-            self._run_copy(plan, shards, by_torch, pool, switching)
-
-    def _run_copy(self, plan: Any, shards: list[int], by_torch: Callable[[Any], None],
-                  pool: Any, switching: contextlib.ExitStack) -> None:
-        """The body of ``_copy``; it closes ``switching`` once the bump is done."""
         futures: list[Any] = []
-        try:  # (never leave a copy running past this call; the first error is the one raised)
-            futures += [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
-                        _task_bounds([e.nbytes for _, e in plan.by_torch])]
-            for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
-                batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
-                fds = self._reopen(batch) if self.leased else {}
-                try:
-                    for shard in batch:
-                        for read in plan.raw[shard]:
-                            if self.leased:
-                                futures.append(pool.submit(scatter.read_into, fds[shard], read))
-                            else:
-                                futures.append(pool.submit(
-                                    scatter.copy_from, self._shards[shard].address(), read))
-                    if not first:  # bumped while the first bytes land, and before a failed
-                        # read could leave it unbumped
-                        _bump_versions(plan.raw_destinations)
-                        switching.close()
-                    wait_all(futures)
-                except BaseException:
-                    settle(futures)  # (before the files close: no read on a closed fd)
-                    raise
-                finally:
-                    for fd in fds.values():
-                        os.close(fd)
-            wait_all(futures)
-        except BaseException:
-            settle(futures)
-            raise
+        with contextlib.ExitStack() as switching:  # (closed once the bump is done)
+            switching.enter_context(gilswitch.fast_switching())
+            try:  # (never leave a copy running past this call; the first error is the one raised)
+                futures += [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
+                            _task_bounds([e.nbytes for _, e in plan.by_torch])]
+                for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
+                    batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
+                    fds = self._reopen(batch) if self.leased else {}
+                    try:
+                        self._queue_reads(plan, batch, fds, pool, futures)
+                        if not first:  # bumped while the first bytes land, and before a failed
+                            # read could leave it unbumped
+                            _bump_versions(plan.raw_destinations)
+                            switching.close()
+                        wait_all(futures)
+                    except BaseException:
+                        settle(futures)  # (before the files close: no read on a closed fd)
+                        raise
+                    finally:
+                        for fd in fds.values():
+                            os.close(fd)
+                wait_all(futures)
+            except BaseException:
+                settle(futures)
+                raise
+
+    def _queue_reads(self, plan: Any, batch: list[int], fds: dict[int, int], pool: Any,
+                     futures: list[Any]) -> None:
+        """Submit the plan's reads of the shards ``batch`` (from ``fds`` when leased, else
+        from the private copies), appending each future as it is queued."""
+        for shard in batch:
+            for read in plan.raw[shard]:
+                if self.leased:
+                    futures.append(pool.submit(scatter.read_into, fds[shard], read))
+                else:
+                    futures.append(pool.submit(scatter.copy_from,
+                                               self._shards[shard].address(), read))
 
     def _plan_copy(self, dest: dict[str, Any], strict: bool) -> Any:
         cache, entries = self.receiver.copy_plans, self.manifest.tensors
         tied = self.receiver._tied_names
-        if tied and all(n in dest and twin in dest and _tie_key(dest[n]) == _tie_key(dest[twin])
+        if tied and all(n in dest and twin in dest and tie_key(dest[n]) == tie_key(dest[twin])
                         for n, twin in tied.items()):  # (the last load's tied names)
             plan = cache.plan(entries, {k: v for k, v in dest.items() if k not in tied},
                               strict)
@@ -623,13 +613,10 @@ class Snapshot:
                     return plan
             if not problems:  # pragma: no cover
                 raise AssertionError("the copy plan and the listing of problems disagree")
-            listing = "; ".join(f"{describe_name(k)}: {v}"
-                                for k, v in list(problems.items())[:12])
-            more = f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""
             raise IncompatibleWeightsError(
-                f"version {self.version} does not fit the target ({len(problems)} problem(s)):"
-                f" {listing}{more}; nothing was copied. Load into tensors of the published "
-                "names, shapes and dtypes (floating dtypes are cast)", problems)
+                f"version {self.version} does not fit the target {_listing(problems)}; "
+                "nothing was copied. Load into tensors of the published names, shapes and "
+                "dtypes (floating dtypes are cast)", problems)
         return plan
 
     def _check_shared(self, shared: list[tuple[Any, Any]]) -> None:
@@ -754,7 +741,6 @@ def _bump_versions(tensors: list[Any]) -> None:
     bump = torch.autograd.graph.increment_version
     for lo in range(0, len(tensors), _BUMP_CHUNK):
         bump(tensors[lo:lo + _BUMP_CHUNK])
-
 
 
 def _mismatch(got: str, r: Any) -> str:
@@ -1119,6 +1105,13 @@ def _close_parts(keeper: _LeaseKeeper, workers: WorkerPools) -> None:
 _MISSING = "missing from the published version"
 
 
+def _listing(problems: dict[str, str]) -> str:
+    """'(N problem(s)): name: why; ...' (the first 12)."""
+    shown = "; ".join(f"{describe_name(k)}: {v}" for k, v in list(problems.items())[:12])
+    more = f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""
+    return f"({len(problems)} problem(s)): {shown}{more}"
+
+
 def _tied_to_published(problems: dict[str, str], dest: Mapping[str, Any],
                        entries: Sequence[Any]) -> dict[str, str]:
     """{name: published twin} if every problem is a name the version lacks whose target
@@ -1126,20 +1119,10 @@ def _tied_to_published(problems: dict[str, str], dest: Mapping[str, Any],
     store once); else {}."""
     if not problems or any(why != _MISSING for why in problems.values()):
         return {}
-    published = {_tie_key(dest[e.name]): e.name for e in entries if e.name in dest}
-    twins = {name: published.get(_tie_key(dest[name]), "") for name in problems}
+    published = {tie_key(dest[e.name]): e.name for e in entries if e.name in dest}
+    twins = {name: published.get(tie_key(dest[name]), "") for name in problems}
     return twins if all(twins.values()) else {}
 
-
-def _tie_key(tensor: Any) -> Any:
-    """What makes two destinations one tensor: the same memory as the same dtype and shape
-    (or the same object, for one without memory of its own)."""
-    try:
-        address = tensor.data_ptr()
-        return ((address, tensor.dtype, tuple(tensor.shape), tensor.is_contiguous()) if address
-                else id(tensor))
-    except (AttributeError, RuntimeError):  # (not a tensor, or no storage)
-        return id(tensor)
 
 
 def _is_tensor_container(target: Any) -> bool:

@@ -465,7 +465,7 @@ class Sender:
         lagged = self._wait_for_lag()
         version = self._version + 1
         slot = SLOTS[0] if self._slot is None else SLOTS[1 - SLOTS.index(self._slot)]
-        waited = self._leases.wait_until_free(slot, sleep=self._abort.wait, stop=self._abort)
+        waited = self._leases.wait_until_free(slot, stop=self._abort)
         if self._abort.is_set():
             raise _Aborted("push interrupted while waiting for readers; nothing was published")
         t1 = time.perf_counter()

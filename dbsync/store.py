@@ -514,12 +514,14 @@ class Store:
 
     def read_lease(self, reader_id: str) -> dict[str, Any] | None:
         """One reader's lease record, or None if there is none (or it does not parse)."""
+        return self._read_lease_file(check_reader_id(reader_id) + ".json")
+
+    def _read_lease_file(self, name: str) -> dict[str, Any] | None:
         try:
-            raw = self.read_small((READERS_DIR, check_reader_id(reader_id) + ".json"),
-                                  MAX_LEASE_BYTES)
-            record = None if raw is None else loads_json(raw, reader_id)
+            raw = self.read_small((READERS_DIR, name), MAX_LEASE_BYTES)
+            record = None if raw is None else loads_json(raw, name)
         except (OSError, FormatError):
-            return None
+            return None  # removed, being replaced, or not a lease: the next look sees it
         return record if isinstance(record, dict) else None
 
     def read_leases(self) -> dict[str, dict[str, Any]]:
@@ -531,15 +533,10 @@ class Store:
         except FileNotFoundError:
             return leases
         for name in names:
-            if not name.endswith(".json") or name.startswith("."):
-                continue
-            try:
-                raw = self.read_small((READERS_DIR, name), MAX_LEASE_BYTES)
-                record = None if raw is None else loads_json(raw, name)
-            except (OSError, FormatError):
-                continue  # removed, being replaced, or not a lease: the next look sees it
-            if isinstance(record, dict):
-                leases[name[: -len(".json")]] = record
+            if name.endswith(".json") and not name.startswith("."):
+                record = self._read_lease_file(name)
+                if record is not None:
+                    leases[name[: -len(".json")]] = record
         return leases
 
     def writable(self) -> bool:

@@ -87,45 +87,39 @@ class BroadcastReceiver:
         self.fs = Receiver(root, reader_id=reader_id, lease_timeout=lease_timeout,
                            verify=verify if fs_verify is None else fs_verify,
                            report_loaded=report_loaded)
-        try:
-            self._set_up(device, verify, timeout, fallback_timeout, poll_interval, address,
-                         depth, whole_version)
+        try:  # (a failure below closes self.fs: its lease and reader id are not kept)
+            self.reader_id = self.fs.reader_id
+            self.device = torch.device(device)
+            self.verify = verify
+            self.timeout = float(timeout)
+            self.fallback_timeout = float(fallback_timeout)
+            self.poll_interval = poll_interval
+            self.address = address
+            self.depth = max(2, depth if depth is not None else
+                             (3 if self.device.type == "cuda" else 2))
+            self.whole_version = whole_version
+            #: test hook: run on each received bucket before its checksum is checked
+            self.before_verify: BeforeVerify | None = None
+            #: "broadcast" or "filesystem": how the last returned version arrived
+            self.last_source: str | None = None
+            #: why the last broadcast was not used (None when it was)
+            self.last_error: str | None = None
+            self.last_stats: dict[str, Any] = {}
+            self.link = MemberLink(self.fs.store, self.reader_id, self.device, self.timeout,
+                                   address, on_error=self._note_error)
+            self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+            self._plans: dict[int, Any] = {}  # per-bucket copy plans of receive(module or dict)
+            #: (epoch, seq, version) of the last push applied from the broadcast
+            self._applied_push: tuple[int, int, int] | None = None
+            self._buffers: list[torch.Tensor] = []
+            self._lock = threading.Lock()
+            if self.device.type == "cuda" and verify:
+                # Compile and check the paced kernels now (seconds, once per device and
+                # process), not inside the first push, where the sender's per-bucket timeout runs.
+                paced.available(self.device)
         except BaseException:
-            self.fs.close()  # (its lease and reader id, not kept by a half-built receiver)
+            self.fs.close()
             raise
-
-    def _set_up(self, device: str | torch.device, verify: bool, timeout: float,
-                fallback_timeout: float, poll_interval: float, address: str | None,
-                depth: int | None, whole_version: bool | Callable[[Header], bool]) -> None:
-        self.reader_id = self.fs.reader_id
-        self.device = torch.device(device)
-        self.verify = verify
-        self.timeout = float(timeout)
-        self.fallback_timeout = float(fallback_timeout)
-        self.poll_interval = poll_interval
-        self.address = address
-        self.depth = max(2, depth if depth is not None else
-                         (3 if self.device.type == "cuda" else 2))
-        self.whole_version = whole_version
-        #: test hook: run on each received bucket before its checksum is checked
-        self.before_verify: BeforeVerify | None = None
-        #: "broadcast" or "filesystem": how the last returned version arrived
-        self.last_source: str | None = None
-        #: why the last broadcast was not used (None when it was)
-        self.last_error: str | None = None
-        self.last_stats: dict[str, Any] = {}
-        self.link = MemberLink(self.fs.store, self.reader_id, self.device, self.timeout,
-                               address, on_error=self._note_error)
-        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._plans: dict[int, Any] = {}  # per-bucket copy plans of receive(module or dict)
-        #: (epoch, seq, version) of the last push applied from the broadcast
-        self._applied_push: tuple[int, int, int] | None = None
-        self._buffers: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-        if self.device.type == "cuda" and verify:
-            # Compile and check the paced kernels now (seconds, once per device and
-            # process), not inside the first push, where the sender's per-bucket timeout runs.
-            paced.available(self.device)
 
     @property
     def loaded_version(self) -> int | None:

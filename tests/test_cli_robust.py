@@ -340,7 +340,7 @@ def test_status_shows_a_stores_control_characters_escaped(store2):
     and newlines from the store are shown escaped, never acted on by the terminal or forging
     lines of their own."""
     lease = {"reader_id": "evil", "host": "h\x1b[2Jx", "pid": 4242, "lease_timeout": 30,
-             "beat": 1, "updated_at": time.time(), "held": [], "loaded_version": 2,
+             "beat": 1, "updated_at": time.time(), "held": [], "loaded_version": 1,
              "loaded_run_id": None, "refused": {"version": 2, "at": time.time(),
                                                 "reason": "bad\x1b]0;title\x07\nversion    999"}}
     with open(os.path.join(store2, "readers", "evil.json"), "w") as f:
@@ -349,3 +349,4 @@ def test_status_shows_a_stores_control_characters_escaped(store2):
     assert "\x1b" not in human and "\x07" not in human
     assert "version    999" not in human.splitlines()
     assert "h\\x1b[2Jx" in human
+    assert "\\x07\\nversion    999" in human  # the reason shown, escaped

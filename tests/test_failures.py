@@ -484,6 +484,9 @@ def _tied_into_dicts_by_memory(root: str) -> None:
     with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
         sender.push({"0.weight": weight})
         assert rx.load(dest) == 1 and torch.equal(embed.weight.detach(), weight)
+        sender.push({"0.weight": weight, "1.weight": weight.clone()})  # twice, equal
+        assert rx.load(model.state_dict()) == 2
+        assert torch.equal(embed.weight.detach(), weight)
         sender.push({"0.weight": weight, "1.weight": weight + 1})
         with pytest.raises(dbsync.IncompatibleWeightsError, match="tied weights"):
             rx.load(model.state_dict())
@@ -522,6 +525,7 @@ def test_a_push_failing_after_its_stamp_leaves_the_numbering_alone(root, monkeyp
     with dbsync.Sender(root) as sender, pytest.raises(OSError):
         sender.push({"w": torch.full((2,), 2.0)})
     monkeypatch.undo()
+    assert dbsync.store.Store(root).read_stamp("b")[0] == "writing"  # the slot is free
     with dbsync.Sender(root) as sender:
         assert sender.next_version == 2
         assert sender.push({"w": torch.full((2,), 2.0)}) == 2

@@ -715,6 +715,9 @@ def test_closing_a_receiver_keeps_its_open_snapshots_safe_and_ends_everything_el
         assert woken and "closed while waiting" in str(woken[0][0])
         assert woken[0][1] - closed_at < 1.0
         assert not [t for t in threading.enumerate() if t.name == "dbsync-watch"]
+        for inotify in [t for t in threading.enumerate() if t.name == "dbsync-inotify"]:
+            inotify.join(5)  # (it closes its inotify instance on its way out, after stop())
+            assert not inotify.is_alive(), "a watcher's inotify thread outlived close()"
         for call in (receiver.open, lambda: receiver.load({"w": torch.zeros(n)}),
                      lambda: receiver.wait(timeout=0), lambda: receiver.watch(print)):
             with pytest.raises(dbsync.DBSyncError, match="is closed; create a new one"):

@@ -131,7 +131,7 @@ def test_stalled_reader_finds_out_its_lease_expired(root):
         with pytest.raises(dbsync.LeaseExpiredError, match="load again"):
             def stall(pairs):
                 list(pairs)
-                receiver._keeper._stop.set()  # frozen: its heartbeat stops too
+                receiver._keeper._ended = True  # frozen: its heartbeat writes no more
                 sender.push({"w": torch.full((4,), 2.0)})
                 start = time.monotonic()
                 sender.push({"w": torch.full((4,), 3.0)})  # reuses the stalled reader's slot

@@ -63,7 +63,9 @@ def main() -> None:
             for k, v in weights.items():
                 v.copy_(originals[k])
         results["version"] = version
-        results["staging_pinned"] = bool(sender._staging._buf.is_pinned())
+        staged = [b._buf for b in sender._buffers if b._buf is not None]
+        results["staging_buffers"] = len(staged)
+        results["staging_pinned"] = bool(staged) and all(b.is_pinned() for b in staged)
     got: dict[str, torch.Tensor] = {}
     dbsync.Receiver(args.dir).load(lambda pairs: got.update({k: t.clone() for k, t in pairs}))
     results["bit_exact_despite_changes_after_return"] = all(

@@ -111,15 +111,25 @@ class _HostBuffer:
             self._buf = None
             self._buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
         out: sources.Pairs = []
+        targets: list[torch.Tensor] = []
+        origins: list[torch.Tensor] = []
         offset = 0
         for (name, t), size, dt in zip(pairs, sizes, dtypes, strict=True):
             dst = self._buf[offset : offset + size].view(dt).view(t.shape) if size else (
                 torch.empty(t.shape, dtype=dt))
             if size:
-                dst.copy_(t.detach(), non_blocking=t.is_cuda)
+                targets.append(dst)
+                origins.append(t)
             out.append((name, dst))
             offset += fileio.aligned(size)
-        if any(t.is_cuda for _, t in pairs):
+        on_gpu = any(t.is_cuda for t in origins)
+        if targets:
+            # One call for every tensor: the GIL is released once for the whole copy, so a
+            # background push's Python work (planning, index) runs beside it instead of
+            # making every per-tensor copy wait for the GIL on its return.
+            with torch.no_grad():
+                torch._foreach_copy_(targets, origins, non_blocking=on_gpu)
+        if on_gpu:
             torch.cuda.synchronize()
         return out
 

@@ -26,6 +26,7 @@ def assert_bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Ten
     for name, tensor in expected.items():
         out = got[name]
         assert out.dtype == tensor.dtype and out.shape == tensor.shape, name
+        tensor = tensor.detach().resolve_conj()
         a = tensor.contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else tensor
         b = out.contiguous().reshape(-1).view(torch.uint8) if out.numel() else out
         assert torch.equal(a, b), name
@@ -44,13 +45,17 @@ def every_dtype() -> dict[str, torch.Tensor]:
     out["empty"] = torch.empty(0, 7)
     out["non_contiguous"] = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
     out["strided_slice"] = torch.arange(40, dtype=torch.int32)[::3]
+    out["requires_grad"] = torch.nn.Parameter(torch.randn(5, 3, generator=g))
+    out["conj_view"] = torch.randn(6, dtype=torch.complex64, generator=g).conj()
     return out
 
 
-def test_every_dtype_and_shape_round_trips_bit_exact(root):
+@pytest.mark.parametrize("blocking", [True, False])  # (False: through the staging copy)
+def test_every_dtype_and_shape_round_trips_bit_exact(root, blocking):
     weights = every_dtype()
     with dbsync.Sender(root, num_threads=3) as sender:
-        assert sender.push(weights) == 1
+        result = sender.push(weights, blocking=blocking)
+        assert (result if blocking else result.result(timeout=60)) == 1
     version, got = load_all(root)
     assert version == 1
     assert_bit_exact(weights, got)

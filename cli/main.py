@@ -68,8 +68,10 @@ class _Group(click.Group):
             raise
         except KeyboardInterrupt:
             _interrupted("\ninterrupted")
-        except DBSyncError as exc:
-            raise Failure(str(exc)) from None
+        except DBSyncError as exc:  # (may quote a store's text: a refusal reason, a host)
+            from dbsync.status import printable
+
+            raise Failure(printable(str(exc), keep="\n")) from None
         except OSError as exc:
             if pipes.is_closed_pipe(exc):
                 pipes.silence()
@@ -212,7 +214,7 @@ def _report_interrupted_push(root: str, before: int | None,
 
 def _wait_for(store: Store, root: str, version: int, count: int,
               timeout: float | None) -> None:
-    from dbsync.status import receivers_at, wait_for_receivers
+    from dbsync.status import printable, receivers_at, wait_for_receivers
 
     try:  # the Ctrl-C a reader of this line sends may arrive while it is being printed
         click.echo(f"waiting for {count} receiver(s) to load version {version} ...", err=True)
@@ -224,8 +226,8 @@ def _wait_for(store: Store, root: str, version: int, count: int,
     if not done:
         fail(f"version {version} is published, but only {len(loaded)} of {count} "
              f"receiver(s) loaded it within {timeout:g} s; see `dbsync status {root}`")
-    click.echo(f"{len(loaded)} receiver(s) loaded version {version}: {', '.join(loaded)}",
-               err=True)
+    click.echo(printable(f"{len(loaded)} receiver(s) loaded version {version}: "
+                         f"{', '.join(loaded)}"), err=True)  # (their names: anyone's text)
 
 
 # ---- status --------------------------------------------------------------------------------
@@ -236,7 +238,7 @@ def status(root: str, as_json: bool) -> None:
     """Show ROOT's current version and its receivers: host, loaded version, lag, last seen,
     state (live: reading now, idle, refused with the reason, dead). Exits 1 if the current
     version's files are missing or the wrong size (contents are checked by `dbsync verify`)."""
-    from dbsync.status import store_status
+    from dbsync.status import printable, store_status
 
     from .checks import current_problems
     from .fleet import with_reasons
@@ -258,19 +260,10 @@ def status(root: str, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=1, sort_keys=True))
     else:
         for line in _status_lines(info):
-            click.echo(_printable(line))
+            click.echo(printable(line))
     if problems:
         fail(f"version {info['version']} in {store.root} is damaged ({len(problems)} "
              f"problem(s), listed above); publish again (dbsync push SRC {root})")
-
-
-def _printable(line: str) -> str:
-    """``line`` with characters a terminal would act on (escape sequences, carriage returns,
-    newlines: a store's host names and reasons are anyone's text) shown escaped."""
-    if line.isprintable():
-        return line
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                   for c in line)
 
 
 def _status_lines(info: dict[str, Any]) -> list[str]:
@@ -340,6 +333,9 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
         if count is not None and printed[0] >= count:
             done.set()
 
+    if _current_version(root) is None:  # (stderr: stdout stays one line per version)
+        click.echo(f"nothing is published at {root} yet; waiting for the first version "
+                   "(Ctrl-C to stop)", err=True)
     interrupted = False
     with Watcher(store.root, on_version, poll_interval=poll_interval):
         try:

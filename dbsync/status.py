@@ -25,6 +25,17 @@ from .store import Store
 LIVE, IDLE, DEAD, REFUSED = "live", "idle", "dead", "refused"
 
 
+def printable(text: str, keep: str = "") -> str:
+    """``text`` with characters a terminal would act on (escape sequences, carriage returns,
+    newlines) shown escaped, but those in ``keep``. A store's host names, reader ids and
+    refusal reasons are anyone's text: shown raw, they could drive a terminal or forge
+    lines of their own."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep
+                   else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def loaded_versions(leases: dict[str, dict[str, Any]]) -> dict[str, int]:
     """reader id -> loaded version, for leases that report loads."""
     return {r: lease["loaded_version"] for r, lease in leases.items()
@@ -132,7 +143,8 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
             if refused is not None and refused[0] >= version and loaded.get(r, 0) < refused[0]:
                 refusals[r] = f"version {refused[0]}: {refused[1]}"
         if refusals:
-            listing = "; ".join(f"{r} refused {why}" for r, why in sorted(refusals.items()))
+            listing = "; ".join(f"{printable(r)} refused {printable(why)}"
+                                for r, why in sorted(refusals.items()))
             raise ReceiverRefusedError(
                 f"{len(refusals)} receiver(s) did not apply version {version}: {listing}",
                 refusals,

@@ -482,6 +482,25 @@ def test_watch_human_lines(store_v1):
     assert result.stdout.startswith("version 1  slot a  4 tensors")
 
 
+def test_watch_says_it_waits_for_a_first_version_then_prints_it(tmp_path, st_file):
+    root = tmp_path / "store"
+    root.mkdir()  # made by the deployment; nothing pushed yet
+    proc = subprocess.Popen(cli_cmd("watch", str(root), "--json", "--count", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env(), cwd=REPO)
+    try:
+        said = proc.stderr.readline()  # (the handshake: the watcher is up)
+        assert "nothing is published" in said and "waiting for the first version" in said
+        assert run("push", st_file, str(root)).exit_code == 0
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert json.loads(out)["version"] == 1
+
+
 def test_watch_missing_root(tmp_path):
     result = run("watch", str(tmp_path / "missing"), "--count", "1")
     assert result.exit_code == 1

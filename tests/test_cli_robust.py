@@ -335,7 +335,7 @@ def test_status_names_reader_files_that_are_not_leases(store2):
     assert set(as_json["malformed_reader_files"]) == {"empty", "odd"}
 
 
-def test_status_shows_a_stores_control_characters_escaped(store2):
+def test_status_shows_a_stores_control_characters_escaped(store2, st_file):
     """Host names and refusal reasons are anyone's text: escape sequences, carriage returns
     and newlines from the store are shown escaped, never acted on by the terminal or forging
     lines of their own."""
@@ -350,3 +350,12 @@ def test_status_shows_a_stores_control_characters_escaped(store2):
     assert "version    999" not in human.splitlines()
     assert "h\\x1b[2Jx" in human
     assert "\\x07\\nversion    999" in human  # the reason shown, escaped
+
+    # the same reason ends a push waiting for receivers: its error shows it escaped too
+    lease["refused"]["version"] = 3  # the version about to be pushed
+    with open(os.path.join(store2, "readers", "evil.json"), "w") as f:
+        json.dump(lease, f)
+    pushed = run("push", st_file, store2, "--wait-for", "1", "--timeout", "30")
+    assert pushed.exit_code == 1
+    assert "evil" in pushed.stderr and "\\x07\\nversion    999" in pushed.stderr
+    assert "\x1b" not in pushed.stderr and "\x07" not in pushed.stderr

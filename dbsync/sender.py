@@ -146,10 +146,17 @@ def _weakly(method: Callable[[Future[int]], None]) -> Callable[[Future[int]], No
     return call
 
 
-def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor]) -> None:
+def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor], pid: int) -> None:
     """Finalizer shared by ``close()`` and garbage collection (holds no Sender reference).
     It may run in a pool's own thread (the publisher dropping the last reference after a
-    background push): that pool is shut down without waiting for itself."""
+    background push): that pool is shut down without waiting for itself. In a forked child
+    it only closes its copy of the lock's descriptor: unlocking would release the parent's
+    lock (a ``flock`` belongs to the open file, which the child shares)."""
+    if os.getpid() != pid:
+        fd, lock_fd[0] = lock_fd[0], None
+        if fd is not None:
+            os.close(fd)
+        return
     for pool in pools:
         try:
             pool.shutdown(wait=True)
@@ -228,10 +235,11 @@ class Sender:
         self.max_lag = max_lag
         self.max_lag_timeout = max_lag_timeout
         self._lock_fd: list[int | None] = [self.store.lock_writer()]
+        self._pid = os.getpid()
         self._io = ThreadPoolExecutor(num_threads, thread_name_prefix="dbsync-write")
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dbsync-publish")
         self._finalizer = weakref.finalize(self, _release, self._lock_fd,
-                                           [self._publisher, self._io])
+                                           [self._publisher, self._io], self._pid)
         try:
             self.store.remove_temp_files()
             self._run_id, self._version, self._slot = self._continue_from_store()
@@ -351,6 +359,12 @@ class Sender:
         host memory; the caller may then modify them. Errors in the background surface from
         ``future.result()``, in ``last_error`` and in the log. ``progress(bytes_done,
         bytes_total)`` is called from writer threads."""
+        if os.getpid() != self._pid:
+            raise DBSyncError(
+                f"this Sender was created in process {self._pid}, and this is a forked child "
+                f"({os.getpid()}): its writer threads and the store's writer lock stay with "
+                "the parent. Push from the parent, or create the Sender in the process that "
+                "pushes (the parent's must be closed first: one writer per store)")
         if self._lock_fd[0] is None:
             raise DBSyncError("this Sender is closed; create a new one")
         with self._push_lock:

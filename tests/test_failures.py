@@ -542,3 +542,41 @@ def test_a_writer_that_died_before_its_flip_leaves_the_numbering_alone(root):
     dbsync.store.Store(root).write_stamp("a", 3, run, durable=False)  # died before its flip
     with dbsync.Sender(root) as sender:
         assert sender.push({"w": torch.full((2,), 3.0)}) == 3
+
+
+def test_a_forked_child_cannot_push_through_its_parents_sender_nor_free_its_lock(root):
+    """A forked child (a data-loader or collector worker) has none of the Sender's threads:
+    its push used to hang forever. It now raises at once, and the child dropping its copy of
+    the Sender leaves the parent's writer lock held (a flock belongs to the shared open file:
+    unlocking in the child would have released the parent's)."""
+    import warnings
+
+    with dbsync.Sender(root) as sender:
+        assert sender.push({"w": torch.ones(3)}) == 1
+        read, write = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (fork with threads running)
+            pid = os.fork()
+        if pid == 0:  # the child: report, close its copy of the Sender, leave without cleanup
+            try:
+                try:
+                    sender.push({"w": torch.full((3,), 2.0)})
+                    said = "pushed"
+                except dbsync.DBSyncError as exc:
+                    said = str(exc)
+                sender.close()  # (as a `with` block in the child would)
+                os.write(write, said.encode()[:4000])
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            said = pipe.read().decode()
+        assert os.waitpid(pid, 0)[1] == 0
+        assert "forked child" in said and "create the Sender in the process" in said
+        with pytest.raises(dbsync.StoreBusyError):  # the parent still holds the lock
+            dbsync.Sender(root)
+        assert sender.push({"w": torch.full((3,), 3.0)}) == 2
+    with dbsync.Receiver(root) as receiver:
+        got = {}
+        assert receiver.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 2
+    assert torch.equal(got["w"], torch.full((3,), 3.0))

@@ -22,7 +22,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple
 
@@ -358,19 +358,19 @@ def settle(futures: Sequence[Future]) -> None:
 
 def wait_all(futures: Sequence[Future]) -> None:
     """Wait for every future, then raise the first error (never leave a thread running
-    against a file we are about to close, never drop an error). Interrupted while waiting
-    (Ctrl-C), it settles the futures before it raises."""
-    first: BaseException | None = None
+    against a file we are about to close, never drop an error). Once one has failed, or when
+    interrupted while waiting (Ctrl-C), the futures that have not started are cancelled (a
+    full disk or a stopped push writes no more) and the running ones waited for."""
     try:
-        for f in futures:
-            exc = f.exception()
-            if exc is not None and first is None:
-                first = exc
+        wait_futures(futures, return_when=FIRST_EXCEPTION)
     except BaseException:
         settle(futures)
         raise
-    if first is not None:
-        raise first
+    failed = [f.exception() for f in futures if f.done() and not f.cancelled()
+              and f.exception() is not None]
+    if failed:
+        settle(futures)
+        raise failed[0]
 
 
 # ---- reading a version ---------------------------------------------------------------------------

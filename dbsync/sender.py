@@ -424,6 +424,13 @@ class Sender:
             exc = future.exception()
             raise PushInterrupted(None if exc is not None else future.result()) from None
 
+    def _gate(self) -> None:
+        """Called by writer threads before each write: waits while a snapshot runs, and
+        stops an interrupted push's writes (Ctrl-C) instead of writing the rest."""
+        self._writes_allowed.wait()
+        if self._abort.is_set():
+            raise _Aborted("push interrupted while writing; nothing was published")
+
     def _on_done_quietly(self, future: Future[int]) -> None:
         """A blocking push: its caller gets the error; just remember it."""
         exc = future.exception()
@@ -629,7 +636,7 @@ class Sender:
                 checksums += fileio.write_shards(
                     fds, batch, self._io, self.durable, on_bytes,
                     (lambda sums, before=checksums: while_syncing(before + sums)) if last_batch
-                    else None, gate=self._writes_allowed.wait)
+                    else None, gate=self._gate)
             finally:
                 for fd in fds:
                     os.close(fd)

@@ -76,6 +76,55 @@ def test_write_failing_after_the_slot_was_touched_publishes_nothing(root, monkey
         assert sender.push({"a": torch.full((8,), 3.0), "b": torch.ones(8)}) == 2
 
 
+def test_a_failed_write_stops_the_writes_still_queued(root, monkeypatch):
+    """A full disk (or a stopped push) must not go on writing the rest of the version: the
+    writes not yet started are dropped once one has failed."""
+    from dbsync import fileio
+
+    real, calls = fileio._write_task, []
+
+    def fail_fifth(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args)
+
+    monkeypatch.setattr(fileio, "GROUP_BYTES", 16)  # one write task per tensor
+    monkeypatch.setattr(fileio, "_write_task", fail_fifth)
+    weights = {f"t{i}": torch.full((8,), float(i)) for i in range(400)}
+    with dbsync.Sender(root, num_threads=2) as sender:
+        with pytest.raises(dbsync.StoreFullError, match="nothing was published"):
+            sender.push(weights)
+        assert sender.latest_version() is None
+    assert len(calls) < 200  # (all 400 were written before)
+
+
+def test_ctrl_c_during_a_push_stops_its_writes(root, monkeypatch):
+    import signal
+    import threading
+
+    from dbsync import fileio
+
+    monkeypatch.setattr(fileio, "GROUP_BYTES", 16)  # one write task per tensor
+    weights = {f"t{i}": torch.full((8,), float(i)) for i in range(400)}
+    written = []
+    main = threading.main_thread().ident
+
+    def progress(done: int, total: int) -> None:  # (from writer threads)
+        written.append(done)
+        if len(written) == 3:
+            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, as a terminal sends it
+        if len(written) >= 3:  # (the handshake: writers go on once the push saw it)
+            assert sender._abort.wait(30)
+
+    with dbsync.Sender(root, num_threads=2) as sender:
+        with pytest.raises(dbsync.PushInterrupted) as interrupted:
+            sender.push(weights, progress=progress)
+        assert interrupted.value.published_version is None
+        assert sender.latest_version() is None
+    assert len(written) < 10  # (all 400 were written before the push gave up)
+
+
 def test_second_writer_is_refused(root):
     with dbsync.Sender(root), pytest.raises(dbsync.StoreBusyError, match="one Sender"):
         dbsync.Sender(root)

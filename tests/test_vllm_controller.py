@@ -457,3 +457,37 @@ def test_mistyped_model_path_is_refused_at_once(tmp_path: Path) -> None:
     with pytest.raises(DBSyncError, match="no config.json"):
         check_model(str(tmp_path))
     check_model("Qwen/Qwen2-0.5B")  # a hub id is left to vLLM
+
+
+def test_a_new_training_run_replaces_the_published_version_and_its_lag(tmp_path: Path) -> None:
+    """A new run at the same path numbers from 1 again: the status and the lag metrics must
+    follow it, not keep the old run's high-water mark (a lag alert that never clears)."""
+    import shutil
+
+    from prometheus_client import CollectorRegistry
+
+    from dbsync.vllm.metrics import SwapMetrics
+
+    root = tmp_path / "store"
+    registry = CollectorRegistry()
+    with Sender(root) as sender:
+        for seed in range(5):
+            sender.push(weights(seed))
+    controller = SwapController(root, ScriptedOps(), EXPECTED,
+                                metrics=SwapMetrics(registry=registry), poll_interval=0.05)
+    try:
+        controller.start_watching()
+        wait_for(lambda: controller.status()["version"] == 5, 30)
+        assert controller.status()["published_version"] == 5
+        shutil.rmtree(root)  # the trainer starts a new run at ROOT
+        with Sender(root) as sender:
+            sender.push(weights(10))
+            sender.push(weights(11))
+        wait_for(lambda: controller.status()["version"] == 2
+                 and controller.status()["published_version"] == 2, 30)
+        assert registry.get_sample_value("dbsync_published_version") == 2
+        assert registry.get_sample_value("dbsync_version_lag") == 0
+        controller.apply_latest()  # (through a snapshot of the new run: the same numbers)
+        assert controller.status()["published_version"] == 2
+    finally:
+        controller.stop()

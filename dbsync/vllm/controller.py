@@ -244,6 +244,8 @@ class SwapController:
         #: the snapshot of the version served, held (its slot leased) for a rollback
         self._served: Snapshot | None = None
         self._served_run: str | None = None
+        #: the run of ``state.published_version`` (None: not known yet)
+        self._published_run: str | None = None
         self._rolled_back: set[tuple[int, str | None]] = set()
         self._lock = threading.RLock()
         self._watcher: Watcher | None = None
@@ -368,9 +370,23 @@ class SwapController:
     # ---- internals ----------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
         s = self.state
-        s.published_version = max(version, s.published_version or 0)
+        if version < (s.published_version or 0):  # (the watcher's way of saying: a new run)
+            s.published_version, self._published_run = version, None
+        else:
+            s.published_version = version
         self.metrics.versions(s.version, s.published_version)
         self._follow()
+
+    def _published(self, version: int, run_id: str) -> None:
+        """Record the newest version seen published: numbers of another run (a new training
+        run at the same path starts again at 1) replace the old run's, never add to its lag."""
+        s = self.state
+        if self._published_run not in (None, run_id):
+            s.published_version = version
+        else:
+            s.published_version = max(version, s.published_version or 0)
+        self._published_run = run_id
+        self.metrics.versions(s.version, s.published_version)
 
     def _follow(self) -> None:
         """Apply the newest version; on a transient failure try again with backoff until it
@@ -427,8 +443,7 @@ class SwapController:
     def _attempt_on(self, snap: Snapshot) -> bool:
         s = self.state
         version = snap.version
-        s.published_version = max(version, s.published_version or 0)
-        self.metrics.versions(s.version, s.published_version)
+        self._published(version, snap.run_id)
         if version == s.version and snap.run_id == self._served_run and s.healthy:
             return True
         if (version, snap.run_id) in self._rolled_back and s.healthy:

@@ -320,6 +320,17 @@ def test_a_stream_in_flight_during_three_swaps_never_pauses_and_stays_on_its_ver
     assert [k["version"] for k in status["kept"]] == [v for v, _ in newer[-2:]]
 
 
+def with_a_nan(adapter_dir: Path) -> Path:
+    """The adapter with one value of its first tensor NaN (a diverged training step)."""
+    from safetensors.torch import load_file, save_file
+
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(path)
+    tensors[sorted(tensors)[0]].view(-1)[0] = float("nan")
+    save_file(tensors, path)
+    return adapter_dir
+
+
 def test_unfit_adapters_are_refused_and_the_previous_one_keeps_serving(stack: Stack) -> None:
     before = scrape_metrics(stack.server.base)
     good = stack.adapter()
@@ -337,6 +348,7 @@ def test_unfit_adapters_are_refused_and_the_previous_one_keeps_serving(stack: St
         "module": (stack.adapter(target_modules=[*MODULES, "foo_proj"]),
                    "'foo_proj'"),
         "base": (stack.adapter(shapes=other_base), "another base model"),
+        "nan": (with_a_nan(stack.adapter()), "NaN or infinite"),
     }
     for what, (adapter, reason) in unfit.items():
         version = stack.sender.push(adapter)
@@ -348,9 +360,9 @@ def test_unfit_adapters_are_refused_and_the_previous_one_keeps_serving(stack: St
         assert stack.served() == expected, what
         with pytest.raises(ReceiverRefusedError):
             stack.sender.wait_for_receivers(version, count=1, timeout=10)
-    assert status["refusals"] >= 3
+    assert status["refusals"] >= len(unfit)
     after = scrape_metrics(stack.server.base)
-    assert after[refused] == served[refused] + 3
+    assert after[refused] == served[refused] + len(unfit)
     assert after["dbsync_served_version"] == good_version
     assert after["dbsync_published_version"] == version
     assert after["dbsync_version_lag"] == version - good_version
@@ -428,6 +440,10 @@ def test_attach_lora_returns_the_newest_versions_request(stack: Stack, tmp_path:
                  torch.int8),
                 ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", (128, 4),
                  torch.int8)], "not a floating dtype"),
+    ({"r": 4}, [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (4, 128),
+                 torch.float32),
+                ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", (128, 2),
+                 torch.float32)], "lora_B [128, 2] has rank 2"),
 ])
 def test_check_adapter_names_why_an_adapter_does_not_fit(config: Any, tensors: Any,
                                                          reason: str) -> None:

@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,10 +162,29 @@ def check_adapter(config: Mapping[str, Any] | None,
         r = a[0] if len(a) == 2 else None
         if rank is not None and r != rank:
             problems[module] = f"lora_A rank {r} != the config's r {rank}"
+        elif a == (r, in_f) and len(b) == 2 and b[0] == out_f and b[1] != r:
+            problems[module] = (f"lora_B {list(b)} has rank {b[1]}, its lora_A {list(a)} rank "
+                                f"{r}: the pair does not fit together")
         elif a != (r, in_f) or b != (out_f, r):
             problems[module] = (f"shapes lora_A {list(a)}, lora_B {list(b)} do not fit the "
                                 f"served layer ({out_f} x {in_f}): an adapter of another base "
                                 "model")
+    return problems
+
+
+_FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def non_finite(pairs: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Problems for tensors holding NaN or infinite values: served, such an adapter answers
+    nothing useful (and on vLLM's CPU backend it spoiled the next request of the base model).
+    Adapters are small: every value is looked at."""
+    problems = {}
+    for name, t in pairs:
+        values = t if t.dtype in _FINITE_CHECKED else t.float()  # (float8: no isfinite)
+        bad = int(t.numel() - torch.isfinite(values).sum())
+        if bad:
+            problems[name] = f"{bad} of its {t.numel()} values are NaN or infinite"
     return problems
 
 
@@ -278,6 +297,9 @@ class AdapterVersions:
                 raise self._refuse(snap, problems)
             if self.receiver.verify or not snap.leased:
                 snap.verify()
+            problems = non_finite(snap.tensors())
+            if problems:
+                raise self._refuse(snap, problems)
             directory = tempfile.mkdtemp(prefix=f"v{snap.version}-", dir=self.workdir)
             try:
                 _write_peft_dir(snap, dict(snap.manifest.adapter or {}), directory)

@@ -840,6 +840,13 @@ class Receiver:
         return True
 
     # ---- public -------------------------------------------------------------------------
+    @property
+    def lease_error(self) -> OSError | None:
+        """Why this receiver's lease could not be written at its last try (the store's
+        directory removed or unmounted, a full or read-only filesystem), or None. Loads go on
+        meanwhile, through private verified copies; the writer does not see this reader."""
+        return self._keeper.error
+
     def latest_version(self) -> int | None:
         """The current version per the head, without loading anything (reads a small file)."""
         head = self.store.read_head()

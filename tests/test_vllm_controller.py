@@ -491,3 +491,31 @@ def test_a_new_training_run_replaces_the_published_version_and_its_lag(tmp_path:
         assert controller.status()["published_version"] == 2
     finally:
         controller.stop()
+
+
+def test_a_missing_store_shows_in_the_status_and_metrics(tmp_path: Path) -> None:
+    """An unmounted or removed store must reach monitoring, not only a log line; the served
+    version stays served, and the problem clears when the store is back."""
+    from prometheus_client import CollectorRegistry
+
+    from dbsync.vllm.metrics import SwapMetrics
+
+    root = tmp_path / "store"
+    registry = CollectorRegistry()
+    with Sender(root) as sender:
+        sender.push(weights(1))
+    controller = SwapController(root, ScriptedOps(), EXPECTED,
+                                metrics=SwapMetrics(registry=registry))
+    try:
+        assert controller.apply_latest() == 1
+        assert controller.status()["store_problem"] is None
+        assert registry.get_sample_value("dbsync_store_ok") == 1
+        os.rename(root, tmp_path / "elsewhere")  # (as an unmount looks from here)
+        status = controller.status()
+        assert "is missing" in status["store_problem"] and status["version"] == 1
+        assert registry.get_sample_value("dbsync_store_ok") == 0
+        os.rename(tmp_path / "elsewhere", root)
+        assert controller.status()["store_problem"] is None
+        assert registry.get_sample_value("dbsync_store_ok") == 1
+    finally:
+        controller.stop()

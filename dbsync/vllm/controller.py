@@ -64,6 +64,7 @@ the old and partly by the new version; vLLM records which in ``CompletionOutput.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -250,6 +251,7 @@ class SwapController:
         self._lock = threading.RLock()
         self._watcher: Watcher | None = None
         self._stopping = threading.Event()
+        self.metrics.watch_store(self.store_problem)
 
     # ---- public -------------------------------------------------------------------------
     @property
@@ -284,7 +286,21 @@ class SwapController:
             "transport": self.transport,
             "root": self.root,
             "watching": self._watcher is not None,
+            "store_problem": self.store_problem(),
         }
+
+    def store_problem(self) -> str | None:
+        """What keeps this server from following the store, as far as one look can tell
+        (None: nothing): its directory gone (removed, unmounted), or its lease not written
+        for another reason than a read-only view. The served version stays served."""
+        if not os.path.isdir(self.root):
+            return (f"{self.root} is missing (removed or unmounted); still serving version "
+                    f"{self.state.version}, waiting for the store to come back")
+        error = self.receiver.lease_error
+        if error is not None and error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return (f"cannot write this server's lease in {self.root} "
+                    f"({error.strerror or error}): the trainer does not see it")
+        return None
 
     def apply_latest(self) -> int | None:
         """Apply the store's current version unless it is already served. Returns the version

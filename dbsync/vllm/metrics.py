@@ -9,6 +9,8 @@
     dbsync_applied_bytes_total         counter  bytes of every version applied
     dbsync_source{source}              gauge    1 for where the last version came from
                                                 (broadcast | filesystem | mixed | unknown)
+    dbsync_store_ok                    gauge    0 while the store is missing or this server's
+                                                lease cannot be written (read at scrape time)
 
 Hazards: the series are process-wide (``default_metrics``): several controllers in one process
 (several attached engines) add into the same counters and overwrite the same gauges. vLLM's
@@ -20,6 +22,7 @@ registry.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 OUTCOMES = ("applied", "refused", "failed", "rolled_back")
@@ -55,10 +58,25 @@ class SwapMetrics:
                                      registry=reg)
         self.source = Gauge("dbsync_source", "1 for the source of the last applied version",
                             ["source"], registry=reg)
+        self.store_ok = Gauge("dbsync_store_ok",
+                              "0 while the store is missing or this server's lease cannot be "
+                              "written", registry=reg)
+        self.store_ok.set(1)
         for outcome in OUTCOMES:
             self.swaps.labels(outcome=outcome)
         for source in SOURCES:
             self.source.labels(source=source).set(0)
+
+    def watch_store(self, problem: Any) -> None:
+        """``dbsync_store_ok`` from the bound method ``problem()`` (a description, or None),
+        at each scrape; held weakly (the series outlive a stopped controller: 1 then)."""
+        ref = weakref.WeakMethod(problem)
+
+        def ok() -> float:
+            method = ref()
+            return 0.0 if method is not None and method() else 1.0
+
+        self.store_ok.set_function(ok)
 
     def versions(self, served: int | None, published: int | None) -> None:
         """Record the served and newest published version (None: none yet)."""

@@ -156,3 +156,16 @@ def server_wait(server: Server, predicate: Any, timeout: float = 60) -> dict[str
         time.sleep(0.1)
     raise TimeoutError(f"status never matched: {server.status()}")
 
+
+
+def test_ctrl_c_stops_cleanly_with_exit_status_130(server: Server) -> None:
+    """The last test of the module: it stops the shared server. Ctrl-C is a clean stop, as
+    SIGTERM is (test_vllm_serving), but its exit status says it was an interruption."""
+    import signal
+
+    start = len(server.tail(10_000_000))
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(60) == 130
+    after = server.tail(10_000_000)[start:]
+    for noise in ("Traceback", "EngineDeadError", " ERROR "):
+        assert noise not in after, after[-3000:]

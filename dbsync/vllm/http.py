@@ -4,6 +4,7 @@ for parsing vLLM's own server arguments and for serving the built app on its soc
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,3 +55,24 @@ async def serve_app(app: Any, sock: Any, args: Any) -> asyncio.Task:
         ssl_ciphers=args.ssl_ciphers,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         h11_max_header_count=args.h11_max_header_count, **uvicorn_kwargs)
+
+
+def run_until_stopped(main: Any) -> None:
+    """Run the server coroutine ``main`` on uvloop until it returns. Raises
+    ``KeyboardInterrupt`` after a clean stop that Ctrl-C (SIGINT) asked for: vLLM's handlers
+    stop on SIGINT and SIGTERM alike, and an interrupted server must still exit 130."""
+    import uvloop
+
+    stops: list[int] = []
+
+    class Loop(uvloop.Loop):  # type: ignore[misc, name-defined]
+        def add_signal_handler(self, sig: int, callback: Any, *args: Any) -> None:
+            def noted(*given: Any) -> None:
+                stops.append(sig)
+                callback(*given)
+
+            super().add_signal_handler(sig, noted, *args)
+
+    uvloop.run(main, loop_factory=Loop)
+    if signal.SIGINT in stops:
+        raise KeyboardInterrupt

@@ -40,7 +40,7 @@ from typing import Any
 from ..errors import DBSyncError, NothingPublishedError
 from ..store import Store
 from ..watch import Watcher
-from .http import parse_server_args, serve_app
+from .http import parse_server_args, run_until_stopped, serve_app
 from .lora import AdapterRefusedError, AdapterVersion, AdapterVersions, expected_of
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,6 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
     extra = list(extra_args)
     check_lora_args(name, max_loras, model, extra)
     Store(root, create=False)  # a missing ROOT fails now, not after the engine started
-    import uvloop
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
 
@@ -281,7 +280,7 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
     _configure_logging()
     _apply_defaults(args, extra)
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(args, os.fspath(root), name, max_loras, poll_interval))
+    run_until_stopped(_serve(args, os.fspath(root), name, max_loras, poll_interval))
 
 
 async def _serve(args: Any, root: str, name: str, max_loras: int,

@@ -54,7 +54,7 @@ from .broadcast import TRANSPORTS, check_transport
 from .checkpoint import check_model, expected_from_checkpoint, resolve_model_dir
 from .controller import DEFAULT_DRAIN_TIMEOUT, PAUSE_MODES, SwapController, check_pause_mode
 from .engine import AsyncEngineOps, engine_args
-from .http import check_owned_options, parse_server_args, serve_app
+from .http import check_owned_options, parse_server_args, run_until_stopped, serve_app
 from .plugin import configure_logging
 from .versions import VersionStamp, wrap_generate
 
@@ -92,7 +92,6 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
         raise DBSyncError(f"{root} does not exist or is not a directory; check the path and "
                           "that the volume is mounted (a Sender creates the store; serve-vllm "
                           "never does)")
-    import uvloop
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
 
@@ -102,8 +101,8 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
     _configure_logging()
     _apply_defaults(args, extra)
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(args, os.fspath(root), poll_interval, transport, pause_mode,
-                      drain_timeout))
+    run_until_stopped(_serve(args, os.fspath(root), poll_interval, transport, pause_mode,
+                             drain_timeout))
 
 
 def _given(extra: Sequence[str], *flags: str) -> bool:
@@ -324,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dbsync serve-vllm: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 130
+        _exit_now(130)
     except RuntimeError as exc:
         if "Engine core initialization failed" not in str(exc):
             raise

@@ -456,7 +456,27 @@ def test_mistyped_model_path_is_refused_at_once(tmp_path: Path) -> None:
             check_model(bad)
     with pytest.raises(DBSyncError, match="no config.json"):
         check_model(str(tmp_path))
-    check_model("Qwen/Qwen2-0.5B")  # a hub id is left to vLLM
+    # a relative path or a hub id that is not in the local cache: not tried on the hub
+    # (minutes of retries), since dbsync needs the checkpoint's files here anyway
+    for missing in ("models/base", "Qwen/Qwen2-0.5B"):
+        with pytest.raises(DBSyncError, match=f"no Hugging Face model .*hf download {missing}"):
+            check_model(missing)
+
+
+def test_a_hub_id_in_the_local_cache_is_a_model(tmp_path: Path, monkeypatch: Any) -> None:
+    from huggingface_hub import constants
+
+    from dbsync.vllm.checkpoint import check_model, resolve_model_dir
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    check_model("org/tiny")
+    assert resolve_model_dir("org/tiny") == str(snapshot)
 
 
 def test_a_new_training_run_replaces_the_published_version_and_its_lag(tmp_path: Path) -> None:

@@ -236,6 +236,25 @@ def test_mistyped_model_path_fails_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.parametrize("args, hint", [
+    (["--poll-intervall", "2"], "--poll-intervall: did you mean --poll-interval?"),
+    (["--", "--pause-mode", "wait"], "--pause-mode is an option of serve-vllm itself: give it "
+                                     "before '--'"),
+    (["--", "--max-model-len", "abc"], "argument --max-model-len: invalid"),
+])
+def test_a_bad_option_is_one_line_naming_it(tmp_path: Path, args: list[str], hint: str) -> None:
+    """Not the pages of vLLM's usage text: what is wrong, and what was meant."""
+    (tmp_path / "store").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve-vllm", str(tmp_path / "store"),
+         "--model", str(tiny_model("A")), *args], cwd=REPO, env=child_env(),
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    said = [line for line in proc.stderr.splitlines() if line.startswith("dbsync serve-vllm:")]
+    assert len(said) == 1 and hint in said[0], proc.stderr[-2000:]
+    assert "usage:" not in proc.stderr and "Initializing a V1 LLM engine" not in proc.stderr
+
+
 def test_missing_store_fails_at_once(tmp_path: Path) -> None:
     """A mistyped ROOT is an error before the engine starts, not a store created and waited
     on."""

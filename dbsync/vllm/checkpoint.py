@@ -53,8 +53,8 @@ def resolve_model_dir(model: str) -> str:
 
 def check_model(model: str) -> None:
     """Fail at once, with what to do, when ``model`` names a local path that cannot be a model
-    directory (vLLM would try it as a Hugging Face hub id, with retries). A hub id (``org/name``,
-    no such local path) is left to vLLM."""
+    directory, or neither a directory nor a hub id in the local Hugging Face cache (vLLM would
+    try it on the hub, with retries, and dbsync needs the checkpoint's files here anyway)."""
     expanded = os.path.expanduser(model)
     if os.path.isdir(expanded):
         if not os.path.exists(os.path.join(expanded, "config.json")):
@@ -69,6 +69,14 @@ def check_model(model: str) -> None:
         raise DBSyncError(f"--model {model}: no such directory on this host; pass the "
                           "directory of a Hugging Face checkpoint (config.json, tokenizer, "
                           "*.safetensors)")
+    try:
+        resolve_model_dir(model)
+    except DBSyncError:
+        raise DBSyncError(
+            f"--model {model}: no such directory on this host, and no Hugging Face model of "
+            "that id in the local cache (dbsync needs the checkpoint's files on this host to "
+            "check that versions fit): pass the checkpoint's directory, or download the "
+            f"model first (hf download {model})") from None
 
 
 def checkpoint_files(model_dir: str) -> list[str]:

@@ -4,14 +4,18 @@ for parsing vLLM's own server arguments and for serving the built app on its soc
 from __future__ import annotations
 
 import asyncio
+import difflib
 import signal
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import DBSyncError
 
 #: options serve-vllm owns: passing them to vLLM after '--' is a usage error
 OWNED_OPTIONS = ("--model", "--host", "--port")
+#: every option of serve-vllm itself (given after '--', vLLM would not know them)
+SERVE_OPTIONS = (*OWNED_OPTIONS, "--poll-interval", "--transport", "--pause-mode",
+                 "--drain-timeout", "--lora", "--max-loras")
 
 
 def check_owned_options(extra: Sequence[str]) -> None:
@@ -32,7 +36,33 @@ def parse_server_args(model: str, port: int, host: str | None, extra: Sequence[s
     if host is not None:
         argv += ["--host", host]
     cli_env_setup()
-    return make_arg_parser(FlexibleArgumentParser(description=description)).parse_args(argv)
+    parser = make_arg_parser(FlexibleArgumentParser(description=description))
+
+    def error(message: str) -> NoReturn:  # (argparse's own prints its whole usage: pages)
+        raise DBSyncError(_usage_error(message, parser))
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser.parse_args(argv)
+
+
+def _usage_error(message: str, parser: Any) -> str:
+    """One paragraph for a bad vLLM option: what argparse said, and for each unknown option
+    whether it is serve-vllm's own (given after '--') or what it may be a typo of."""
+    hints = []
+    if message.startswith("unrecognized arguments:"):
+        known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+        for arg in message.partition(":")[2].split():
+            flag = arg.partition("=")[0]
+            if not flag.startswith("--"):
+                continue
+            if flag in SERVE_OPTIONS:
+                hints.append(f"{flag} is an option of serve-vllm itself: give it before '--'")
+                continue
+            close = difflib.get_close_matches(flag, [*SERVE_OPTIONS, *known], n=1)
+            hints.append(f"{flag}: did you mean {close[0]}?" if close
+                         else f"{flag} is neither a serve-vllm nor a vLLM server option")
+    return (message + "".join(f"; {h}" for h in hints) + " (serve-vllm's options come before "
+            "'--': dbsync serve-vllm --help; vLLM's after it: vllm serve --help)")
 
 
 async def serve_app(app: Any, sock: Any, args: Any) -> asyncio.Task:

@@ -120,7 +120,8 @@ def cli() -> None:
 @click.option("--threads", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Parallel writer threads.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
-              help="Convert floating tensors to this dtype before publishing.")
+              help="Convert floating tensors to this dtype before publishing (float8 "
+                   "tensors keep theirs, as integers do).")
 @click.option("--wait-for", "wait_for", type=click.IntRange(1), default=None, metavar="N",
               help="After publishing, wait until N receivers report this version loaded.")
 @click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None, metavar="S",

@@ -40,9 +40,17 @@ def collect(weights: Any, strategy: str = "state_dict", dtype: torch.dtype | Non
     return pairs if dtype is None else materialize_all(pairs, dtype)
 
 
+def converted(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` are published in a Sender's ``dtype=``: floating dtypes
+    but float8, whose values mean something only with their scales (quantized weights keep
+    their dtype, as integers do)."""
+    return dtype.is_floating_point and dtype.itemsize > 1
+
+
 def target_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype ``tensor`` is published in: ``dtype`` for floating tensors, else its own."""
-    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    """The dtype ``tensor`` is published in: ``dtype`` for floating tensors (float8 aside,
+    see ``converted``), else its own."""
+    return dtype if dtype is not None and converted(tensor.dtype) else tensor.dtype
 
 
 def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
@@ -110,7 +118,7 @@ def materialize_all(pairs: Pairs, dtype: torch.dtype | None) -> Pairs:
     append = out.append
     for pair in pairs:
         t = pair[1]
-        if ((dtype is None or t.dtype == dtype or not t.is_floating_point())
+        if ((dtype is None or t.dtype == dtype or not converted(t.dtype))
                 and t.is_contiguous() and not t.is_neg() and not t.is_conj()
                 and not t.requires_grad):
             append(pair)

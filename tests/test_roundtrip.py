@@ -90,13 +90,16 @@ def test_nonblocking_push_snapshots_before_returning(root):
 
 @pytest.mark.parametrize("blocking", [True, False])
 def test_dtype_conversion_only_touches_floating_tensors(root, blocking):
-    weights = {"f": torch.randn(10), "i": torch.arange(4)}
+    weights = {"f": torch.randn(10), "i": torch.arange(4),
+               "fp8": torch.randn(6).to(torch.float8_e4m3fn)}  # (quantized: kept as it is)
     with dbsync.Sender(root, dtype=torch.bfloat16) as sender:
         result = sender.push(weights, blocking=blocking)
         assert (result if blocking else result.result()) == 1
     _, got = load_all(root)
     assert got["f"].dtype == torch.bfloat16 and torch.equal(got["f"], weights["f"].bfloat16())
     assert got["i"].dtype == torch.int64 and torch.equal(got["i"], weights["i"])
+    assert got["fp8"].dtype == torch.float8_e4m3fn
+    assert torch.equal(got["fp8"].view(torch.uint8), weights["fp8"].view(torch.uint8))
 
 
 def test_tensordict_directory_with_a_missing_file_is_refused(root, tmp_path):

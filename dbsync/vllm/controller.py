@@ -637,7 +637,7 @@ class SwapController:
             log.error("dbsync: %s; still serving version %s", s.last_error, s.version)
         if s.paused and s.healthy:
             self._resume()
-        self._report_refusal(version, f"refused: {exc}")
+        self._report_refusal(version, str(exc))
         self._release_served()  # the trainer may need this slot for a version that fits
 
     def _fail(self, version: int, exc: BaseException, partial: bool) -> None:

@@ -156,6 +156,7 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
     before = _current_version(root)
     try:
         pairs = sources.collect(src, dtype=_torch_dtype(dtype))
+        adapter_config = sources.adapter_config_of(src)  # (checked before ROOT is touched)
     except KeyboardInterrupt:
         _interrupted(f"\ninterrupted while reading {src}: nothing was published")
     nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
@@ -175,7 +176,7 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
                         max_lag_timeout=max_lag_timeout) as sender:
                 try:
                     version = sender.push(dict(pairs), progress=progress,
-                                          adapter_config=sources.adapter_config_of(src))
+                                          adapter_config=adapter_config)
                 finally:
                     bar.finish()
                 store = sender.store

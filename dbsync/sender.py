@@ -200,10 +200,11 @@ class Sender:
     """Publishes versions into ``root``. One Sender per store (it takes the writer lock).
 
     ``num_threads``: parallel writers. ``dtype``: convert floating tensors (e.g.
-    ``torch.bfloat16``; float8 tensors keep their dtype, as integers do). ``strategy``: how an ``nn.Module`` becomes names ("state_dict" or
-    "tensordict"). ``durable``: fsync data and directories before the flip (default; turn off
-    only for ``/dev/shm``). ``lease_timeout``: how long a reader that stopped heart-beating and
-    states no timeout of its own may keep a slot. ``max_lag``: a push waits (up to
+    ``torch.bfloat16``; float8 tensors keep their dtype, as integers do). ``strategy``: how
+    an ``nn.Module`` becomes names ("state_dict" or "tensordict"). ``durable``: fsync data and
+    directories before the flip (default; turn off only for ``/dev/shm``). ``lease_timeout``:
+    how long a reader that stopped heart-beating and states no timeout of its own may keep a
+    slot. ``max_lag``: a push waits (up to
     ``max_lag_timeout`` seconds, then raises ``StalenessError``) while any live receiver that
     reports loads is more than ``max_lag`` versions behind the current version."""
 

@@ -16,6 +16,7 @@ import json
 import os
 import stat
 import sys
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,8 @@ from .format import DTYPE_SIZES, is_supported_dtype, name_problem
 Pairs = list[tuple[str, torch.Tensor]]
 
 STRATEGIES = ("state_dict", "tensordict")
+#: file names taken for torch state dicts (``torch.load(weights_only=True)``)
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
 def collect(weights: Any, strategy: str = "state_dict", dtype: torch.dtype | None = None) -> Pairs:
@@ -224,7 +227,7 @@ def load_path(path: str) -> Pairs:
         return _load_safetensors_dir(path)
     if path.endswith(".safetensors"):
         return _load_safetensors_file(path)
-    if path.endswith((".pt", ".pth", ".bin")):
+    if path.endswith(TORCH_SUFFIXES):
         return _load_torch_file(path)
     raise InvalidWeightsError(
         f"{path}: unknown kind of file; expected .safetensors, .pt/.pth/.bin, or a directory"
@@ -267,6 +270,10 @@ def _load_safetensors_dir(path: str) -> Pairs:
                 weight_map: dict[str, str] = json.load(f)["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidWeightsError(f"{index_path} is not a valid index ({exc})") from None
+        problem = _weight_map_problem(weight_map)
+        if problem is not None:
+            raise InvalidWeightsError(f"{index_path} is not a valid index: {problem}; fix it "
+                                      "or copy the checkpoint again")
         shards = list(dict.fromkeys(weight_map.values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if missing:
@@ -281,11 +288,16 @@ def _load_safetensors_dir(path: str) -> Pairs:
                 f"{index_path} lists tensors its shards do not hold: {', '.join(absent[:20])}"
             )
         return [(k, by_shard[s][k]) for k, s in weight_map.items()]
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    listing = os.listdir(path)
+    files = sorted(f for f in listing if f.endswith(".safetensors"))
     if not files:
+        torch_files = sorted(f for f in listing if f.endswith(TORCH_SUFFIXES))
+        hint = (f" It holds {', '.join(torch_files[:3])}: push a state dict file itself "
+                f"(dbsync push {os.path.join(path, torch_files[0])} ROOT), or convert the "
+                "checkpoint to safetensors" if torch_files else "")
         raise InvalidWeightsError(
             f"{path} holds no .safetensors files, no model.safetensors.index.json and no "
-            "tensordict meta.json; point at a checkpoint directory or a weights file"
+            f"tensordict meta.json; point at a checkpoint directory or a weights file.{hint}"
         )
     pairs: Pairs = []
     for name in files:
@@ -293,10 +305,27 @@ def _load_safetensors_dir(path: str) -> Pairs:
     return pairs
 
 
+def _weight_map_problem(weight_map: Any) -> str | None:
+    """What makes an index's ``weight_map`` unusable (None: nothing): it must map tensor
+    names to shard file names of the same directory."""
+    if not isinstance(weight_map, dict):
+        return f"weight_map is a {type(weight_map).__name__}, not an object"
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            return f"tensor {str(name)[:100]!r} maps to {str(shard)[:100]!r}, not a file name"
+        if os.path.basename(shard) != shard or shard in (".", ".."):
+            return (f"tensor {str(name)[:100]!r} maps to {shard[:100]!r}, not a file of the "
+                    "checkpoint's own directory")
+    return None
+
+
 def _load_torch_file(path: str) -> Pairs:
     _require_regular(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # (a file of torch's legacy format, saved with _use_new_zipfile_serialization=False,
+        # cannot be mapped: it is read)
+        obj = torch.load(path, map_location="cpu", weights_only=True,
+                         mmap=zipfile.is_zipfile(path))
     except Exception as exc:
         # torch's own message runs to a dozen lines of advice on unpickling code, which
         # dbsync never does: keep its first sentence

@@ -214,6 +214,52 @@ def test_push_missing_file_fails_without_creating_root(tmp_path):
     assert not os.path.exists(root)
 
 
+def _bad_index(weight_map):
+    def make(d, weights):
+        save_file(weights, str(d / "model-1.safetensors"))
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return make
+
+
+def _peft_with_bad_config(d, weights):
+    save_file({"base_model.model.l.lora_A.weight": torch.ones(2, 4)},
+              str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text("{not json")
+
+
+def _only_a_bin(d, weights):
+    torch.save(weights, str(d / "pytorch_model.bin"))
+
+
+@pytest.mark.parametrize("make, said", [
+    (_bad_index(["model-1.safetensors"]), "weight_map is a list, not an object"),
+    (_bad_index({"a": ["model-1.safetensors"]}), "maps to \"['model-1.safetensors']\""),
+    (_bad_index({"a": 5}), "maps to '5', not a file name"),
+    (_bad_index({"a": "../model-1.safetensors"}), "not a file of the checkpoint's own"),
+    (_peft_with_bad_config, "adapter_config.json is not readable JSON"),
+    (_only_a_bin, "push a state dict file itself (dbsync push "),
+])
+def test_push_of_a_bad_directory_says_why_and_creates_no_root(tmp_path, weights, make, said):
+    src = tmp_path / "src"
+    src.mkdir()
+    make(src, weights)
+    root = str(tmp_path / "new-store")
+    result = run("push", str(src), root)
+    assert result.exit_code == 1
+    assert said in result.stderr and "bug in dbsync" not in result.stderr, result.stderr
+    assert not os.path.exists(root)  # checked before ROOT is touched
+
+
+def test_push_of_a_legacy_format_torch_file(root, tmp_path, weights):
+    """Saved with _use_new_zipfile_serialization=False (older trainers): it cannot be
+    memory-mapped, and is read instead."""
+    path = str(tmp_path / "legacy.pt")
+    torch.save(weights, path, _use_new_zipfile_serialization=False)
+    result = run("push", path, root)
+    assert result.exit_code == 0, result.output
+    assert_same(published(root), weights)
+
+
 def test_push_non_tensor_entries_named_and_nothing_published(store_v1, tmp_path, weights):
     before = manifest_bytes(store_v1)
     path = str(tmp_path / "ckpt.pt")

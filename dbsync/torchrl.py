@@ -536,6 +536,7 @@ class DBSyncScheme(WeightSyncScheme):
         self._writer_lock = threading.Lock()
         self._sender: DBSyncWeightSender | None = None
         self._receiver: DBSyncWeightReceiver | None = None
+        self._shut_down = False
 
     # -- torchrl's VLLMDoubleBufferSyncScheme API
     def create_transport(self, **kwargs: Any) -> DBSyncTransport:
@@ -553,8 +554,14 @@ class DBSyncScheme(WeightSyncScheme):
         """A receiver applying versions to ``vllm_engine`` (see ``DBSyncWeightReceiver``)."""
         return DBSyncWeightReceiver(self, vllm_engine, loop=loop)
 
+    def _check_not_shut_down(self) -> None:
+        if getattr(self, "_shut_down", False):
+            raise RuntimeError("this scheme was shut down (its writer lock and readers are "
+                               "released); create a new scheme to send or receive again")
+
     def writer(self) -> Sender:
         """This scheme's ``dbsync.Sender`` (created on first use; holds the writer lock)."""
+        self._check_not_shut_down()
         with self._writer_lock:
             if self._writer_obj is None:
                 self._writer_obj = Sender(self.remote_addr, num_threads=self.num_threads,
@@ -634,6 +641,7 @@ class DBSyncScheme(WeightSyncScheme):
         version; with ``wait_for`` set, also wait until that many receivers applied it.
         Returns the version. Every receiver reads the same store, so ``worker_ids`` cannot
         select some of them: passing it raises ValueError."""
+        self._check_not_shut_down()
         if not self.initialized_on_sender:
             raise RuntimeError("Must be initialized on sender before sending weights")
         if not self.synchronized_on_sender:
@@ -721,6 +729,7 @@ class DBSyncScheme(WeightSyncScheme):
         received (waiting up to ``timeout`` seconds; None: no wait), then pass it on to the
         context (a collector's ``update_policy_weights_``). Returns the weights as a
         TensorDict with '.'-joined names (for a vLLM engine: the version), or None."""
+        self._check_not_shut_down()
         if not self.initialized_on_receiver:
             raise RuntimeError("Must be initialized on receiver before receiving weights")
         if not self.synchronized_on_receiver:
@@ -795,8 +804,16 @@ class DBSyncScheme(WeightSyncScheme):
         self._writer_lock = threading.Lock()
 
     def shutdown(self) -> None:
-        """Release the writer lock, detach receivers; safe to call twice."""
+        """Release the writer lock, detach receivers; safe to call twice. Sending or receiving
+        afterwards raises ``RuntimeError``."""
+        self._shut_down = True
         super().shutdown()
+        senders = getattr(self, "_sender_transports", None)
+        owned = (getattr(self, "_shared_transport", None),
+                 getattr(self, "_receiver_transport", None),
+                 *(senders.values() if isinstance(senders, dict) else ()))
+        for transport in {id(t): t for t in owned if isinstance(t, DBSyncTransport)}.values():
+            transport.close()  # (its reader's lease, a writer of its own)
         receiver = getattr(self, "_receiver", None)
         if receiver is not None:
             self._receiver = None

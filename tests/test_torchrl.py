@@ -237,6 +237,14 @@ def test_double_buffer_paths_on_modules(strategy: str, tmp_path: Path) -> None:
     worker.shutdown()
     scheme.shutdown()
     assert dbsync.Receiver(store).latest_version() == 4
+    # shut down means released: no call takes the writer lock again, nor re-reads a version
+    with pytest.raises(RuntimeError, match="shut down"):
+        scheme.send()
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.receive()
+    with dbsync.Sender(store) as another:  # the lock is free
+        assert another.push(trained) == 5
+    assert not os.listdir(os.path.join(store, "readers"))  # no lease left behind
 
 
 def test_engine_receiver_refuses_what_torchrl_would_apply_unversioned(engine: Any,

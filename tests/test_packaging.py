@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 from email.parser import Parser
 from pathlib import Path
@@ -36,7 +37,7 @@ K8S_VERSIONS = ["1.30.0", "1.37.0"]  # an older cluster and the newest schemas b
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built from a copy of the sources (building writes into the source tree)."""
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(REPO / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("dbsync", "cli"):
@@ -68,6 +69,8 @@ def test_wheel_holds_every_package_and_the_metadata_users_need(wheel: Path) -> N
     assert not any(n.startswith("tests/") or n.startswith("bench/") for n in names)
 
     assert metadata["Name"] == "dbsync-weights"
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert f"{info}/licenses/LICENSE" in names
     requires = metadata.get_all("Requires-Dist")
     assert "tensordict>=0.14.3" in requires
     vllm = [r for r in requires if r.endswith('extra == "vllm"')]
@@ -76,6 +79,33 @@ def test_wheel_holds_every_package_and_the_metadata_users_need(wheel: Path) -> N
                for r in requires)
     assert "dbsync = dbsync_cli.main:main" in entry_points
     assert "dbsync = dbsync.vllm.plugin:register" in entry_points
+
+
+def test_source_distribution_holds_what_make_test_and_the_docs_need(
+        tmp_path: Path) -> None:
+    """Built from the tracked files: the tests with every helper they import, the docs the
+    README links to, the deploy files, the Makefile and the license."""
+    src = tmp_path / "src"
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True,
+                             capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, tracked):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, src / name)
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                    "build_meta.build_sdist(sys.argv[1])", str(dist)], cwd=src, check=True,
+                   capture_output=True, text=True, timeout=300)
+    (built,) = dist.glob("*.tar.gz")
+    with tarfile.open(built) as tf:
+        top = tf.getnames()[0].split("/")[0]
+        names = {n.partition("/")[2] for n in tf.getnames()}
+        info = Parser().parsestr(tf.extractfile(f"{top}/PKG-INFO").read().decode())
+    wanted = [n for n in tracked if n.startswith(("tests/", "docs/", "deploy/", "dbsync/",
+                                                   "cli/")) and n.endswith((".py", ".md"))]
+    wanted += ["LICENSE", "Makefile", "README.md", "pyproject.toml", ".ci/run"]
+    missing = sorted(set(wanted) - names)
+    assert not missing, f"missing from the sdist: {missing}"
+    assert info["License-Expression"] == "Apache-2.0"
 
 
 def _dependency_view(dest: Path) -> Path:

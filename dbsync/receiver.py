@@ -37,7 +37,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -66,6 +66,11 @@ from .leases import (
 )
 from .store import Store
 from .workers import WorkerPools
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from .watch import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -474,7 +479,7 @@ class Snapshot:
         return self._shards[entry.shard].tensor(entry.torch_dtype, entry.shape, entry.offset,
                                                 entry.nbytes)
 
-    def tensordict(self) -> Any:
+    def tensordict(self) -> TensorDict:
         """The version as a flat ``TensorDict`` of views, keyed by tensor name (names are not
         split at '.'). Valid only while the snapshot is open, like ``tensors()``."""
         from tensordict import TensorDict
@@ -1065,7 +1070,7 @@ class Receiver:
             log.debug("cannot read the head of %s: %s", self.store.root, exc)
             return None
 
-    def watch(self, callback: Callable[[int], Any], **kwargs: Any) -> Any:
+    def watch(self, callback: Callable[[int], Any], **kwargs: Any) -> Watcher:
         """Start a background watcher calling ``callback(version)`` on each new version
         (including the current one at start). Returns the started ``Watcher``; stop() it
         (``close()`` stops it too)."""

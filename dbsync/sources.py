@@ -146,7 +146,7 @@ def validate(pairs: list[tuple[Any, Any]]) -> None:
         if isinstance(name, str):
             seen.add(name)
         if not isinstance(value, torch.Tensor):
-            why = why or (f"is a {type(value).__name__}, not a tensor (drop it or convert it "
+            why = why or (f"is {_a(type(value).__name__)}, not a tensor (drop it or convert it "
                           "to a tensor)")
         elif value.layout != strided or value.is_sparse:
             why = why or "sparse/non-strided tensors are not supported (densify it)"
@@ -155,7 +155,7 @@ def validate(pairs: list[tuple[Any, Any]]) -> None:
         elif value.device.type == "meta":
             why = why or "is on the meta device and has no data"
         elif value.numel() and not value.data_ptr():
-            why = why or (f"is a {type(value).__name__} with no memory of its own (a wrapper "
+            why = why or (f"is {_a(type(value).__name__)} with no memory of its own (a wrapper "
                           "subclass such as DTensor): convert it to a plain tensor first, "
                           "e.g. .full_tensor()")
         if why:
@@ -305,11 +305,16 @@ def _load_safetensors_dir(path: str) -> Pairs:
     return pairs
 
 
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article ("an int", "a list")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 def _weight_map_problem(weight_map: Any) -> str | None:
     """What makes an index's ``weight_map`` unusable (None: nothing): it must map tensor
     names to shard file names of the same directory."""
     if not isinstance(weight_map, dict):
-        return f"weight_map is a {type(weight_map).__name__}, not an object"
+        return f"weight_map is {_a(type(weight_map).__name__)}, not an object"
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or not shard:
             return f"tensor {str(name)[:100]!r} maps to {str(shard)[:100]!r}, not a file name"

@@ -335,7 +335,7 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
         if count is not None and printed[0] >= count:
             done.set()
 
-    if _current_version(root) is None:  # (stderr: stdout stays one line per version)
+    if _nothing_published(store):  # (stderr: stdout stays one line per version)
         click.echo(f"nothing is published at {root} yet; waiting for the first version "
                    "(Ctrl-C to stop)", err=True)
     interrupted = False
@@ -349,6 +349,15 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
         raise closed[0]
     if interrupted:  # the way to stop it, but still an interruption (exit 130, as documented)
         raise click.exceptions.Exit(INTERRUPTED_EXIT)
+
+
+def _nothing_published(store: Store) -> bool:
+    """Whether ``store`` has no head yet (an unreadable one is not "nothing": the watcher
+    reports it)."""
+    try:
+        return store.read_head() is None
+    except (DBSyncError, OSError):
+        return False
 
 
 def _version_line(store: Store, version: int, as_json: bool) -> str:
@@ -436,7 +445,8 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
 @cli.command("serve-vllm", context_settings={"ignore_unknown_options": True})
 @click.argument("root", type=click.Path(file_okay=False, path_type=str))
 @click.option("--model", required=True, type=click.Path(path_type=str), metavar="DIR",
-              help="HF model directory (config, tokenizer, initial weights) vLLM starts from.")
+              help="The checkpoint vLLM starts from: its directory (config, tokenizer, "
+                   "*.safetensors), or a hub id already in the local Hugging Face cache.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Bind address (0.0.0.0 for all interfaces).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)

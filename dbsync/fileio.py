@@ -22,7 +22,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple
 
@@ -371,6 +371,8 @@ def wait_all(futures: Sequence[Future]) -> None:
     if failed:
         settle(futures)
         raise failed[0]
+    if any(f.cancelled() for f in futures):  # (by someone else: that work was not done)
+        raise CancelledError("a task was cancelled before it ran")
 
 
 # ---- reading a version ---------------------------------------------------------------------------

@@ -845,12 +845,18 @@ class Receiver:
         return True
 
     # ---- public -------------------------------------------------------------------------
-    @property
-    def lease_error(self) -> OSError | None:
-        """Why this receiver's lease could not be written at its last try (the store's
-        directory removed or unmounted, a full or read-only filesystem), or None. Loads go on
-        meanwhile, through private verified copies; the writer does not see this reader."""
-        return self._keeper.error
+    def store_problem(self) -> str | None:
+        """Why this receiver cannot follow its store, as its last lease write found (every
+        ``lease_timeout / 4`` seconds), or None. Touches no file: safe to call from an event
+        loop while the store hangs. A read-only view (no lease by design) is no problem."""
+        error = self._keeper.error
+        if error is None or error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return None
+        if error.errno == errno.ENOENT:
+            return (f"{self.store.root} is missing, or has no readers/ directory (removed or "
+                    "unmounted?)")
+        return (f"cannot write this reader's lease in {self.store.root} "
+                f"({error.strerror or error}): the trainer does not see it")
 
     def latest_version(self) -> int | None:
         """The current version per the head, without loading anything (reads a small file)."""

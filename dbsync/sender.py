@@ -19,6 +19,7 @@ garbage-collected (in CPython, as soon as the last reference goes).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import socket
@@ -122,15 +123,11 @@ class _HostBuffer:
                 origins.append(t)
             out.append((name, dst))
             offset += fileio.aligned(size)
-        on_gpu = any(t.is_cuda for t in origins)
-        if targets:
-            # One call for every tensor: the GIL is released once for the whole copy, so a
-            # background push's Python work (planning, index) runs beside it instead of
-            # making every per-tensor copy wait for the GIL on its return.
-            with torch.no_grad():
-                torch._foreach_copy_(targets, origins, non_blocking=on_gpu)
-        if on_gpu:
-            torch.cuda.synchronize()
+        devices = {t.device for t in origins if t.is_cuda}
+        # (one call: a background push's Python work runs beside it, see ``copy_all``)
+        sources.copy_all(targets, origins, non_blocking=bool(devices))
+        for device in devices:  # (every GPU the weights are spread over, not the current)
+            torch.cuda.synchronize(device)
         return out
 
 
@@ -206,7 +203,11 @@ class Sender:
     how long a reader that stopped heart-beating and states no timeout of its own may keep a
     slot. ``max_lag``: a push waits (up to
     ``max_lag_timeout`` seconds, then raises ``StalenessError``) while any live receiver that
-    reports loads is more than ``max_lag`` versions behind the current version."""
+    reports loads is more than ``max_lag`` versions behind the current version.
+
+    Hazards: a Sender belongs to the process that created it; a forked child's push raises.
+    The child still shares the writer lock's open file: while a child of a killed parent
+    lives, the store stays locked for other writers."""
 
     def __init__(
         self,
@@ -219,8 +220,7 @@ class Sender:
         max_lag: int | None = None,
         max_lag_timeout: float | None = None,
     ):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise DBSyncError(f"dtype= must be a floating torch dtype, not {dtype!r}")
+        sources.check_target_dtype(dtype, DBSyncError)
         if strategy not in sources.STRATEGIES:
             raise DBSyncError(f"strategy must be one of {sources.STRATEGIES}, not {strategy!r}")
         if num_threads < 1:
@@ -265,6 +265,8 @@ class Sender:
         #: cleared while a snapshot runs: background writes wait for it (see ``push``)
         self._writes_allowed = threading.Event()
         self._writes_allowed.set()
+        #: the newest push's stop event (each push has its own: Ctrl-C while waiting for one
+        #: push never stops another, such as a background push still writing)
         self._abort = threading.Event()
         #: the error of the last push that failed (background pushes included), else None
         self.last_error: BaseException | None = None
@@ -408,8 +410,9 @@ class Sender:
                 if layout is None:  # (a kept layout's tensors needed nothing)
                     with gcpause.paused():
                         pairs = sources.materialize_all(pairs, self.dtype)
-            self._abort.clear()
-            future = self._publisher.submit(self._publish, pairs, progress, adapter, layout)
+            abort = self._abort = threading.Event()
+            future = self._publisher.submit(self._publish, pairs, progress, adapter, layout,
+                                            abort)
             # (weakly: a future kept in a staging buffer must not keep this Sender, and its
             # writer lock, alive once the caller dropped it)
             future.add_done_callback(_weakly(self._on_done if not blocking
@@ -421,15 +424,15 @@ class Sender:
         try:
             return future.result()
         except KeyboardInterrupt:
-            self._abort.set()
+            abort.set()
             exc = future.exception()
             raise PushInterrupted(None if exc is not None else future.result()) from None
 
-    def _gate(self) -> None:
+    def _gate(self, abort: threading.Event) -> None:
         """Called by writer threads before each write: waits while a snapshot runs, and
         stops an interrupted push's writes (Ctrl-C) instead of writing the rest."""
         self._writes_allowed.wait()
-        if self._abort.is_set():
+        if abort.is_set():
             raise _Aborted("push interrupted while writing; nothing was published")
 
     def _on_done_quietly(self, future: Future[int]) -> None:
@@ -443,7 +446,7 @@ class Sender:
         if self.last_error is not None:
             log.error("background push into %s failed: %s", self.store.root, self.last_error)
 
-    def _wait_for_lag(self) -> float:
+    def _wait_for_lag(self, abort: threading.Event) -> float:
         if self.max_lag is None or self._version == 0:
             return 0.0
         start = time.monotonic()
@@ -468,7 +471,7 @@ class Sender:
                             "(max_lag=%d); see `dbsync status %s`", waited,
                             ", ".join(sorted(behind)), self.max_lag, self.store.root)
                 told = True
-            if self._abort.wait(interval):
+            if abort.wait(interval):
                 raise _Aborted("push interrupted while waiting for receivers to catch up; "
                                "nothing was published")
             interval = min(interval * 1.5, 0.25)
@@ -490,15 +493,15 @@ class Sender:
         self._kind = kind
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
-                 adapter: dict[str, Any] | None = None, layout: PushLayout | None = None
-                 ) -> int:
+                 adapter: dict[str, Any] | None, layout: PushLayout | None,
+                 abort: threading.Event) -> int:
         t0 = time.perf_counter()
         self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
-        lagged = self._wait_for_lag()
+        lagged = self._wait_for_lag(abort)
         version = self._version + 1
         slot = SLOTS[0] if self._slot is None else SLOTS[1 - SLOTS.index(self._slot)]
-        waited = self._leases.wait_until_free(slot, stop=self._abort)
-        if self._abort.is_set():
+        waited = self._leases.wait_until_free(slot, stop=abort)
+        if abort.is_set():
             raise _Aborted("push interrupted while waiting for readers; nothing was published")
         t1 = time.perf_counter()
 
@@ -524,7 +527,7 @@ class Sender:
                         lambda: _index_columns(pairs, layout.places), adapter)
                     index = template.fill(self._run_id, version, checksums)
 
-            self._write(slot, layout, progress, make_index)
+            self._write(slot, layout, progress, make_index, abort)
             t2 = time.perf_counter()
             keep = {INDEX_FILE, *(shard_file(i) for i in range(len(shard_sizes)))}
             self.store.remove_slot_files(slot, keep)
@@ -533,7 +536,7 @@ class Sender:
                                    sync_dir=False)
             if self.durable:
                 self.store.sync_slot(slot)  # one directory fsync for the unlinks and replaces
-            if self._abort.is_set():
+            if abort.is_set():
                 raise _Aborted("push interrupted before the flip; nothing was published")
         except BaseException as exc:
             self._free_slot(slot)
@@ -612,7 +615,7 @@ class Sender:
         return layout
 
     def _write(self, slot: str, layout: PushLayout, progress: Progress | None,
-               while_syncing: Callable[[list[str]], None]) -> None:
+               while_syncing: Callable[[list[str]], None], abort: threading.Event) -> None:
         """Write and fsync every shard; ``while_syncing(checksums)`` (every checked range's,
         in order) runs while the last batch of shards is being fsynced."""
         shard_sizes = layout.shard_sizes
@@ -637,7 +640,7 @@ class Sender:
                 checksums += fileio.write_shards(
                     fds, batch, self._io, self.durable, on_bytes,
                     (lambda sums, before=checksums: while_syncing(before + sums)) if last_batch
-                    else None, gate=self._gate)
+                    else None, gate=functools.partial(self._gate, abort))
             finally:
                 for fd in fds:
                     os.close(fd)

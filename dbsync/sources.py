@@ -16,7 +16,6 @@ import json
 import os
 import stat
 import sys
-import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,11 +35,32 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 def collect(weights: Any, strategy: str = "state_dict", dtype: torch.dtype | None = None) -> Pairs:
     if strategy not in STRATEGIES:
         raise InvalidWeightsError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise InvalidWeightsError(f"dtype= must be a floating torch dtype, not {dtype!r}")
+    check_target_dtype(dtype, InvalidWeightsError)
     pairs = pairs_of(weights, strategy)
     validate(pairs)
     return pairs if dtype is None else materialize_all(pairs, dtype)
+
+
+def check_target_dtype(dtype: Any, error: type[Exception]) -> None:
+    """Raise ``error`` unless ``dtype`` is None or a dtype floating tensors may be published
+    in: floating, 16 bits or more (float8 values mean nothing without their scales)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and converted(dtype)):
+        raise error(f"dtype= must be a floating torch dtype of 16 bits or more (bfloat16, "
+                    f"float16, float32, float64), not {dtype!r}")
+
+
+def copy_all(targets: list[torch.Tensor], origins: list[torch.Tensor],
+             non_blocking: bool = False) -> None:
+    """Copy each of ``origins`` into its target (converting dtypes) in one torch call: the GIL
+    is released once, not once per tensor (each return would wait for it while another
+    thread runs Python), and no autograd history is recorded. Where torch's list copy
+    refuses the lists (older torch, devices it does not pair), one copy per tensor."""
+    with torch.no_grad():
+        try:
+            torch._foreach_copy_(targets, origins, non_blocking=non_blocking)
+        except (RuntimeError, TypeError):  # (copying again what it did copy is harmless)
+            for target, origin in zip(targets, origins, strict=True):
+                target.copy_(origin, non_blocking=non_blocking)
 
 
 def converted(dtype: torch.dtype) -> bool:
@@ -292,9 +312,15 @@ def _load_safetensors_dir(path: str) -> Pairs:
     files = sorted(f for f in listing if f.endswith(".safetensors"))
     if not files:
         torch_files = sorted(f for f in listing if f.endswith(TORCH_SUFFIXES))
-        hint = (f" It holds {', '.join(torch_files[:3])}: push a state dict file itself "
-                f"(dbsync push {os.path.join(path, torch_files[0])} ROOT), or convert the "
-                "checkpoint to safetensors" if torch_files else "")
+        if len(torch_files) == 1:  # (one file is the whole model; shards are parts of it)
+            hint = (f" It holds {torch_files[0]}: push that file itself (dbsync push "
+                    f"{os.path.join(path, torch_files[0])} ROOT), or convert the checkpoint "
+                    "to safetensors")
+        elif torch_files:
+            hint = (f" It holds {len(torch_files)} torch files ({', '.join(torch_files[:3])}"
+                    "...), shards of one model: convert the checkpoint to safetensors")
+        else:
+            hint = ""
         raise InvalidWeightsError(
             f"{path} holds no .safetensors files, no model.safetensors.index.json and no "
             f"tensordict meta.json; point at a checkpoint directory or a weights file.{hint}"
@@ -324,13 +350,18 @@ def _weight_map_problem(weight_map: Any) -> str | None:
     return None
 
 
+def _is_zip_file(path: str) -> bool:
+    """Whether ``path`` starts as a zip archive does (torch's own test for its format)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 def _load_torch_file(path: str) -> Pairs:
     _require_regular(path)
     try:
         # (a file of torch's legacy format, saved with _use_new_zipfile_serialization=False,
         # cannot be mapped: it is read)
-        obj = torch.load(path, map_location="cpu", weights_only=True,
-                         mmap=zipfile.is_zipfile(path))
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip_file(path))
     except Exception as exc:
         # torch's own message runs to a dozen lines of advice on unpickling code, which
         # dbsync never does: keep its first sentence

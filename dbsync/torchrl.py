@@ -561,8 +561,8 @@ class DBSyncScheme(WeightSyncScheme):
 
     def writer(self) -> Sender:
         """This scheme's ``dbsync.Sender`` (created on first use; holds the writer lock)."""
-        self._check_not_shut_down()
-        with self._writer_lock:
+        with self._writer_lock:  # (checked under the lock: a racing shutdown wins)
+            self._check_not_shut_down()
             if self._writer_obj is None:
                 self._writer_obj = Sender(self.remote_addr, num_threads=self.num_threads,
                                           dtype=self.dtype, durable=self.durable)
@@ -806,7 +806,8 @@ class DBSyncScheme(WeightSyncScheme):
     def shutdown(self) -> None:
         """Release the writer lock, detach receivers; safe to call twice. Sending or receiving
         afterwards raises ``RuntimeError``."""
-        self._shut_down = True
+        with self._writer_lock:
+            self._shut_down = True
         super().shutdown()
         senders = getattr(self, "_sender_transports", None)
         owned = (getattr(self, "_shared_transport", None),

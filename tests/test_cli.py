@@ -231,13 +231,19 @@ def _only_a_bin(d, weights):
     torch.save(weights, str(d / "pytorch_model.bin"))
 
 
+def _bin_shards(d, weights):
+    for k in (1, 2):
+        torch.save(weights, str(d / f"pytorch_model-0000{k}-of-00002.bin"))
+
+
 @pytest.mark.parametrize("make, said", [
     (_bad_index(["model-1.safetensors"]), "weight_map is a list, not an object"),
     (_bad_index({"a": ["model-1.safetensors"]}), "maps to \"['model-1.safetensors']\""),
     (_bad_index({"a": 5}), "maps to '5', not a file name"),
     (_bad_index({"a": "../model-1.safetensors"}), "not a file of the checkpoint's own"),
     (_peft_with_bad_config, "adapter_config.json is not readable JSON"),
-    (_only_a_bin, "push a state dict file itself (dbsync push "),
+    (_only_a_bin, "push that file itself (dbsync push "),
+    (_bin_shards, "shards of one model: convert the checkpoint to safetensors"),
 ])
 def test_push_of_a_bad_directory_says_why_and_creates_no_root(tmp_path, weights, make, said):
     src = tmp_path / "src"
@@ -535,7 +541,8 @@ def test_watch_says_it_waits_for_a_first_version_then_prints_it(tmp_path, st_fil
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=cli_env(), cwd=REPO)
     try:
-        said = proc.stderr.readline()  # (the handshake: the watcher is up)
+        said = proc.stderr.readline()  # (the watcher starts next, and reports the version
+        # current by then: a push from here on is seen, whenever it lands)
         assert "nothing is published" in said and "waiting for the first version" in said
         assert run("push", st_file, str(root)).exit_code == 0
         out, _ = proc.communicate(timeout=60)

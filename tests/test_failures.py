@@ -79,24 +79,36 @@ def test_write_failing_after_the_slot_was_touched_publishes_nothing(root, monkey
 def test_a_failed_write_stops_the_writes_still_queued(root, monkeypatch):
     """A full disk (or a stopped push) must not go on writing the rest of the version: the
     writes not yet started are dropped once one has failed."""
+    import threading
+
     from dbsync import fileio
 
-    real, calls = fileio._write_task, []
+    real_write, real_settle, calls = fileio._write_task, fileio.settle, []
+    dropped = threading.Event()
 
     def fail_fifth(*args):
         calls.append(1)
         if len(calls) == 5:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(*args)
+        if len(calls) > 5:  # (the handshake: writes after the failure wait for the drop)
+            assert dropped.wait(30)
+        return real_write(*args)
+
+    def settle(futures):
+        for future in futures:
+            future.cancel()
+        dropped.set()
+        real_settle(futures)
 
     monkeypatch.setattr(fileio, "GROUP_BYTES", 16)  # one write task per tensor
     monkeypatch.setattr(fileio, "_write_task", fail_fifth)
+    monkeypatch.setattr(fileio, "settle", settle)
     weights = {f"t{i}": torch.full((8,), float(i)) for i in range(400)}
     with dbsync.Sender(root, num_threads=2) as sender:
         with pytest.raises(dbsync.StoreFullError, match="nothing was published"):
             sender.push(weights)
         assert sender.latest_version() is None
-    assert len(calls) < 200  # (all 400 were written before)
+    assert len(calls) <= 5 + 2  # the failed one, and at most one started per thread after it
 
 
 def test_ctrl_c_during_a_push_stops_its_writes(root, monkeypatch):
@@ -123,6 +135,46 @@ def test_ctrl_c_during_a_push_stops_its_writes(root, monkeypatch):
         assert interrupted.value.published_version is None
         assert sender.latest_version() is None
     assert len(written) < 10  # (all 400 were written before the push gave up)
+
+
+def test_ctrl_c_on_one_push_leaves_an_earlier_background_push_alone(root):
+    """Interrupting a blocking push stops that push only: a background push still writing
+    ahead of it publishes (it used to be stopped too, and silently)."""
+    import signal
+    import sys
+    import threading
+
+    main = threading.main_thread()
+
+    def main_waits_for_a_push() -> bool:
+        frame = sys._current_frames().get(main.ident)
+        while frame is not None:
+            if frame.f_code.co_name == "result" and "concurrent" in frame.f_code.co_filename:
+                return True
+            frame = frame.f_back
+        return False
+
+    interrupted = threading.Event()
+
+    def hold(done: int, total: int) -> None:  # the background push's write, in its thread
+        if interrupted.is_set():
+            return
+        while not main_waits_for_a_push():  # (the handshake: the blocking push waits)
+            assert not interrupted.wait(0.005)
+        signal.pthread_kill(main.ident, signal.SIGINT)
+        assert sender._abort.wait(30)  # the blocking push's own stop event is set
+        interrupted.set()
+
+    with dbsync.Sender(root, num_threads=1) as sender:
+        background = sender.push({"w": torch.ones(4)}, blocking=False, progress=hold)
+        with pytest.raises(dbsync.PushInterrupted) as stopped:
+            sender.push({"w": torch.full((4,), 2.0)})
+        assert stopped.value.published_version is None
+        assert background.result(timeout=60) == 1
+        assert sender.latest_version() == 1 and sender.last_error is None
+    got = {}
+    dbsync.Receiver(root).load(lambda pairs: got.update({n: t.clone() for n, t in pairs}))
+    assert torch.equal(got["w"], torch.ones(4))
 
 
 def test_second_writer_is_refused(root):
@@ -468,6 +520,9 @@ def test_a_snapshot_hands_out_nothing_of_a_damaged_version_when_its_receiver_ver
 def test_settings_and_versions_that_cannot_be_are_refused_clearly(root, tmp_path):
     with pytest.raises(dbsync.DBSyncError, match="lease_timeout must be between"):
         dbsync.Sender(root, lease_timeout=-1)
+    for dtype in (torch.int8, torch.float8_e4m3fn):  # (float8: saturated values, no scales)
+        with pytest.raises(dbsync.DBSyncError, match="16 bits or more"):
+            dbsync.Sender(root, dtype=dtype)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(dbsync.FormatError, match="a part of its path is a file"):

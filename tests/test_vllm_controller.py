@@ -447,9 +447,13 @@ def test_expected_names_come_from_the_index(tmp_path: Path) -> None:
     assert set(expected) == {"model.embed_tokens.weight", "model.norm.weight"}
 
 
-def test_mistyped_model_path_is_refused_at_once(tmp_path: Path) -> None:
+def test_mistyped_model_path_is_refused_at_once(tmp_path: Path, monkeypatch: Any) -> None:
+    from huggingface_hub import constants
+
     from dbsync import DBSyncError
     from dbsync.vllm.checkpoint import check_model
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
 
     for bad in (str(tmp_path / "modle"), "./modle", "~/no-such-model-dir"):
         with pytest.raises(DBSyncError, match="no such directory"):
@@ -531,11 +535,15 @@ def test_a_missing_store_shows_in_the_status_and_metrics(tmp_path: Path) -> None
         assert controller.status()["store_problem"] is None
         assert registry.get_sample_value("dbsync_store_ok") == 1
         os.rename(root, tmp_path / "elsewhere")  # (as an unmount looks from here)
+        # found by the receiver's next lease write (every lease_timeout / 4 = 7.5 s): the
+        # status itself touches no file (it runs on the server's event loop)
+        wait_for(lambda: controller.status()["store_problem"] is not None, 30)
         status = controller.status()
         assert "is missing" in status["store_problem"] and status["version"] == 1
+        assert "still serving version 1" in status["store_problem"]
         assert registry.get_sample_value("dbsync_store_ok") == 0
         os.rename(tmp_path / "elsewhere", root)
-        assert controller.status()["store_problem"] is None
+        wait_for(lambda: controller.status()["store_problem"] is None, 30)
         assert registry.get_sample_value("dbsync_store_ok") == 1
     finally:
         controller.stop()

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .. import sources
 from ..errors import first_line
 from . import checksum, paced
 from .group import Group
@@ -235,12 +236,7 @@ class OutgoingStream:
         """Copy whole tensors into their views of the bucket buffer and split pieces into
         their ranges (converting dtypes), with torch, on the current stream."""
         if indices:
-            srcs = [pairs[i][1].detach() for i in indices]
-            try:
-                torch._foreach_copy_(views, srcs, non_blocking=True)
-            except (RuntimeError, TypeError):
-                for view, src in zip(views, srcs, strict=True):
-                    view.copy_(src, non_blocking=True)
+            sources.copy_all(views, [pairs[i][1] for i in indices], non_blocking=True)
         for i, start, end, at in split:
             entry = header.entries[i]
             flat = flats.get(i)

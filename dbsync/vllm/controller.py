@@ -64,7 +64,6 @@ the old and partly by the new version; vLLM records which in ``CompletionOutput.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -290,17 +289,10 @@ class SwapController:
         }
 
     def store_problem(self) -> str | None:
-        """What keeps this server from following the store, as far as one look can tell
-        (None: nothing): its directory gone (removed, unmounted), or its lease not written
-        for another reason than a read-only view. The served version stays served."""
-        if not os.path.isdir(self.root):
-            return (f"{self.root} is missing (removed or unmounted); still serving version "
-                    f"{self.state.version}, waiting for the store to come back")
-        error = self.receiver.lease_error
-        if error is not None and error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-            return (f"cannot write this server's lease in {self.root} "
-                    f"({error.strerror or error}): the trainer does not see it")
-        return None
+        """What keeps this server from following the store (``Receiver.store_problem``: its
+        directory gone, its lease not written), or None. The served version stays served."""
+        problem = self.receiver.store_problem()
+        return None if problem is None else f"{problem}; still serving version {self.version}"
 
     def apply_latest(self) -> int | None:
         """Apply the store's current version unless it is already served. Returns the version
@@ -386,11 +378,12 @@ class SwapController:
     # ---- internals ----------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
         s = self.state
-        if version < (s.published_version or 0):  # (the watcher's way of saying: a new run)
-            s.published_version, self._published_run = version, None
-        else:
-            s.published_version = version
-        self.metrics.versions(s.version, s.published_version)
+        with self._lock:  # (as ``_published``, which an apply runs)
+            if version < (s.published_version or 0):  # (the watcher's way of saying: a new run)
+                s.published_version, self._published_run = version, None
+            else:
+                s.published_version = version
+            self.metrics.versions(s.version, s.published_version)
         self._follow()
 
     def _published(self, version: int, run_id: str) -> None:

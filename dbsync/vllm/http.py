@@ -13,9 +13,6 @@ from ..errors import DBSyncError
 
 #: options serve-vllm owns: passing them to vLLM after '--' is a usage error
 OWNED_OPTIONS = ("--model", "--host", "--port")
-#: every option of serve-vllm itself (given after '--', vLLM would not know them)
-SERVE_OPTIONS = (*OWNED_OPTIONS, "--poll-interval", "--transport", "--pause-mode",
-                 "--drain-timeout", "--lora", "--max-loras")
 
 
 def check_owned_options(extra: Sequence[str]) -> None:
@@ -25,8 +22,10 @@ def check_owned_options(extra: Sequence[str]) -> None:
 
 
 def parse_server_args(model: str, port: int, host: str | None, extra: Sequence[str],
-                      description: str) -> Any:
-    """vLLM's parsed server arguments for ``model`` on ``host:port`` plus ``extra``."""
+                      description: str, own_options: Sequence[str] = OWNED_OPTIONS) -> Any:
+    """vLLM's parsed server arguments for ``model`` on ``host:port`` plus ``extra``. A bad
+    option raises ``DBSyncError`` in one paragraph; one of ``own_options`` (serve-vllm's)
+    among ``extra`` is named as such."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -39,13 +38,13 @@ def parse_server_args(model: str, port: int, host: str | None, extra: Sequence[s
     parser = make_arg_parser(FlexibleArgumentParser(description=description))
 
     def error(message: str) -> NoReturn:  # (argparse's own prints its whole usage: pages)
-        raise DBSyncError(_usage_error(message, parser))
+        raise DBSyncError(_usage_error(message, parser, own_options))
 
     parser.error = error  # type: ignore[method-assign]
     return parser.parse_args(argv)
 
 
-def _usage_error(message: str, parser: Any) -> str:
+def _usage_error(message: str, parser: Any, own_options: Sequence[str]) -> str:
     """One paragraph for a bad vLLM option: what argparse said, and for each unknown option
     whether it is serve-vllm's own (given after '--') or what it may be a typo of."""
     hints = []
@@ -55,10 +54,10 @@ def _usage_error(message: str, parser: Any) -> str:
             flag = arg.partition("=")[0]
             if not flag.startswith("--"):
                 continue
-            if flag in SERVE_OPTIONS:
+            if flag in own_options:
                 hints.append(f"{flag} is an option of serve-vllm itself: give it before '--'")
                 continue
-            close = difflib.get_close_matches(flag, [*SERVE_OPTIONS, *known], n=1)
+            close = difflib.get_close_matches(flag, [*own_options, *known], n=1)
             hints.append(f"{flag}: did you mean {close[0]}?" if close
                          else f"{flag} is neither a serve-vllm nor a vLLM server option")
     return (message + "".join(f"; {h}" for h in hints) + " (serve-vllm's options come before "

@@ -66,6 +66,7 @@ class LoRAServing:
         #: the dbsync series on vLLM's ``/metrics`` (no pause: ``dbsync_pause_seconds`` gets 0)
         self.metrics = metrics
         self.versions = versions
+        metrics.watch_store(self.store_problem)
         self.engine = engine
         self.loop = loop
         self.models = models
@@ -214,7 +215,11 @@ class LoRAServing:
     def status(self) -> dict[str, Any]:
         return {"mode": "lora", **self.versions.status(), "healthy": self.healthy,
                 "published_version": self.published_version, "last_error": self.last_error,
-                "timings": self.timings}
+                "timings": self.timings, "store_problem": self.store_problem()}
+
+    def store_problem(self) -> str | None:
+        """As ``SwapController.store_problem``: the store gone or the lease not written."""
+        return self.versions.receiver.store_problem()
 
     def stop(self) -> None:
         self._stop.set()
@@ -257,7 +262,7 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
                poll_interval: float | None = None) -> None:
     """Run the LoRA server until it is stopped (see the module docstring)."""
     from .checkpoint import check_model
-    from .server import _apply_defaults, _configure_logging
+    from .server import _apply_defaults, _configure_logging, own_options
 
     check_model(model)
     extra = list(extra_args)
@@ -266,7 +271,8 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
 
-    args = parse_server_args(model, port, host, extra, "dbsync serve-vllm --lora")
+    args = parse_server_args(model, port, host, extra, "dbsync serve-vllm --lora",
+                             own_options())
     if (getattr(args, "api_server_count", None) or 1) > 1 or (
             getattr(args, "data_parallel_size", 1) or 1) > 1:
         raise DBSyncError("serve-vllm runs one API server and one engine; remove "

@@ -95,7 +95,7 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
 
-    args = parse_server_args(model, port, host, extra, "dbsync serve-vllm")
+    args = parse_server_args(model, port, host, extra, "dbsync serve-vllm", own_options())
     _add_dbsync_engine_args(args)
     configure_logging_from_args(args)
     _configure_logging()
@@ -274,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve MODEL with vLLM's OpenAI-compatible server, hot-swapping every "
                     "version published in ROOT. Arguments after '--' go to vLLM.")
     parser.add_argument("root", help="the dbsync store to follow")
-    parser.add_argument("--model", required=True, help="model directory vLLM starts from")
+    parser.add_argument("--model", required=True,
+                        help="the checkpoint vLLM starts from: its directory, or a hub id "
+                             "already in the local Hugging Face cache")
     parser.add_argument("--host", default=None, help="bind address (default: all)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--poll-interval", type=float, default=None,
@@ -300,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --lora: adapter versions kept loaded (>= 2; the trainer's "
                              "staleness + 1 or more)")
     return parser
+
+
+def own_options() -> list[str]:
+    """serve-vllm's own long options (given after '--', vLLM would not know them)."""
+    return [flag for flag in build_parser()._option_string_actions if flag.startswith("--")]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

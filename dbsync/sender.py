@@ -131,18 +131,6 @@ class _HostBuffer:
         return out
 
 
-def _weakly(method: Callable[[Future[int]], None]) -> Callable[[Future[int]], None]:
-    """A future's done-callback calling ``method`` of an object it does not keep alive."""
-    ref = weakref.WeakMethod(method)
-
-    def call(future: Future[int]) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(future)
-
-    return call
-
-
 def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor], pid: int) -> None:
     """Finalizer shared by ``close()`` and garbage collection (holds no Sender reference).
     It may run in a pool's own thread (the publisher dropping the last reference after a
@@ -411,12 +399,8 @@ class Sender:
                     with gcpause.paused():
                         pairs = sources.materialize_all(pairs, self.dtype)
             abort = self._abort = threading.Event()
-            future = self._publisher.submit(self._publish, pairs, progress, adapter, layout,
-                                            abort)
-            # (weakly: a future kept in a staging buffer must not keep this Sender, and its
-            # writer lock, alive once the caller dropped it)
-            future.add_done_callback(_weakly(self._on_done if not blocking
-                                             else self._on_done_quietly))
+            future = self._publisher.submit(self._publish_and_report, not blocking, pairs,
+                                            progress, adapter, layout, abort)
             if buffer is not None:
                 buffer.user = future
         if not blocking:
@@ -435,16 +419,19 @@ class Sender:
         if abort.is_set():
             raise _Aborted("push interrupted while writing; nothing was published")
 
-    def _on_done_quietly(self, future: Future[int]) -> None:
-        """A blocking push: its caller gets the error; just remember it."""
-        exc = future.exception()
-        self.last_error = None if isinstance(exc, _Aborted) else exc
-
-    def _on_done(self, future: Future[int]) -> None:
-        """A background push: nobody may ever read its future, so its failure is logged."""
-        self._on_done_quietly(future)
-        if self.last_error is not None:
-            log.error("background push into %s failed: %s", self.store.root, self.last_error)
+    def _publish_and_report(self, background: bool, *args: Any) -> int:
+        """``_publish``, recording its outcome in ``last_error`` and, for a background push
+        (whose future nobody may ever read), logging its failure: both before the future
+        completes, so its caller sees them as soon as it sees the result."""
+        try:
+            version = self._publish(*args)
+        except BaseException as exc:
+            self.last_error = None if isinstance(exc, _Aborted) else exc
+            if background and self.last_error is not None:
+                log.error("background push into %s failed: %s", self.store.root, exc)
+            raise
+        self.last_error = None
+        return version
 
     def _wait_for_lag(self, abort: threading.Event) -> float:
         if self.max_lag is None or self._version == 0:

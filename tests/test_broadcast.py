@@ -193,6 +193,43 @@ def test_three_receivers_one_killed_mid_push(bsender: BroadcastSender) -> None:
         assert bsender.last_push_stats["broadcast"]
 
 
+def test_an_interrupted_push_never_reaches_a_receiver_mixed_with_the_next(
+        bsender: BroadcastSender, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C between two buckets of a push, caught by the trainer, which pushes again: the
+    receiver that was taking the interrupted push drops it (it used to complete it with the
+    next push's buckets, each verifying on its own) and ends with the next version, exact."""
+    from dbsync.nccl import group as group_module
+
+    root = bsender.sender.root
+    gen = torch.Generator().manual_seed(11)
+    weights = {f"layer{i}": random_bytes_tensor(torch.bfloat16, (64, 64), gen)
+               for i in range(16)}  # 128 KiB in 32 buckets of 4 KiB
+    with workers(root, "rx") as (rx,):
+        rx.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(1, 30)
+        assert bsender.push(weights) == 1
+        assert rx.result()["source"] == "broadcast"
+
+        real_wait, calls = group_module.Group.wait, []
+
+        def interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt  # (as Ctrl-C arrives: between two buckets)
+            return real_wait(self, *args, **kwargs)
+
+        rx.send(op="receive", timeout=60)
+        monkeypatch.setattr(group_module.Group, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            bsender.push({k: v + 1 for k, v in weights.items()})
+        monkeypatch.setattr(group_module.Group, "wait", real_wait)
+        assert Receiver(root).latest_version() == 1  # nothing was published
+        weights3 = {k: v + 2 for k, v in weights.items()}
+        assert bsender.push(weights3) == 2  # the trainer goes on
+        got = rx.result()
+        assert got["version"] == 2 and got["tensors"] == expected(weights3), got["source"]
+
+
 def test_damaged_bucket_is_refused_and_the_version_read_from_the_filesystem(
         bsender: BroadcastSender) -> None:
     """One byte of a bucket flipped on arrival (before verification): that receiver hands out

@@ -143,6 +143,9 @@ class Group:
         except Exception as exc:
             self.close()
             raise _wrap(exc, f"{what} failed after {time.monotonic() - start:.1f} s") from exc
+        except BaseException:  # Ctrl-C mid-collective: no peer may go on with this stream
+            self.close()
+            raise
 
     def close(self) -> None:
         """Abort the communicator (unblocks peers still waiting on it). Idempotent."""

@@ -31,6 +31,7 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -181,6 +182,11 @@ class BroadcastSender:
             except BroadcastError as exc:
                 stats["error"] = str(exc)
                 self.membership.close_epoch()
+            except BaseException:  # Ctrl-C mid-stream: nothing is published; members must
+                # drop what they received, never complete it with the next push's buckets
+                with contextlib.suppress(Exception):
+                    self.membership.close_epoch()
+                raise
             stats["epoch"] = self.epoch
             stats["broadcast_seconds"] = time.perf_counter() - t0
             self.last_push_stats = stats
@@ -203,11 +209,13 @@ class BroadcastSender:
         t_announced = time.perf_counter()
         try:
             self.outgoing.send(group, header, pairs)
-        except BroadcastError as exc:
+        except BaseException as exc:
             try:
                 membership.kv.set(rv.go_key(epoch, seq), "abort")
             except Exception:  # noqa: BLE001 - members time out on their own
                 pass
+            if not isinstance(exc, BroadcastError):
+                raise  # (Ctrl-C: the push closes the epoch)
             missing = membership.missing_acks(seq)
             if missing and isinstance(exc, BroadcastTimeoutError):
                 raise BroadcastTimeoutError(

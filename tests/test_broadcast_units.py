@@ -142,6 +142,44 @@ def test_bad_rendezvous_file_is_reported(tmp_path: Any) -> None:
     assert RendezvousRecord.loads(rec.dumps(), "x").members == ("a",)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "directory", "deep nesting",
+                                  "huge"])
+def test_a_hostile_rendezvous_path_sends_receivers_to_the_filesystem(tmp_path: Any,
+                                                                    kind: str) -> None:
+    """ROOT/broadcast.json is anyone's to write: whatever lies there, a receiver takes the
+    version from the filesystem at once (it used to hang on a FIFO, read /dev/zero until out
+    of memory, or raise)."""
+    root = str(tmp_path / "store")
+    with Sender(root, durable=False) as sender:
+        sender.push({"w": torch.arange(10.0)})
+    path = rendezvous_path(Store(root))
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "directory":
+        os.mkdir(path)
+    elif kind == "deep nesting":
+        with open(path, "w") as f:
+            f.write("[" * 100_000 + "]" * 100_000)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(1 << 30)  # (sparse: a gigabyte that costs no disk)
+    with pytest.raises(RendezvousError, match="broadcast.json"):
+        read_record(Store(root))
+    got: dict[str, torch.Tensor] = {}
+    receiver = BroadcastReceiver(root, timeout=3)
+    try:
+        started = time.monotonic()
+        version = receiver.receive(lambda pairs: got.update((n, t.clone()) for n, t in pairs),
+                                   timeout=10)
+        assert time.monotonic() - started < 10
+    finally:
+        receiver.close()
+    assert version == 1 and receiver.last_source == "filesystem"
+    assert torch.equal(got["w"], torch.arange(10.0))
+
+
 def test_argument_errors_say_what_to_do(tmp_path: Any) -> None:
     with pytest.raises(BroadcastError, match="CUDA device"):
         resolve_backend("nccl", torch.device("cpu"))

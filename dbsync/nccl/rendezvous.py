@@ -38,10 +38,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import fileio
+from ..errors import FormatError
 from ..store import Store
 from .errors import RendezvousError
 
 RENDEZVOUS_FILE = "broadcast.json"
+#: a record is a few hundred bytes; anything bigger at that path is not one
+MAX_RECORD_BYTES = 64 * 1024
 RENDEZVOUS_FORMAT = "dbsync-broadcast"
 RENDEZVOUS_VERSION = 2  # 2: members wait on doorbells instead of polling for pushes
 BACKENDS = ("gloo", "nccl")
@@ -123,7 +126,7 @@ class RendezvousRecord:
     def loads(cls, raw: bytes, source: str) -> RendezvousRecord:
         try:
             data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
             raise RendezvousError(f"{source} is not valid JSON ({exc}); restart the "
                                   "BroadcastSender or delete the file") from None
         if not isinstance(data, dict) or data.get("format") != RENDEZVOUS_FORMAT:
@@ -166,14 +169,17 @@ def write_record(store: Store, record: RendezvousRecord) -> None:
 
 
 def read_record(store: Store) -> RendezvousRecord | None:
-    """The current rendezvous record, or None when no BroadcastSender ever ran on this store."""
+    """The current rendezvous record, or None when no BroadcastSender ever ran on this store.
+    Anything else at that path (a FIFO, a directory, a link to a device, a huge or garbled
+    file: the store is anyone's to write) is a ``RendezvousError``, read with the store's
+    bounds and never blocking: its receivers then use the filesystem."""
     path = rendezvous_path(store)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return None
-    return RendezvousRecord.loads(raw, path)
+        raw = store.read_small((RENDEZVOUS_FILE,), MAX_RECORD_BYTES)
+    except (FormatError, OSError) as exc:
+        raise RendezvousError(f"{path} cannot be read as a rendezvous record ({exc}); restart "
+                              "the BroadcastSender or delete the file") from None
+    return None if raw is None else RendezvousRecord.loads(raw, path)
 
 
 def remove_record(store: Store, sender_id: str) -> None:

@@ -180,6 +180,37 @@ def test_a_hostile_rendezvous_path_sends_receivers_to_the_filesystem(tmp_path: A
     assert torch.equal(got["w"], torch.arange(10.0))
 
 
+def test_close_from_another_thread_ends_a_receive_under_way(tmp_path: Any) -> None:
+    """A background receiving thread can be shut down: close() returns, and the receive it
+    was in raises (close() used to wait for the receive, forever without a timeout)."""
+    root = str(tmp_path / "store")
+    with Sender(root, durable=False) as sender:
+        sender.push({"w": torch.ones(2)})
+    receiver = BroadcastReceiver(root, timeout=3)
+    assert receiver.receive(lambda pairs: None) == 1
+    outcome: list[BaseException | int | None] = []
+    thread = threading.Thread(target=lambda: _record(outcome, receiver.receive, lambda p: None))
+    thread.start()
+    while not receiver._lock.locked():  # (the handshake: the receive is waiting)
+        assert thread.is_alive()
+        time.sleep(0.001)
+    closing = threading.Thread(target=receiver.close)
+    closing.start()
+    closing.join(10)
+    thread.join(10)
+    assert not closing.is_alive() and not thread.is_alive()
+    assert isinstance(outcome[0], DBSyncError) and "closed" in str(outcome[0])
+    with pytest.raises(DBSyncError, match="closed"):
+        receiver.receive(lambda pairs: None, timeout=0)
+
+
+def _record(outcome: list[Any], call: Any, *args: Any) -> None:
+    try:
+        outcome.append(call(*args))
+    except BaseException as exc:  # noqa: BLE001 - the outcome under test
+        outcome.append(exc)
+
+
 def test_argument_errors_say_what_to_do(tmp_path: Any) -> None:
     with pytest.raises(BroadcastError, match="CUDA device"):
         resolve_backend("nccl", torch.device("cpu"))

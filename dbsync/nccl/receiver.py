@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..errors import DBSyncError
 from ..leases import DEFAULT_LEASE_TIMEOUT
 from ..receiver import Receiver
 from . import checksum, paced
@@ -113,6 +114,7 @@ class BroadcastReceiver:
             self._applied_push: tuple[int, int, int] | None = None
             self._buffers: list[torch.Tensor] = []
             self._lock = threading.Lock()
+            self._closed = threading.Event()
             if self.device.type == "cuda" and verify:
                 # Compile and check the paced kernels now (seconds, once per device and
                 # process), not inside the first push, where the sender's per-bucket timeout runs.
@@ -155,6 +157,7 @@ class BroadcastReceiver:
         Hazard: after a damaged bucket the tensors hold parts of two versions until the
         version is re-applied from the filesystem, which this call does before it returns; if
         that fails too (it raises), they stay mixed: call ``receive`` again."""
+        self._check_open()
         with self._lock:
             floor = self.loaded_version if newer_than is None else newer_than
             floor = 0 if floor is None else floor
@@ -170,10 +173,11 @@ class BroadcastReceiver:
                     self.link.leave_group(str(exc))
                     header = None
                 if header is not None:
-                    version = self._take(header, load_weights, floor)
+                    version = self._take(header, load_weights, floor, deadline)
                     if version is not None:
                         return version
                     continue
+                self._check_open()  # (close() from another thread: at most a pause away)
                 now = time.monotonic()
                 # A member waits for its doorbell; the manifest (a file that may be large and
                 # on NFS) it reads only now and then: for a member it is only the guard against
@@ -183,17 +187,17 @@ class BroadcastReceiver:
                     latest, fs_checked = self.fs.latest_version(), now
                 if latest is not None and latest > floor:
                     if self.link.group is None:
-                        return self._load_fs(load_weights, latest)
+                        return self._load_fs(load_weights, latest, deadline)
                     if newer_seen_at is None:
                         newer_seen_at = now
                     elif now - newer_seen_at > self.timeout:
                         self.link.leave_group(f"version {latest} was published without a "
                                           "broadcast to this member")
-                        return self._load_fs(load_weights, latest)
+                        return self._load_fs(load_weights, latest, deadline)
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 if self.link.group is None:
-                    time.sleep(pause)
+                    self._closed.wait(pause)
                     pause = min(max(pause, 0.005) * 1.5, 0.05)
                 else:  # until the doorbell rings (a push or an epoch change)
                     rest = MEMBER_EPOCH_CHECK_SECONDS
@@ -202,9 +206,11 @@ class BroadcastReceiver:
                     self.link.wait_for_push(rest, self.poll_interval)
                     pause = self.poll_interval
 
-    def _take(self, header: Header, load_weights: LoadWeights, floor: int) -> int | None:
+    def _take(self, header: Header, load_weights: LoadWeights, floor: int,
+              deadline: float | None) -> int | None:
         """Take one announced push. Returns the version applied, or None when it was not newer
-        than ``floor`` (its bytes are drained: every member must take part)."""
+        than ``floor`` (its bytes are drained: every member must take part) or, taken from
+        the filesystem, was not published there by ``deadline``."""
         link = self.link
         assert link.conn is not None and link.group is not None and link.epoch is not None
         store, epoch, seq = link.conn.store, link.epoch, header.seq
@@ -219,7 +225,7 @@ class BroadcastReceiver:
 
         def fall_back() -> int | None:
             # A push this receiver only had to drain is not loaded from the filesystem either.
-            return self._load_fs(load_weights, header.version) if wanted else None
+            return self._load_fs(load_weights, header.version, deadline) if wanted else None
 
 
         def cancelled() -> str | None:
@@ -285,14 +291,14 @@ class BroadcastReceiver:
             return None
         if incoming.damaged is not None:  # load_weights swallowed the error
             self.last_error = incoming.damaged
-            return self._load_fs(load_weights, header.version)
+            return self._load_fs(load_weights, header.version, deadline)
         if not usable:
             self.last_error = (
                 f"version {header.version} does not fit the tensors given (names, shapes or "
                 "dtypes); loading it from the filesystem to say how" if dest is False else
                 f"version {header.version} was broadcast without checksums and this receiver "
                 "verifies; read from the filesystem")
-            return self._load_fs(load_weights, header.version)
+            return self._load_fs(load_weights, header.version, deadline)
         self.fs.mark_loaded(header.version)
         self._applied_push = (epoch, seq, header.version)
         self.last_source, self.last_error = "broadcast", None
@@ -333,29 +339,46 @@ class BroadcastReceiver:
             epoch, seq, version = self._applied_push
             return self.link.published(epoch, seq, version, timeout)
 
-    def _wait_published(self, version: int) -> int:
+    def _wait_published(self, version: int, caller_deadline: float | None) -> bool:
+        """Wait until ``version`` is on the filesystem: True; False once the caller's
+        deadline passed first. Raises after ``fallback_timeout`` (the sender died before
+        publishing?) and when this receiver is closed meanwhile."""
         deadline = time.monotonic() + self.fallback_timeout
         pause = 0.005
         while True:
             latest = self.fs.latest_version()
             if latest is not None and latest >= version:
-                return latest
-            if time.monotonic() >= deadline:
+                return True
+            now = time.monotonic()
+            if caller_deadline is not None and now >= caller_deadline:
+                return False
+            if now >= deadline:
                 raise BroadcastTimeoutError(
                     f"version {version} was announced but is not on the filesystem after "
                     f"{self.fallback_timeout:.0f} s (the sender died before publishing?); "
                     "call receive again to load the newest published version")
-            time.sleep(pause)
+            self._closed.wait(pause)
+            self._check_open()
             pause = min(pause * 1.5, 0.1)
 
-    def _load_fs(self, load_weights: LoadWeights, version: int) -> int:
-        self._wait_published(version)
+    def _load_fs(self, load_weights: LoadWeights, version: int,
+                 deadline: float | None) -> int | None:
+        if not self._wait_published(version, deadline):
+            return None
         loaded = self.fs.load(load_weights)
         self.last_source = "filesystem"
         return loaded
 
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise DBSyncError("this BroadcastReceiver is closed (a receive under way when it "
+                              "was closed ends here); create a new one")
+
     def close(self) -> None:
-        """Leave the group (the sender forms a new epoch without us) and drop the lease."""
+        """Leave the group (the sender forms a new epoch without us) and drop the lease. A
+        ``receive`` under way in another thread raises within half a second; later calls
+        raise too."""
+        self._closed.set()
         with self._lock:
             if self.link.conn is not None:
                 try:

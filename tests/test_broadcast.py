@@ -230,6 +230,38 @@ def test_an_interrupted_push_never_reaches_a_receiver_mixed_with_the_next(
         assert got["version"] == 2 and got["tensors"] == expected(weights3), got["source"]
 
 
+def test_a_group_that_cannot_form_costs_one_push_not_every_push(
+        bsender: BroadcastSender, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver announcing an address the trainer cannot reach makes the group fail to
+    form. Pushes then go through the filesystem alone for a while, saying why, instead of
+    each waiting join_timeout for a group that cannot form; receivers get every version."""
+    from dbsync.nccl import membership as membership_module
+    from dbsync.nccl.errors import BroadcastError
+
+    attempts = []
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        attempts.append(1)
+        raise BroadcastError("could not create the gloo group (as an unreachable member)")
+
+    monkeypatch.setattr(membership_module.Group, "create", unreachable)
+    root = bsender.sender.root
+    with workers(root, "rx") as (rx,):
+        rx.send(op="receive", timeout=60)
+        assert bsender.wait_for_joins(1, 30)
+        for version in (1, 2, 3):
+            weights = {"w": torch.full((1000,), float(version))}
+            assert bsender.push(weights) == version
+            stats = bsender.last_push_stats
+            assert not stats["broadcast"] and "could not form" in stats["error"], stats
+            got = rx.result()
+            assert got["version"] == version and got["tensors"] == expected(weights)
+            assert got["source"] == "filesystem"
+            if version < 3:
+                rx.send(op="receive", timeout=60)
+    assert len(attempts) == 1  # (before: one attempt, and its wait, per push)
+
+
 def test_damaged_bucket_is_refused_and_the_version_read_from_the_filesystem(
         bsender: BroadcastSender) -> None:
     """One byte of a bucket flipped on arrival (before verification): that receiver hands out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import socket
 import time
@@ -39,7 +40,12 @@ from .errors import BroadcastError
 from .group import Group
 from .keywatch import KeyWatch
 
+log = logging.getLogger(__name__)
+
 STORE_TIMEOUT_SECONDS = 30.0
+#: first and longest pause in forming groups after one could not form (see ``_back_off``)
+FORMATION_BACKOFF_S = 30.0
+FORMATION_BACKOFF_MAX_S = 600.0
 
 
 def wait_for_keys(store: Any, keys: Sequence[str], timeout: float) -> list[str]:
@@ -77,6 +83,11 @@ class Membership:
         self.group: Group | None = None
         self.last_setup_seconds: float | None = None
         self._wanted: dict[str, float] = {}  # reader id -> when it asked
+        #: why the last group could not be formed (None: it was), and until when pushes do
+        #: not try again (a receiver that can never join must not cost every push)
+        self.formation_error: str | None = None
+        self._formation_backoff = 0.0
+        self._formation_retry_at = 0.0
         self._joins_seen = 0
         # (connecting to itself may take seconds on a loaded host: not the step timeout)
         store_timeout = datetime.timedelta(seconds=max(timeout, STORE_TIMEOUT_SECONDS))
@@ -139,6 +150,8 @@ class Membership:
         if not self._joins.working or self._joins.rung.is_set():
             self._joins.clear()  # before reading: a request from now on sets it again
             changed = self.poll_joins()
+        if time.monotonic() < self._formation_retry_at:
+            return None  # (backing off: this push goes through the filesystem alone)
         if changed or (self.group is None and self._wanted) or (
                 self.group is not None and set(self._wanted) != set(self.members)):
             return self.form_epoch()
@@ -197,13 +210,29 @@ class Membership:
                 self.group = Group.create(
                     self.kv, rv.pg_prefix(self.epoch), 0, len(self.members) + 1, self.backend,
                     self.device, self.timeout, self.address, setup_timeout=self.join_timeout)
-            except BroadcastError:
+            except BroadcastError as exc:
                 self._wanted.clear()  # who failed is unknown: everyone alive re-joins
-                continue
+                self._back_off(exc)
+                break
             self.last_setup_seconds = time.perf_counter() - t0
+            self.formation_error, self._formation_backoff = None, 0.0
             return self.last_setup_seconds
         self.close_epoch()
         return None
+
+    def _back_off(self, exc: BroadcastError) -> None:
+        """After a group that could not form (a member that announces an address this host
+        cannot reach, a firewall), pushes go through the filesystem alone for a while
+        (``FORMATION_BACKOFF_S``, doubling up to ``FORMATION_BACKOFF_MAX_S``) instead of each
+        waiting ``join_timeout`` for it."""
+        self._formation_backoff = min(max(2 * self._formation_backoff, FORMATION_BACKOFF_S),
+                                      FORMATION_BACKOFF_MAX_S)
+        self._formation_retry_at = time.monotonic() + self._formation_backoff
+        self.formation_error = (
+            f"the broadcast group with {', '.join(self.members)} could not form ({exc}); "
+            f"pushes use the filesystem alone for the next {self._formation_backoff:.0f} s. "
+            "Check each receiver's address= (DBSYNC_BROADCAST_ADDRESS) is reachable from here")
+        log.warning("dbsync: %s", self.formation_error)
 
     def next_seq(self) -> int:
         self.seq += 1

@@ -175,7 +175,9 @@ class BroadcastSender:
             sent: tuple[int, int] | None = None
             try:
                 stats["setup_seconds"] = self.membership.refresh() or 0.0
-                if self.membership.group is not None:
+                if self.membership.group is None:  # (why not, when a group failed to form)
+                    stats["error"] = self.membership.formation_error
+                else:
                     stats["members"] = len(self.members)
                     sent = self._broadcast(version, pairs, stats)
                     stats["broadcast"] = True

@@ -217,6 +217,20 @@ def test_argument_errors_say_what_to_do(tmp_path: Any) -> None:
     with Sender(tmp_path, durable=False) as sender:
         with pytest.raises(DBSyncError, match="multiple of 64"):
             BroadcastSender(sender, device="cpu", bucket_bytes=100)
+        with pytest.raises(DBSyncError, match="join_timeout must be positive"):
+            BroadcastSender(sender, device="cpu", join_timeout=-1)
+        with pytest.raises(DBSyncError, match="port must be 0"):
+            BroadcastSender(sender, device="cpu", port=99999)
+        closed = BroadcastSender(sender, device="cpu", address="127.0.0.1")
+        closed.close()
+        with pytest.raises(DBSyncError, match="closed"):  # (it used to publish silently)
+            closed.push({"w": torch.ones(2)})
+        assert sender.latest_version() is None
+    with pytest.raises(DBSyncError) as bad:  # one error listing every bad setting
+        BroadcastReceiver(tmp_path, timeout=0, fallback_timeout=-5, depth=0)
+    assert all(word in str(bad.value) for word in ("timeout must", "fallback_timeout must",
+                                                   "depth must"))
+    assert not os.listdir(os.path.join(tmp_path, "readers"))  # nothing was registered
 
 
 def _receive_in_thread(rx: BroadcastReceiver, out: dict[str, Any], **kw: Any) -> threading.Thread:

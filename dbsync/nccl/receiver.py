@@ -85,6 +85,13 @@ class BroadcastReceiver:
     ):
         # report_loaded=False: loads are not reported in the lease (helper readers).
         # fs_verify: checksum verification of filesystem loads (default: ``verify``).
+        bad = [f"{name} must be positive (seconds), not {value!r}" for name, value in (
+            ("timeout", timeout), ("fallback_timeout", fallback_timeout),
+            ("poll_interval", poll_interval)) if not value > 0]
+        if depth is not None and depth < 2:
+            bad.append(f"depth must be at least 2 (buckets in flight), not {depth!r}")
+        if bad:  # (before anything is opened or registered)
+            raise DBSyncError("; ".join(bad))
         self.fs = Receiver(root, reader_id=reader_id, lease_timeout=lease_timeout,
                            verify=verify if fs_verify is None else fs_verify,
                            report_loaded=report_loaded)

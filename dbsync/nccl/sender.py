@@ -90,6 +90,12 @@ class BroadcastSender:
             raise DBSyncError(f"bucket_bytes must be a positive multiple of {ALIGN}")
         if timeout <= 0:
             raise DBSyncError("timeout must be positive (seconds)")
+        if join_timeout is not None and join_timeout <= 0:
+            raise DBSyncError("join_timeout must be positive (seconds), or None for timeout")
+        if not (isinstance(port, int) and 0 <= port < 65536):
+            raise DBSyncError(f"port must be 0 (any free port) or a TCP port below 65536, not "
+                              f"{port!r}")
+        self._closed = False
         self._owns_sender = not isinstance(sender, Sender)
         self.sender = Sender(sender) if self._owns_sender else sender  # type: ignore[arg-type]
         if device is None:
@@ -166,6 +172,9 @@ class BroadcastSender:
         ``blocking=False`` returns a ``Future[int]`` once the broadcast is done and the
         weights are snapshotted. Broadcast problems never raise: see ``last_push_stats``."""
         with self._lock:
+            if self._closed:
+                raise DBSyncError("this BroadcastSender is closed; create a new one (or push "
+                                  "through its Sender, without the broadcast)")
             self._finish_pending()
             pairs = sources.collect(weights, self.sender.strategy)  # dtype: per bucket
             version = self.sender.next_version
@@ -301,6 +310,7 @@ class BroadcastSender:
         """Finish the pending push, close the group, withdraw ``broadcast.json`` and stop the
         rendezvous store. Receivers notice and read from the filesystem."""
         with self._lock:
+            self._closed = True
             self._finish_pending()
             self.membership.close()
             if self._owns_sender:

@@ -42,6 +42,8 @@ MAX_HEAD_BYTES = 1 << 20
 MAX_INDEX_BYTES = 512 << 20
 MAX_STAMP_BYTES = 4096
 MAX_LEASE_BYTES = 64 << 10
+#: a broadcast sender's rendezvous record (``broadcast.json``): a few hundred bytes
+MAX_RENDEZVOUS_BYTES = 64 * 1024
 #: Tensors are packed into shards of about this size (a larger tensor gets a shard of its own).
 SHARD_BYTES = 512 << 20
 #: Every tensor starts at a multiple of this inside its shard (any dtype's view is aligned).

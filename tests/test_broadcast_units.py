@@ -149,6 +149,8 @@ def test_a_hostile_rendezvous_path_sends_receivers_to_the_filesystem(tmp_path: A
     """ROOT/broadcast.json is anyone's to write: whatever lies there, a receiver takes the
     version from the filesystem at once (it used to hang on a FIFO, read /dev/zero until out
     of memory, or raise)."""
+    from dbsync.vllm.transport import offered_backend
+
     root = str(tmp_path / "store")
     with Sender(root, durable=False) as sender:
         sender.push({"w": torch.arange(10.0)})
@@ -159,14 +161,19 @@ def test_a_hostile_rendezvous_path_sends_receivers_to_the_filesystem(tmp_path: A
         os.symlink("/dev/zero", path)
     elif kind == "directory":
         os.mkdir(path)
-    elif kind == "deep nesting":
+    elif kind == "deep nesting":  # (within the size bound: the JSON parser's own limit)
         with open(path, "w") as f:
-            f.write("[" * 100_000 + "]" * 100_000)
+            f.write("[" * 30_000 + "]" * 30_000)
     else:
         with open(path, "wb") as f:
             f.truncate(1 << 30)  # (sparse: a gigabyte that costs no disk)
+    started = time.monotonic()
     with pytest.raises(RendezvousError, match="broadcast.json"):
         read_record(Store(root))
+    assert time.monotonic() - started < 1  # (nothing is read through: no gigabyte, no FIFO)
+    started = time.monotonic()
+    assert offered_backend(root) is None  # (what vLLM workers poll each second: the same)
+    assert time.monotonic() - started < 1
     got: dict[str, torch.Tensor] = {}
     receiver = BroadcastReceiver(root, timeout=3)
     try:

@@ -88,8 +88,8 @@ class BroadcastReceiver:
         bad = [f"{name} must be positive (seconds), not {value!r}" for name, value in (
             ("timeout", timeout), ("fallback_timeout", fallback_timeout),
             ("poll_interval", poll_interval)) if not value > 0]
-        if depth is not None and depth < 2:
-            bad.append(f"depth must be at least 2 (buckets in flight), not {depth!r}")
+        if depth is not None and depth < 1:
+            bad.append(f"depth must be at least 1 (buckets in flight), not {depth!r}")
         if bad:  # (before anything is opened or registered)
             raise DBSyncError("; ".join(bad))
         self.fs = Receiver(root, reader_id=reader_id, lease_timeout=lease_timeout,
@@ -166,6 +166,7 @@ class BroadcastReceiver:
         that fails too (it raises), they stay mixed: call ``receive`` again."""
         self._check_open()
         with self._lock:
+            self._check_open()  # (closed while this call waited for the lock)
             floor = self.loaded_version if newer_than is None else newer_than
             floor = 0 if floor is None else floor
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -180,7 +181,7 @@ class BroadcastReceiver:
                     self.link.leave_group(str(exc))
                     header = None
                 if header is not None:
-                    version = self._take(header, load_weights, floor, deadline)
+                    version = self._take(header, load_weights, floor)
                     if version is not None:
                         return version
                     continue
@@ -194,13 +195,13 @@ class BroadcastReceiver:
                     latest, fs_checked = self.fs.latest_version(), now
                 if latest is not None and latest > floor:
                     if self.link.group is None:
-                        return self._load_fs(load_weights, latest, deadline)
+                        return self._load_fs(load_weights, latest)
                     if newer_seen_at is None:
                         newer_seen_at = now
                     elif now - newer_seen_at > self.timeout:
                         self.link.leave_group(f"version {latest} was published without a "
                                           "broadcast to this member")
-                        return self._load_fs(load_weights, latest, deadline)
+                        return self._load_fs(load_weights, latest)
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 if self.link.group is None:
@@ -213,11 +214,9 @@ class BroadcastReceiver:
                     self.link.wait_for_push(rest, self.poll_interval)
                     pause = self.poll_interval
 
-    def _take(self, header: Header, load_weights: LoadWeights, floor: int,
-              deadline: float | None) -> int | None:
+    def _take(self, header: Header, load_weights: LoadWeights, floor: int) -> int | None:
         """Take one announced push. Returns the version applied, or None when it was not newer
-        than ``floor`` (its bytes are drained: every member must take part) or, taken from
-        the filesystem, was not published there by ``deadline``."""
+        than ``floor`` (its bytes are drained: every member must take part)."""
         link = self.link
         assert link.conn is not None and link.group is not None and link.epoch is not None
         store, epoch, seq = link.conn.store, link.epoch, header.seq
@@ -232,7 +231,7 @@ class BroadcastReceiver:
 
         def fall_back() -> int | None:
             # A push this receiver only had to drain is not loaded from the filesystem either.
-            return self._load_fs(load_weights, header.version, deadline) if wanted else None
+            return self._load_fs(load_weights, header.version) if wanted else None
 
 
         def cancelled() -> str | None:
@@ -298,14 +297,14 @@ class BroadcastReceiver:
             return None
         if incoming.damaged is not None:  # load_weights swallowed the error
             self.last_error = incoming.damaged
-            return self._load_fs(load_weights, header.version, deadline)
+            return self._load_fs(load_weights, header.version)
         if not usable:
             self.last_error = (
                 f"version {header.version} does not fit the tensors given (names, shapes or "
                 "dtypes); loading it from the filesystem to say how" if dest is False else
                 f"version {header.version} was broadcast without checksums and this receiver "
                 "verifies; read from the filesystem")
-            return self._load_fs(load_weights, header.version, deadline)
+            return self._load_fs(load_weights, header.version)
         self.fs.mark_loaded(header.version)
         self._applied_push = (epoch, seq, header.version)
         self.last_source, self.last_error = "broadcast", None
@@ -346,20 +345,18 @@ class BroadcastReceiver:
             epoch, seq, version = self._applied_push
             return self.link.published(epoch, seq, version, timeout)
 
-    def _wait_published(self, version: int, caller_deadline: float | None) -> bool:
-        """Wait until ``version`` is on the filesystem: True; False once the caller's
-        deadline passed first. Raises after ``fallback_timeout`` (the sender died before
-        publishing?) and when this receiver is closed meanwhile."""
+    def _wait_published(self, version: int) -> None:
+        """Wait until ``version`` is on the filesystem. Raises after ``fallback_timeout`` (the
+        sender died before publishing?) and when this receiver is closed meanwhile. (Not cut
+        short by ``receive``'s timeout: tensors given to it may hold part of this version
+        already, and only its complete bytes make them one version again.)"""
         deadline = time.monotonic() + self.fallback_timeout
         pause = 0.005
         while True:
             latest = self.fs.latest_version()
             if latest is not None and latest >= version:
-                return True
-            now = time.monotonic()
-            if caller_deadline is not None and now >= caller_deadline:
-                return False
-            if now >= deadline:
+                return
+            if time.monotonic() >= deadline:
                 raise BroadcastTimeoutError(
                     f"version {version} was announced but is not on the filesystem after "
                     f"{self.fallback_timeout:.0f} s (the sender died before publishing?); "
@@ -368,10 +365,8 @@ class BroadcastReceiver:
             self._check_open()
             pause = min(pause * 1.5, 0.1)
 
-    def _load_fs(self, load_weights: LoadWeights, version: int,
-                 deadline: float | None) -> int | None:
-        if not self._wait_published(version, deadline):
-            return None
+    def _load_fs(self, load_weights: LoadWeights, version: int) -> int:
+        self._wait_published(version)
         loaded = self.fs.load(load_weights)
         self.last_source = "filesystem"
         return loaded

@@ -39,12 +39,11 @@ from typing import Any
 
 from .. import fileio
 from ..errors import FormatError
+from ..format import MAX_RENDEZVOUS_BYTES
 from ..store import Store
 from .errors import RendezvousError
 
 RENDEZVOUS_FILE = "broadcast.json"
-#: a record is a few hundred bytes; anything bigger at that path is not one
-MAX_RECORD_BYTES = 64 * 1024
 RENDEZVOUS_FORMAT = "dbsync-broadcast"
 RENDEZVOUS_VERSION = 2  # 2: members wait on doorbells instead of polling for pushes
 BACKENDS = ("gloo", "nccl")
@@ -175,7 +174,7 @@ def read_record(store: Store) -> RendezvousRecord | None:
     bounds and never blocking: its receivers then use the filesystem."""
     path = rendezvous_path(store)
     try:
-        raw = store.read_small((RENDEZVOUS_FILE,), MAX_RECORD_BYTES)
+        raw = store.read_small((RENDEZVOUS_FILE,), MAX_RENDEZVOUS_BYTES)
     except (FormatError, OSError) as exc:
         raise RendezvousError(f"{path} cannot be read as a rendezvous record ({exc}); restart "
                               "the BroadcastSender or delete the file") from None

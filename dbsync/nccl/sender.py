@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -92,9 +93,12 @@ class BroadcastSender:
             raise DBSyncError("timeout must be positive (seconds)")
         if join_timeout is not None and join_timeout <= 0:
             raise DBSyncError("join_timeout must be positive (seconds), or None for timeout")
-        if not (isinstance(port, int) and 0 <= port < 65536):
-            raise DBSyncError(f"port must be 0 (any free port) or a TCP port below 65536, not "
-                              f"{port!r}")
+        try:
+            port = operator.index(port)
+        except TypeError:
+            port = -1
+        if not 0 <= port < 65536:
+            raise DBSyncError("port must be 0 (any free port) or a TCP port below 65536")
         self._closed = False
         self._owns_sender = not isinstance(sender, Sender)
         self.sender = Sender(sender) if self._owns_sender else sender  # type: ignore[arg-type]

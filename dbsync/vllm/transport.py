@@ -8,9 +8,10 @@ the worker can join (NCCL with CUDA, gloo on CPU), else the filesystem.
 from __future__ import annotations
 
 import json
-import os
 
-from ..errors import DBSyncError
+from ..errors import DBSyncError, FormatError
+from ..format import MAX_RENDEZVOUS_BYTES
+from ..store import Store
 
 TRANSPORTS = ("auto", "filesystem", "broadcast")
 #: the file a BroadcastSender writes into the store (``dbsync.nccl.rendezvous``)
@@ -32,10 +33,10 @@ def check_transport(transport: str) -> str:
 def offered_backend(root: str) -> str | None:
     """The backend ``ROOT/broadcast.json`` offers ("nccl" or "gloo"), or None when there is
     no readable offer. Advisory, as the file is: the receiver validates it fully on joining."""
-    try:
-        with open(os.path.join(root, RENDEZVOUS_FILE), "rb") as f:
-            record = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    try:  # (with the store's bounds: the file is anyone's to write, see read_record)
+        raw = Store(root, create=False).read_small((RENDEZVOUS_FILE,), MAX_RENDEZVOUS_BYTES)
+        record = None if raw is None else json.loads(raw.decode("utf-8"))
+    except (OSError, FormatError, ValueError, RecursionError):
         return None
     if not isinstance(record, dict) or record.get("format") != "dbsync-broadcast":
         return None

@@ -366,11 +366,11 @@ def wait_all(futures: Sequence[Future]) -> None:
     except BaseException:
         settle(futures)
         raise
-    failed = [f.exception() for f in futures if f.done() and not f.cancelled()
-              and f.exception() is not None]
-    if failed:
+    errors = [f.exception() for f in futures if f.done() and not f.cancelled()]
+    failed = next((exc for exc in errors if exc is not None), None)
+    if failed is not None:
         settle(futures)
-        raise failed[0]
+        raise failed
     if any(f.cancelled() for f in futures):  # (by someone else: that work was not done)
         raise CancelledError("a task was cancelled before it ran")
 

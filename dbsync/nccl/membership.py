@@ -83,9 +83,10 @@ class Membership:
         self.group: Group | None = None
         self.last_setup_seconds: float | None = None
         self._wanted: dict[str, float] = {}  # reader id -> when it asked
-        #: why groups could not be formed lately (None: the last one formed), and until when
-        #: pushes do not try again (a receiver that can never join must not cost every push)
-        self._formation_error: str | None = None
+        #: why this push has no group: it could not form, or pushes back off forming one
+        #: (None: nothing failed since the last try); until when pushes do not try again (a
+        #: receiver that can never join must not cost every push)
+        self.formation_error: str | None = None
         self._formation_failures = 0
         self._formation_backoff = 0.0
         self._formation_retry_at = 0.0
@@ -153,7 +154,7 @@ class Membership:
             changed = self.poll_joins()
         if time.monotonic() < self._formation_retry_at:
             return None  # (backing off: this push goes through the filesystem alone)
-        self._formation_error = None
+        self.formation_error = None
         if changed or (self.group is None and self._wanted) or (
                 self.group is not None and set(self._wanted) != set(self.members)):
             return self.form_epoch()
@@ -217,7 +218,7 @@ class Membership:
                 self._back_off(exc)
                 break
             self.last_setup_seconds = time.perf_counter() - t0
-            self._formation_error, self._formation_failures = None, 0
+            self.formation_error, self._formation_failures = None, 0
             self._formation_backoff = self._formation_retry_at = 0.0
             return self.last_setup_seconds
         self.close_epoch()
@@ -233,18 +234,13 @@ class Membership:
             self._formation_backoff = min(max(2 * self._formation_backoff,
                                               FORMATION_BACKOFF_S), FORMATION_BACKOFF_MAX_S)
             self._formation_retry_at = time.monotonic() + self._formation_backoff
-        self._formation_error = (
+        self.formation_error = (
             f"the broadcast group with {', '.join(self.members)} could not form ({exc}); "
             + (f"pushes use the filesystem alone for {self._formation_backoff:.0f} s"
                if self._formation_failures >= 2 else "the next push tries again")
             + ". Check that each receiver's address= (DBSYNC_BROADCAST_ADDRESS) is reachable "
             "from here")
-        log.warning("dbsync: %s", self._formation_error)
-
-    @property
-    def formation_error(self) -> str | None:
-        """Why this push has no group: it could not form, or pushes back off forming one."""
-        return self._formation_error
+        log.warning("dbsync: %s", self.formation_error)
 
     def next_seq(self) -> int:
         self.seq += 1

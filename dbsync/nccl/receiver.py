@@ -164,9 +164,8 @@ class BroadcastReceiver:
         Hazard: after a damaged bucket the tensors hold parts of two versions until the
         version is re-applied from the filesystem, which this call does before it returns; if
         that fails too (it raises), they stay mixed: call ``receive`` again."""
-        self._check_open()
         with self._lock:
-            self._check_open()  # (closed while this call waited for the lock)
+            self._check_open()
             floor = self.loaded_version if newer_than is None else newer_than
             floor = 0 if floor is None else floor
             deadline = None if timeout is None else time.monotonic() + timeout

@@ -377,25 +377,25 @@ class SwapController:
 
     # ---- internals ----------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
-        s = self.state
-        with self._lock:  # (as ``_published``, which an apply runs)
-            if version < (s.published_version or 0):  # (the watcher's way of saying: a new run)
-                s.published_version, self._published_run = version, None
-            else:
-                s.published_version = version
-            self.metrics.versions(s.version, s.published_version)
+        self._published(version)
         self._follow()
 
-    def _published(self, version: int, run_id: str) -> None:
+    def _published(self, version: int, run_id: str | None = None) -> None:
         """Record the newest version seen published: numbers of another run (a new training
-        run at the same path starts again at 1) replace the old run's, never add to its lag."""
+        run at the same path starts again at 1) replace the old run's, never add to its lag.
+        ``run_id`` None: the watcher's notice, which names no run (a number lower than the
+        last one is a new run's)."""
         s = self.state
-        if self._published_run not in (None, run_id):
-            s.published_version = version
-        else:
-            s.published_version = max(version, s.published_version or 0)
-        self._published_run = run_id
-        self.metrics.versions(s.version, s.published_version)
+        with self._lock:
+            if run_id is None:
+                new_run = version < (s.published_version or 0)
+            else:
+                new_run = self._published_run not in (None, run_id)
+            s.published_version = version if new_run else max(version,
+                                                              s.published_version or 0)
+            if run_id is not None or new_run:
+                self._published_run = run_id
+            self.metrics.versions(s.version, s.published_version)
 
     def _follow(self) -> None:
         """Apply the newest version; on a transient failure try again with backoff until it

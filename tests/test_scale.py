@@ -256,6 +256,35 @@ def test_the_copy_plan_is_reused_only_while_the_destinations_stay_the_same(root,
         assert torch.equal(dest["w6"], weights(4)["w6"])
 
 
+def test_a_kept_plan_takes_each_tensor_by_its_name_whatever_the_dict_order(root):
+    """The kept plan takes a dict's values as they lie when its keys are the last load's, in
+    the same order; a dict in another order than the version's, one rebuilt with equal keys,
+    and one whose order changed since the last load all get every tensor by its name."""
+    names = [f"w{i}" for i in range(30)]
+
+    def weights(version: int) -> dict[str, torch.Tensor]:
+        return {n: torch.full((2 + i % 3,), float(version * 100 + i)) for i, n in
+                enumerate(names)}
+
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
+        tensors = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+        dest = {k: tensors[k] for k in reversed(names)}  # not the version's order
+        for version in (1, 2):
+            sender.push(weights(version))
+            assert rx.load(dest) == version
+            assert all(torch.equal(dest[n], w) for n, w in weights(version).items())
+        kept = rx.copy_plans._kept
+        rebuilt = {str(k.encode().decode()): v for k, v in dest.items()}  # equal keys, new str
+        sender.push(weights(3))
+        assert rx.load(rebuilt) == 3
+        assert all(torch.equal(tensors[n], w) for n, w in weights(3).items())
+        shuffled = {k: tensors[k] for k in names[15:] + names[:15]}  # same keys, new order
+        sender.push(weights(4))
+        assert rx.load(shuffled) == 4
+        assert all(torch.equal(tensors[n], w) for n, w in weights(4).items())
+        assert rx.copy_plans._kept is kept  # the same tensors: never planned again
+
+
 def test_a_push_reuses_its_layout_only_while_the_tensors_stay_the_same(root):
     """Push after push of the same tensors reuses the layout (places, views, index); a tensor
     reshaped or transposed in place at the same address, replaced, or a value that is not a

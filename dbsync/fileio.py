@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from . import unmapping
 from .format import ALIGN, aligned  # noqa: F401  (re-exported: one alignment rule)
 
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -442,6 +443,9 @@ class ShardView:
         """Drop this view's references. The mapping is never unmapped here: tensors handed
         out may still point into it (a consumer that defers copies, like vLLM's layerwise
         reload of a padded embedding, reads them later), and torch does not pin the buffer;
-        it is unmapped when the last tensor built on it is freed."""
+        it is unmapped when the last tensor built on it is freed. This view's own reference
+        is dropped in another thread (``unmapping``): unmapping takes milliseconds."""
+        buf, self._buf = self._buf, b""
         self._bytes = None
-        self._buf = b""
+        if len(buf):
+            unmapping.drop_later(buf)

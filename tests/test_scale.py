@@ -509,6 +509,38 @@ def test_a_receiver_keeps_its_reader_threads_and_they_end_with_it(root):
             assert not thread.is_alive()
 
 
+@pytest.mark.parametrize("read_only", [False, True], ids=["leased", "leaseless"])
+def test_each_loads_shard_mappings_and_copies_are_freed_after_it(root, read_only):
+    """A snapshot's shards (mappings, or private copies without a lease) are dropped in a
+    thread of their own after the load returns; loading again and again holds no more of
+    them: no mapping of a shard file stays, and the memory of private copies comes back."""
+    from dbsync import unmapping
+
+    def shard_mappings() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for line in f if str(root) in line and "shard-" in line)
+
+    def rss_mib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    weights = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(8)}  # 32 MiB
+    dest = {k: torch.zeros_like(v) for k, v in weights.items()}
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root, read_only=read_only) as rx:
+        sender.push(weights)
+        rx.load(dest)
+        assert unmapping.dropped(timeout=30)
+        before = rss_mib()
+        for version in range(2, 12):
+            weights["w0"].fill_(float(version))
+            sender.push(weights)
+            assert rx.load(dest) == version
+        assert unmapping.dropped(timeout=30)
+        assert shard_mappings() == 0
+        assert rss_mib() - before < 3 * 32  # ten versions' copies or mappings were not kept
+        assert torch.equal(dest["w0"], weights["w0"])
+
+
 def test_the_gil_switch_interval_is_restored_after_nested_and_concurrent_loads():
     """A verified load shortens the GIL switch interval only while it checks and hashes;
     nested and concurrent blocks share one change, and the interval found first comes back,

@@ -293,6 +293,8 @@ class LeaseMonitor:
         self._seen: dict[str, tuple[Any, float]] = {}
         #: reader files found not to be leases (logged once each)
         self._ignored: set[str] = set()
+        #: dead readers whose lease this writer may not remove (warned once each)
+        self._unremovable: set[str] = set()
         self._timeouts: dict[str, float] = {}  # reader_id -> its lease's own timeout
         self._live: dict[str, dict[str, Any]] = {}  # the live leases of the last holders()
 
@@ -339,15 +341,27 @@ class LeaseMonitor:
                 live[reader_id] = lease
                 continue
             dead.append(reader_id)
-            if overdue >= DEAD_LEASE_GRACE * lease_timeout_of(lease, self.timeout):
+            if (overdue >= DEAD_LEASE_GRACE * lease_timeout_of(lease, self.timeout)
+                    and reader_id not in self._unremovable):
                 log.info("removing the lease of dead reader %s (host %s, pid %s)", reader_id,
                          lease.get("host"), lease.get("pid"))
-                self.store.remove_lease(reader_id)
+                try:
+                    self.store.remove_lease(reader_id)
+                except OSError as exc:  # a dead lease holds nothing: go on without removing it
+                    self._unremovable.add(reader_id)
+                    log.warning(
+                        "could not remove %s/%s.json, the lease of dead reader %s (%s); it "
+                        "holds nothing and is ignored, but stays listed until it is removed "
+                        "(by its owner, or by a user who may write to %s)",
+                        self.store.readers_dir, reader_id, reader_id,
+                        exc.strerror or exc, self.store.readers_dir)
+                    continue
                 self._seen.pop(reader_id, None)
         for gone in set(self._seen) - set(leases):
             del self._seen[gone]
         for gone in set(self._timeouts) - set(leases):
             del self._timeouts[gone]
+        self._unremovable &= set(leases)
         return live, dead
 
     def _describe(self, reader_id: str) -> str:

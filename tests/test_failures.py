@@ -383,6 +383,45 @@ def test_a_shard_this_user_may_not_read_is_not_called_damaged(root):
     assert "fail verification" not in out.stderr and "Publish again" not in out.stderr
 
 
+def test_a_dead_readers_lease_the_writer_may_not_remove_does_not_stop_its_pushes(root):
+    """A reader that wrote its lease where the trainer may not delete it (readers/ owned by
+    another user, as when an inference pod running as root created it) and then died: the
+    trainer's pushes go on (a dead lease holds nothing), and it says once which file it could
+    not remove, with its full path."""
+    import subprocess
+    import sys
+
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or setpriv is None:
+        pytest.skip("needs root and util-linux setpriv to drop the file-access override")
+    publish(root, {"w": torch.ones(16)})
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, dbsync\n"
+         "rx = dbsync.Receiver(sys.argv[1], reader_id='pod-reader', lease_timeout=1.0)\n"
+         "rx.load(lambda pairs: None); print('ready', flush=True); time.sleep(600)",
+         str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+    finally:
+        reader.kill()
+        reader.wait()
+    readers = os.path.join(root, "readers")
+    os.chown(readers, 12345, 12345)  # another user's directory: the trainer may not unlink
+    drop = "-dac_override,-dac_read_search,-fowner"
+    out = subprocess.run(
+        [setpriv, "--bounding-set", drop, "--inh-caps", drop, sys.executable, "-c",
+         "import logging, sys, torch, dbsync\n"
+         "logging.basicConfig(level=logging.WARNING)\n"
+         "with dbsync.Sender(sys.argv[1], lease_timeout=1.0) as s:\n"
+         "    for v in range(3): print('pushed', s.push({'w': torch.full((16,), float(v))}))",
+         str(root)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["pushed", "2", "pushed", "3", "pushed", "4"]
+    lease = os.path.join(readers, "pod-reader.json")
+    assert out.stderr.count(f"could not remove {lease}") == 1, out.stderr
+    assert os.path.exists(lease)
+
+
 def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
     """A store written by the previous format (one checksum per tensor): readers say what to
     do and apply nothing; a Sender continues its version numbers in format 3, which readers

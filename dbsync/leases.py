@@ -33,9 +33,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +70,28 @@ def host_identity() -> dict[str, Any]:
     except OSError:
         pidns = None
     return {"host": socket.gethostname(), "boot_id": boot_id, "pidns": pidns}
+
+
+def default_reader_id(role: str = "") -> str:
+    """A reader id no other process uses: ``<host>-<pid>-<8 hex digits>`` (a new random part
+    per call) or, for a ``role``, ``<host>-<pid>-<8 hex digits>-<role>`` (the random part drawn
+    once per process: a role's id stays the same for the life of the process). The hostname
+    has what ids may not hold replaced by '_' (``(none)``, ``build box``) and is cut to fit.
+    The random part keeps apart containers that share a hostname and PIDs (host networking,
+    each in its own PID namespace)."""
+    if not role:
+        token = uuid.uuid4().hex[:8]
+    else:
+        if _TOKEN[1] != os.getpid():
+            _TOKEN[:] = [uuid.uuid4().hex[:8], os.getpid()]
+        token = _TOKEN[0]
+    tail = f"-{os.getpid()}-{token}" + (f"-{role}" if role else "")
+    host = _UNSAFE_IN_ID.sub("_", socket.gethostname()).lstrip(".-") or "host"
+    return host[:101 - len(tail)] + tail
+
+
+_TOKEN: list = ["", 0]  # [this process's random part for roles, the pid it was drawn in]
+_UNSAFE_IN_ID = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
 def pid_alive(pid: int) -> bool:

@@ -34,7 +34,6 @@ import os
 import sys
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -61,6 +60,7 @@ from .leases import (
     ReaderIdInUse,
     check_lease_timeout,
     claim_reader_id,
+    default_reader_id,
     host_identity,
     release_reader_id,
 )
@@ -807,7 +807,7 @@ class Receiver:
     ):
         self.store = Store(root, create=False)
         self.reader_id = check_reader_id(
-            reader_id or f"{host_identity()['host']}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            reader_id or default_reader_id()
         )
         self.lease_timeout = check_lease_timeout(lease_timeout)
         self.verify = verify

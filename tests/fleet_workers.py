@@ -145,6 +145,18 @@ def writer_loop(root: str, stop: str, per_sender: str, out: str) -> None:
     _write_json(out, {"pushed": pushed, "senders": senders})
 
 
+def default_ids(root: str, out: str) -> None:
+    """Open a Receiver with the default reader id, load, and write {receiver's id, a role's
+    id twice, version loaded}."""
+    import dbsync
+    from dbsync.leases import default_reader_id
+
+    with dbsync.Receiver(root) as receiver:
+        version = receiver.load(lambda pairs: None)
+        _write_json(out, {"receiver": receiver.reader_id, "version": version,
+                          "role": [default_reader_id("vllm-staging") for _ in range(2)]})
+
+
 if __name__ == "__main__":
     {"namespaced": namespaced, "hold": hold, "idle": idle, "reader_loop": reader_loop,
-     "writer_loop": writer_loop}[sys.argv[1]](*sys.argv[2:])
+     "writer_loop": writer_loop, "default_ids": default_ids}[sys.argv[1]](*sys.argv[2:])

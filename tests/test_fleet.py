@@ -800,3 +800,28 @@ def test_failed_background_push_is_logged_and_kept(tmp_path, caplog):
             assert sender.last_error is failure, "kept while the next push runs"
             go.set()
             assert nxt.result(timeout=30) == 2
+
+
+@needs_root
+def test_default_reader_ids_work_on_any_hostname_and_differ_between_containers(tmp_path):
+    """Two containers sharing a hostname the kernel left unset (``(none)``, not a valid id)
+    and a pid (each in its own PID namespace): each opens a Receiver without a reader id and
+    loads, and their engines' role ids (the vLLM staging reader's) differ, each steady within
+    its process."""
+    root = str(tmp_path / "store")
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+    outs = [str(tmp_path / f"ids{k}.json") for k in range(2)]
+    procs = [in_namespace("(none)", 4242, "default_ids", root, out) for out in outs]
+    try:
+        got = [wait_json(out, proc) for out, proc in zip(outs, procs, strict=True)]
+    finally:
+        for proc in procs:
+            kill(proc)
+    for record in got:
+        assert record["version"] == 1
+        assert record["receiver"].startswith("_none_-4242-")
+        assert record["role"][0] == record["role"][1]
+        assert record["role"][0].startswith("_none_-4242-")
+        assert record["role"][0].endswith("-vllm-staging")
+    assert got[0]["role"][0] != got[1]["role"][0]

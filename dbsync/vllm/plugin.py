@@ -38,7 +38,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..errors import DBSyncError
 from ..fileio import write_atomic
 from ..format import Head
+from ..leases import default_reader_id
 from ..receiver import Receiver
 from .reads import Layout, OutsideWindowError, ReadGuard, ReadRecorder, layout_of
 from .transport import TRANSPORTS
@@ -255,7 +255,7 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         # A reader registration for this read only: the controller's own lease keeps the slot
         # for the whole swap, and only the controller reports the version as loaded (so
         # ``Sender.wait_for_receivers`` counts one receiver per engine).
-        reader_id = f"{socket.gethostname()}-{os.getpid()}-vllm-worker"
+        reader_id = default_reader_id("vllm-worker")
         receiver: Receiver | None = None
         loaded = 0
         source = "filesystem"

@@ -52,7 +52,7 @@ Hazards, stated plainly:
   ``plugin.STAGE_WAIT_SECONDS``, then reads the filesystem.
 - The staging receiver's reader lease never reports a version as loaded (only the controller
   does, once per engine), so ``Sender.wait_for_receivers`` still counts engines, not workers;
-  ``dbsync status`` lists it as an idle reader ``<host>-<pid>-vllm-staging``.
+  ``dbsync status`` lists it as an idle reader ``<host>-<pid>-<random>-vllm-staging``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -70,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import DBSyncError
+from ..leases import default_reader_id
 from ..store import Store
 from .reads import ByteWindows, Layout, ReadRecorder
 from .transport import check_transport, choose_transport, local_device
@@ -203,7 +203,7 @@ class StagingReceiver:
         self.root = root
         self.device = device or local_device()
         self.step_timeout = step_timeout
-        reader_id = reader_id or f"{socket.gethostname()}-{os.getpid()}-vllm-staging"
+        reader_id = reader_id or default_reader_id("vllm-staging")
         self._windows: ByteWindows | None = None  # read by _whole_for at each push
         self._rx = BroadcastReceiver(root, reader_id=reader_id, device=self.device,
                                      verify=True, timeout=step_timeout,

@@ -86,10 +86,11 @@ class _Group(click.Group):
 
 def _existing_store(root: str) -> Store:
     """A Store for reading; never creates ``root`` (a typo must not make a directory)."""
-    from dbsync.store import Store
+    from dbsync.store import Store, root_problem
 
-    if not os.path.isdir(root):
-        fail(f"{root} is not a directory; check the path (nothing has been published there)")
+    problem = root_problem(root)
+    if problem is not None:
+        fail(problem)
     return Store(root, create=False)
 
 

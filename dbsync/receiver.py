@@ -48,7 +48,6 @@ from .errors import (
     FormatError,
     IncompatibleWeightsError,
     LeaseExpiredError,
-    NothingPublishedError,
     StoreRewoundError,
 )
 from .fileio import ShardView, checksum, settle, wait_all
@@ -957,10 +956,7 @@ class Receiver:
             return head
         head = self.store.read_head()
         if head is None:
-            raise NothingPublishedError(
-                f"no version has been published in {self.store.root} yet; push one first "
-                "(dbsync push SRC ROOT, or Sender(ROOT).push(weights))"
-            )
+            raise self.store.nothing_published()
         if head.run_id == self.loaded_run_id and self.loaded_version is not None and (
                 head.version < self.loaded_version):
             raise StoreRewoundError(

@@ -88,11 +88,10 @@ class Store:
         if create:
             self._refuse_foreign_directory()
             self._create_layout()
-        elif not os.path.isdir(self.root):
-            raise StoreNotFoundError(
-                f"{self.root} does not exist or is not a directory; check the path and that "
-                "the volume is mounted (a Sender creates a store; readers never do)"
-            )
+        else:
+            problem = root_problem(self.root)
+            if problem is not None:
+                raise StoreNotFoundError(problem)
 
     def _refuse_foreign_directory(self) -> None:
         """Refuse to make a store of a directory that holds other files (a checkpoint
@@ -119,7 +118,7 @@ class Store:
         """Create ROOT, readers/ and the slots with explicit modes (never the caller's umask).
         Existing directories are kept, but a symlink or file in their place is refused."""
         try:
-            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            _make_parents(os.path.dirname(self.root))
         except (FileExistsError, NotADirectoryError):
             raise FormatError(
                 f"{self.root} cannot be created: a part of its path is a file, not a "
@@ -287,11 +286,19 @@ class Store:
     def require_manifest(self) -> Manifest:
         manifest = self.read_manifest()
         if manifest is None:
-            raise NothingPublishedError(
-                f"no version has been published in {self.root} yet; push one first "
-                "(dbsync push SRC ROOT, or Sender(ROOT).push(weights))"
-            )
+            raise self.nothing_published()
         return manifest
+
+    def nothing_published(self) -> NothingPublishedError:
+        """The error for a head not found: nothing published yet, or the store itself gone
+        since (removed, or its volume unmounted)."""
+        problem = root_problem(self.root)
+        if problem is not None:  # (it was there when this Store was made)
+            return StoreNotFoundError(f"{problem}; it was there before: was it removed, or its "
+                                      "volume unmounted?")
+        return NothingPublishedError(
+            f"no version has been published in {self.root} yet; push one first "
+            "(dbsync push SRC ROOT, or Sender(ROOT).push(weights))")
 
     def read_raw_head_json(self) -> dict[str, Any] | None:
         """The head as plain JSON without format checks (a writer continuing an older store)."""
@@ -547,6 +554,56 @@ class Store:
         except OSError:
             return False
         return os.access(self.readers_dir, os.W_OK | os.X_OK)
+
+
+def root_problem(root: str) -> str | None:
+    """Why this process cannot use ``root`` as an existing store directory (None if it can):
+    missing, not a directory, or a directory along the path it may not search."""
+    try:
+        st = os.stat(root)
+    except PermissionError:
+        return (f"{root}: permission denied to this process (uid {os.getuid()}) at "
+                f"{_first_unsearchable(root)}; every directory above the store must be "
+                "searchable by this user (chmod o+x), and the store readable (chmod o+rx)")
+    except (FileNotFoundError, NotADirectoryError):
+        return (f"{root} does not exist or is not a directory; check the path and that the "
+                "volume is mounted (only a Sender creates a store)")
+    except OSError as exc:
+        return f"{root} cannot be reached ({exc.strerror or exc}); check the path and the mount"
+    if not stat.S_ISDIR(st.st_mode):
+        return (f"{root} does not exist or is not a directory (it is {_kind(st.st_mode)}); "
+                "give the path of the store directory")
+    return None
+
+
+def _first_unsearchable(path: str) -> str:
+    """The first directory from ``/`` down to ``path`` that this process may not search."""
+    here = os.sep
+    for part in [p for p in path.split(os.sep) if p]:
+        if not os.access(here, os.X_OK):
+            return here
+        here = os.path.join(here, part)
+    return here
+
+
+def _make_parents(path: str) -> None:
+    """Create the missing directories of ``path`` with explicit modes (0755: readers of other
+    accounts must reach the store; the caller's umask, say 077, would shut them out)."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, DIR_MODE)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+            continue
+        os.chmod(directory, DIR_MODE)
 
 
 def _mkdir(path: str) -> None:

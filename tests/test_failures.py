@@ -422,6 +422,44 @@ def test_a_dead_readers_lease_the_writer_may_not_remove_does_not_stop_its_pushes
     assert os.path.exists(lease)
 
 
+def test_a_trainer_with_umask_077_leaves_the_store_reachable_and_a_blocked_path_is_named():
+    """Directories a push creates above the store are 0755 whatever the trainer's umask (as
+    the store's own are): another account reads the store. Where a directory above it is
+    shut, that account is told which one and what to do, not that the store is missing."""
+    import pathlib
+    import subprocess
+    import sys
+    import tempfile
+
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or setpriv is None:
+        pytest.skip("needs root and util-linux setpriv to read as another user")
+    # (not pytest's tmp_path: it lies under a directory only its owner may search)
+    base = pathlib.Path(tempfile.mkdtemp(prefix="dbsync-umask-", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)
+        root = base / "team" / "run1" / "store"
+        was = os.umask(0o077)
+        try:
+            publish(root, {"w": torch.ones(4)})
+        finally:
+            os.umask(was)
+        assert all(os.stat(d).st_mode & 0o777 == 0o755 for d in (root.parent, root.parent.parent))
+        reader = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                  "-c", "import sys, dbsync\nprint(dbsync.Receiver(sys.argv[1]).load("
+                  "lambda pairs: None))", str(root)]
+        out = subprocess.run(reader, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split() == ["1"], out.stderr
+        os.chmod(root.parent.parent, 0o700)
+        out = subprocess.run(reader, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0
+        assert (f"permission denied to this process (uid 65534) at {root.parent.parent};"
+                in out.stderr), out.stderr
+        assert "does not exist" not in out.stderr
+    finally:
+        shutil.rmtree(base)
+
+
 def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
     """A store written by the previous format (one checksum per tensor): readers say what to
     do and apply nothing; a Sender continues its version numbers in format 3, which readers
@@ -723,3 +761,17 @@ def test_a_forked_child_cannot_push_through_its_parents_sender_nor_free_its_lock
         got = {}
         assert receiver.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 2
     assert torch.equal(got["w"], torch.full((3,), 3.0))
+
+
+def test_a_store_removed_under_a_receiver_is_reported_gone_not_empty(tmp_path):
+    """A load after the store's directory went away (removed, or its volume unmounted) says
+    so, not that nothing was published yet; the error is still a NothingPublishedError, so
+    code that waits for a first version keeps waiting."""
+    root = tmp_path / "store"
+    publish(root, {"w": torch.ones(4)})
+    with dbsync.Receiver(root) as rx:
+        shutil.rmtree(root)
+        with pytest.raises(dbsync.StoreNotFoundError, match="removed, or its volume unmounted"):
+            rx.load(lambda pairs: None)
+        with pytest.raises(dbsync.NothingPublishedError):
+            rx.load(lambda pairs: None)

@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import DBSyncError
+from ..store import root_problem
 from .broadcast import TRANSPORTS, check_transport
 from .checkpoint import check_model, expected_from_checkpoint, resolve_model_dir
 from .controller import DEFAULT_DRAIN_TIMEOUT, PAUSE_MODES, SwapController, check_pause_mode
@@ -88,10 +89,9 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
     check_transport(transport)
     check_pause_mode(pause_mode)
     check_model(model)
-    if not os.path.isdir(root):  # before the engine's minute of start-up, not after it
-        raise DBSyncError(f"{root} does not exist or is not a directory; check the path and "
-                          "that the volume is mounted (a Sender creates the store; serve-vllm "
-                          "never does)")
+    problem = root_problem(root)  # before the engine's minute of start-up, not after it
+    if problem is not None:
+        raise DBSyncError(problem)
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
 

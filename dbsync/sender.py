@@ -527,12 +527,8 @@ class Sender:
                 raise _Aborted("push interrupted before the flip; nothing was published")
         except BaseException as exc:
             self._free_slot(slot)
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreFullError(
-                    f"no space left on the filesystem of {self.store.root} while writing version "
-                    f"{version} ({sum(sizes)} bytes); nothing was published and the partial "
-                    "files were removed. Free space there, then push again"
-                ) from exc
+            if isinstance(exc, OSError):
+                self._raise_plainly(exc, version, sum(sizes), "the partial files were removed")
             raise
         head = Head(
             run_id=self._run_id, version=version, slot=slot,
@@ -541,12 +537,32 @@ class Sender:
             created_at=time.time(), durable=self.durable, tensor_count=len(pairs),
             total_bytes=sum(sizes), writer={"host": socket.gethostname(), "pid": os.getpid()},
         )
-        self.store.publish_head(head, durable=self.durable)
+        try:
+            self.store.publish_head(head, durable=self.durable)
+        except OSError as exc:
+            self._raise_plainly(exc, version, sum(sizes), "the previous version stays current")
+            raise
         self._version, self._slot = version, slot
         t3 = time.perf_counter()
         self.last_push_seconds = {"wait_for_lag": lagged, "wait_for_readers": waited,
                                   "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}
         return version
+
+    def _raise_plainly(self, exc: OSError, version: int, nbytes: int, after: str) -> None:
+        """Raise a full or read-only store's write error as one that says what happened and
+        what to do (``after``: what became of the partial version, when the store was full);
+        other errors are raised as they are."""
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFullError(
+                f"no space left on the filesystem of {self.store.root} while writing version "
+                f"{version} ({nbytes} bytes); nothing was published and {after}. Free space "
+                "there, then push again") from exc
+        if exc.errno == errno.EROFS:
+            raise DBSyncError(
+                f"the filesystem of {self.store.root} is read-only (mounted so, or remounted "
+                f"read-only after an error: see the kernel log) while writing version {version}; "
+                "nothing was published. Make it writable, then push again"
+            ) from exc
 
     def _check_space(self, slot: str, shard_sizes: list[int]) -> None:
         """Refuse before writing anything if the new shards cannot fit (files reused in place

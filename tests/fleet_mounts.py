@@ -8,7 +8,7 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -51,3 +51,40 @@ def read_only_view(base: Any, view: Any, how: str = "bind") -> Iterator[str]:
         yield str(view)
     finally:
         subprocess.run(["umount", "-l", str(view)], check=False)
+
+
+@contextlib.contextmanager
+def ext4_that_fails(path: Any, size: str = "64M") -> Iterator[Callable[[], None]]:
+    """A small ext4 on a loop device mounted at ``path`` with ``errors=remount-ro``; yields
+    the call that makes the kernel take it for damaged, so it turns read-only at once, files
+    open or not (as a disk error does). Skips where no loop device or mkfs.ext4 is at hand."""
+    path = str(path)
+    image = path + ".img"
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("needs mkfs.ext4 (e2fsprogs) for an ext4 that fails")
+    os.makedirs(path, exist_ok=True)
+    with open(image, "wb") as f:
+        f.truncate(_bytes(size))
+    subprocess.run(["mkfs.ext4", "-q", image], check=True)
+    mounted = subprocess.run(["mount", "-o", "loop,errors=remount-ro", image, path],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        os.unlink(image)
+        pytest.skip(f"no loop device to mount an ext4 image ({mounted.stderr.strip()})")
+    try:
+        source = subprocess.run(["findmnt", "-no", "SOURCE", path], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        trigger = f"/sys/fs/ext4/{os.path.basename(source)}/trigger_fs_error"
+
+        def fail() -> None:
+            with open(trigger, "w") as f:
+                f.write("dbsync test")
+
+        yield fail
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+        os.unlink(image)
+
+
+def _bytes(size: str) -> int:
+    return int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1].upper()]

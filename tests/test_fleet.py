@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from _workers import expected_values, weights_for
-from fleet_mounts import needs_root, read_only_view, tmpfs
+from fleet_mounts import ext4_that_fails, needs_root, read_only_view, tmpfs
 
 import dbsync
 from dbsync.format import MANIFEST_FILE
@@ -825,3 +825,27 @@ def test_default_reader_ids_work_on_any_hostname_and_differ_between_containers(t
         assert record["role"][0].startswith("_none_-4242-")
         assert record["role"][0].endswith("-vllm-staging")
     assert got[0]["role"][0] != got[1]["role"][0]
+
+
+@needs_root
+def test_a_store_that_turns_read_only_mid_push_is_reported_plainly(tmp_path):
+    """The store's filesystem turns read-only in the middle of a push (ext4's
+    errors=remount-ro after a disk error): the push says so and what to do, publishes
+    nothing, and readers keep loading the version before it."""
+    with ext4_that_fails(tmp_path / "disk") as fail:
+        root = str(tmp_path / "disk" / "store")
+        with dbsync.Sender(root) as sender:
+            sender.push(weights_for(1))
+
+            def midway(done: int, total: int) -> None:
+                if done > total // 2:
+                    fail()
+
+            with pytest.raises(dbsync.DBSyncError, match="is read-only .* nothing was "
+                               "published. Make it writable, then push again"):
+                sender.push({k: v.repeat(256) for k, v in weights_for(2).items()},
+                            progress=midway)
+        got: list[list[float]] = []
+        with dbsync.Receiver(root) as rx:
+            assert rx.load(lambda pairs: got.append(values_of(pairs))) == 1
+        assert got == [expected_values(1)]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -78,12 +79,21 @@ def mount_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
         fields = left.split()
         if len(fields) < 5 or not right:
             continue
-        point = fields[4].replace("\\040", " ")
+        point = _unescape(fields[4])
         if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(
             best
         ):
             best, best_type = point, right.split()[0]
     return best_type
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path as it is: the kernel writes space, tab, newline and backslash as
+    three octal digits after a backslash (``\\040``, ``\\011``, ``\\012``, ``\\134``)."""
+    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field) if "\\" in field else field
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")
 
 
 def needs_polling(path: str) -> bool:

@@ -849,3 +849,14 @@ def test_a_store_that_turns_read_only_mid_push_is_reported_plainly(tmp_path):
         with dbsync.Receiver(root) as rx:
             assert rx.load(lambda pairs: got.append(values_of(pairs))) == 1
         assert got == [expected_values(1)]
+
+
+@needs_root
+def test_a_mount_whose_path_holds_a_tab_or_backslash_is_told_by_its_own_type(tmp_path):
+    """The kernel escapes a mount point's tab, newline and backslash in mountinfo: such a
+    mount is still told by its own type (an NFS or FUSE mount there must be polled)."""
+    from dbsync.watch import mount_type
+
+    for name in ("with\ttab", "back\\slash", "new\nline", "with space"):
+        with tmpfs(tmp_path / name, "1m") as path:
+            assert mount_type(os.path.join(path, "store")) == "tmpfs", name

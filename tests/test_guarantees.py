@@ -169,7 +169,9 @@ def test_mount_type_picks_polling_for_network_and_fuse(tmp_path):
         "40 22 0:50 / /mnt/nfs rw - nfs4 server:/export rw\n"
         "41 22 0:51 / /mnt/view rw - fuse bindfs rw\n"
         "42 22 0:52 / /mnt/lus rw - lustre mgs@tcp:/fs rw\n"
+        "43 22 0:53 / /mnt/a\\011tab\\134and\\040more rw - nfs server:/x rw\n"
     )
+    assert mount_type("/mnt/a\ttab\\and more/store", str(info)) == "nfs"
     assert mount_type("/mnt/nfs/store", str(info)) == "nfs4"
     assert mount_type("/mnt/view/x", str(info)) == "fuse"
     assert mount_type("/mnt/lus", str(info)) == "lustre"

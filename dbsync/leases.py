@@ -220,7 +220,7 @@ class ReaderIdInUse(Exception):
 
 
 #: (store root, reader id) of the open receivers of this process that write leases
-_CLAIMED: set[tuple[str, str]] = set()
+_CLAIMED: set[tuple[Any, str]] = set()
 _CLAIMED_LOCK = threading.Lock()
 
 
@@ -244,7 +244,7 @@ def check_lease_timeout(value: Any) -> float:
 
 
 def claim_reader_id(store: Store, reader_id: str, sleep: Callable[[float], None] = time.sleep,
-                    clock: Callable[[], float] = time.monotonic) -> tuple[str, str]:
+                    clock: Callable[[], float] = time.monotonic) -> tuple[Any, str]:
     """Claim ``reader_id`` in ``store`` for a new receiver of this process; returns the claim
     (give it to ``release_reader_id`` when the receiver ends). Raises ``ReaderIdInUse`` if
     another live receiver uses that id: two receivers sharing an id overwrite each other's
@@ -254,7 +254,7 @@ def claim_reader_id(store: Store, reader_id: str, sleep: Callable[[float], None]
     PID namespace; a beat that moves within the lease's own timeout, for a lease from another
     host or namespace (waited for: a reader restarted elsewhere under the same id starts after
     at most its predecessor's timeout, once that lease stood still)."""
-    key = (os.path.realpath(store.root), reader_id)
+    key = (_directory_identity(store.root), reader_id)
     with _CLAIMED_LOCK:
         if key in _CLAIMED:
             raise ReaderIdInUse(f"another open Receiver of this process (pid {os.getpid()}) "
@@ -268,7 +268,17 @@ def claim_reader_id(store: Store, reader_id: str, sleep: Callable[[float], None]
     return key
 
 
-def release_reader_id(claim: tuple[str, str] | None) -> None:
+def _directory_identity(path: str) -> Any:
+    """What makes two paths one directory: its device and inode (the same store reached
+    through two bind mounts has two real paths), else its real path."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return (st.st_dev, st.st_ino)
+
+
+def release_reader_id(claim: tuple[Any, str] | None) -> None:
     """End a claim made by ``claim_reader_id`` (None: nothing to end)."""
     if claim is not None:
         with _CLAIMED_LOCK:

@@ -111,7 +111,7 @@ class _LeaseKeeper:
         self._released: collections.deque[int] = collections.deque()  # see release_later
         self._pid = os.getpid()
         #: this process's claim on the reader id (``leases.claim_reader_id``), if it made one
-        self.claim: tuple[str, str] | None = None
+        self.claim: tuple[Any, str] | None = None
 
     def record(self) -> dict[str, Any]:
         held = sorted(self.held.values())

@@ -860,3 +860,22 @@ def test_a_mount_whose_path_holds_a_tab_or_backslash_is_told_by_its_own_type(tmp
     for name in ("with\ttab", "back\\slash", "new\nline", "with space"):
         with tmpfs(tmp_path / name, "1m") as path:
             assert mount_type(os.path.join(path, "store")) == "tmpfs", name
+
+
+@needs_root
+def test_one_reader_id_through_two_bind_mounts_of_a_store_is_refused_in_one_process(tmp_path):
+    """A process opening a second Receiver with the id of its first, through another bind
+    mount of the same store, is refused as through the same path (the two would overwrite
+    each other's lease)."""
+    store = tmp_path / "a" / "store"
+    with dbsync.Sender(store) as sender:
+        sender.push(weights_for(1))
+    view = tmp_path / "b"
+    view.mkdir()
+    subprocess.run(["mount", "--bind", str(tmp_path / "a"), str(view)], check=True)
+    try:
+        with dbsync.Receiver(store, reader_id="engine-0"):
+            with pytest.raises(dbsync.DBSyncError, match="another open Receiver of this process"):
+                dbsync.Receiver(view / "store", reader_id="engine-0")
+    finally:
+        subprocess.run(["umount", str(view)], check=False)

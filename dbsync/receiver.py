@@ -741,6 +741,20 @@ class Snapshot:
         self.close()
 
 
+def _warn_if_under_an_overlay(root: str) -> None:
+    from .watch import store_in_overlay_lower
+
+    lower = store_in_overlay_lower(root)
+    if lower is not None:
+        log.warning(
+            "%s is reached through an overlay filesystem whose lower layer %s holds the store: "
+            "what a trainer writes there is not reliably seen through the overlay (the kernel "
+            "leaves changes to a lower layer undefined; versions may be missed or refused as "
+            "damaged), and this reader's lease lands in the overlay's upper layer, where the "
+            "trainer never sees it. Mount the store directory itself (a bind mount or a "
+            "volume)", root, lower)
+
+
 def _drop_own(dest: dict[str, Any], target: Any) -> None:
     """Empty ``dest`` if it was built for this copy (not the caller's own dict): now, just
     after planning looked at every tensor in it, rather than on return, after the copy has
@@ -826,6 +840,7 @@ class Receiver:
         self._tokens = itertools.count(1)
         self._keeper = _LeaseKeeper(self.store, self.reader_id, self.lease_timeout,
                                     report_loaded)
+        _warn_if_under_an_overlay(self.store.root)
         self.read_only = self._decide_read_only(read_only)
         if not self.read_only:
             try:

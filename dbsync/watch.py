@@ -67,24 +67,52 @@ _REMOTE_TYPES = {
 
 def mount_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     """Filesystem type of the mount holding ``path`` ("unknown" if it cannot be told)."""
+    found = mount_of(path, mountinfo)
+    return "unknown" if found is None else found[1]
+
+
+def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo"
+             ) -> tuple[str, str, str] | None:
+    """(mount point, filesystem type, its options) of the mount holding ``path``, or None if
+    it cannot be told."""
     target = os.path.realpath(path)
-    best, best_type = "", "unknown"
+    best: tuple[str, str, str] | None = None
     try:
         with open(mountinfo, encoding="utf-8", errors="replace") as f:
             lines = f.readlines()
     except OSError:
-        return best_type
+        return None
     for line in lines:
         left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) < 5 or not right:
+        fields, after = left.split(), right.split()
+        if len(fields) < 5 or not after:
             continue
         point = _unescape(fields[4])
-        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(
-            best
-        ):
-            best, best_type = point, right.split()[0]
-    return best_type
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and (
+                best is None or len(point) >= len(best[0])):
+            best = (point, after[0], after[2] if len(after) > 2 else "")
+    return best
+
+
+def store_in_overlay_lower(root: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The directory of an overlay filesystem's lower layer that holds the store ``root`` is
+    reached through (None if ``root`` is not on an overlay, or no lower layer visible here
+    holds a store there). A trainer writing that directory is not reliably seen through the
+    overlay (the kernel leaves changes to a lower layer undefined), and a reader's lease lands
+    in the overlay's upper layer, where the trainer never sees it."""
+    found = mount_of(root, mountinfo)
+    if found is None or found[1] != "overlay":
+        return None
+    point, _, options = found
+    inside = os.path.relpath(os.path.realpath(root), point)
+    for option in options.split(","):
+        key, _, value = option.partition("=")
+        if key in ("lowerdir", "lowerdir+"):
+            for lower in value.split(":"):
+                candidate = os.path.normpath(os.path.join(_unescape(lower), inside))
+                if os.path.isfile(os.path.join(candidate, MANIFEST_FILE)):
+                    return candidate
+    return None
 
 
 def _unescape(field: str) -> str:

@@ -879,3 +879,35 @@ def test_one_reader_id_through_two_bind_mounts_of_a_store_is_refused_in_one_proc
                 dbsync.Receiver(view / "store", reader_id="engine-0")
     finally:
         subprocess.run(["umount", str(view)], check=False)
+
+
+@needs_root
+def test_a_reader_through_an_overlay_over_a_live_store_is_warned(tmp_path, caplog):
+    """A store reached through an overlay whose lower layer is the trainer's store (a
+    container image built over it) is not reliably seen, and the reader's lease is invisible
+    to the trainer: the reader warns, naming both and what to do. A store made inside the
+    overlay (its upper layer, as in one container's own filesystem) is fine: no warning."""
+    for d in ("store", "upper", "work", "merged"):
+        (tmp_path / d).mkdir()
+    with dbsync.Sender(tmp_path / "store") as sender:
+        sender.push(weights_for(1))
+    merged = tmp_path / "merged"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                    f"lowerdir={tmp_path / 'store'},upperdir={tmp_path / 'upper'},"
+                    f"workdir={tmp_path / 'work'}", str(merged)], check=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dbsync"):
+            dbsync.Receiver(merged).close()
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1
+        assert f"whose lower layer {tmp_path / 'store'} holds the store" in warned[0]
+        assert "Mount the store directory itself" in warned[0]
+        caplog.clear()
+        with dbsync.Sender(merged / "own") as sender:
+            sender.push(weights_for(1))
+        with caplog.at_level(logging.WARNING, logger="dbsync"), \
+                dbsync.Receiver(merged / "own") as rx:
+            assert rx.load(lambda pairs: None) == 1
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    finally:
+        subprocess.run(["umount", str(merged)], check=False)

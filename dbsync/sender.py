@@ -250,6 +250,10 @@ class Sender:
         self._next_buffer = 0
         self._layouts = LayoutCache()
         self._push_lock = threading.Lock()
+        #: guards ``_version`` with ``_pending`` (pushes submitted, not yet published or
+        #: failed), which ``next_version`` adds up
+        self._numbering = threading.Lock()
+        self._pending = 0
         #: cleared while a snapshot runs: background writes wait for it (see ``push``)
         self._writes_allowed = threading.Event()
         self._writes_allowed.set()
@@ -326,8 +330,11 @@ class Sender:
 
     @property
     def next_version(self) -> int:
-        """The version the next push will publish (after those still pending)."""
-        return self._version + 1
+        """The version the next push will publish, after those still pending (background
+        pushes not yet published count as if they will be: one that fails leaves its number
+        to the next)."""
+        with self._numbering:
+            return self._version + self._pending + 1
 
     @overload
     def push(self, weights: Weights, blocking: Literal[True] = True,
@@ -399,8 +406,15 @@ class Sender:
                     with gcpause.paused():
                         pairs = sources.materialize_all(pairs, self.dtype)
             abort = self._abort = threading.Event()
-            future = self._publisher.submit(self._publish_and_report, not blocking, pairs,
-                                            progress, adapter, layout, abort)
+            with self._numbering:
+                self._pending += 1
+            try:
+                future = self._publisher.submit(self._publish_and_report, not blocking, pairs,
+                                                progress, adapter, layout, abort)
+            except BaseException:
+                with self._numbering:
+                    self._pending -= 1
+                raise
             if buffer is not None:
                 buffer.user = future
         if not blocking:
@@ -426,6 +440,8 @@ class Sender:
         try:
             version = self._publish(*args)
         except BaseException as exc:
+            with self._numbering:
+                self._pending -= 1
             self.last_error = None if isinstance(exc, _Aborted) else exc
             if background and self.last_error is not None:
                 log.error("background push into %s failed: %s", self.store.root, exc)
@@ -542,7 +558,9 @@ class Sender:
         except OSError as exc:
             self._raise_plainly(exc, version, sum(sizes), "the previous version stays current")
             raise
-        self._version, self._slot = version, slot
+        with self._numbering:  # (published: counted in _version, no longer pending)
+            self._version, self._slot = version, slot
+            self._pending -= 1
         t3 = time.perf_counter()
         self.last_push_seconds = {"wait_for_lag": lagged, "wait_for_readers": waited,
                                   "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}

@@ -64,6 +64,39 @@ def test_background_push_returns_while_the_previous_one_is_still_writing(root):
     assert torch.equal(got["w"], torch.full((1024,), 2.0))  # the snapshot, not later edits
 
 
+def test_next_version_counts_background_pushes_not_yet_published(root):
+    """A trainer tagging each background push with ``next_version`` gets the number that
+    push publishes, while earlier ones still write; a push that fails gives its number to the
+    next."""
+    release, writing = threading.Event(), threading.Event()
+
+    def hold_first_write(done: int, total: int) -> None:
+        writing.set()
+        assert release.wait(30)
+
+    with dbsync.Sender(root) as sender:
+        said, futures = [], []
+
+        def push(**kw: object) -> None:
+            said.append(sender.next_version)
+            futures.append(sender.push({"w": torch.full((1024,), float(said[-1]))},
+                                       blocking=False, **kw))
+
+        push(progress=hold_first_write)
+        assert writing.wait(30)
+        push()  # while the first one still writes
+        release.set()
+        push()
+        push()
+        assert [f.result(timeout=30) for f in futures] == said == [1, 2, 3, 4]
+        bad = sender.push({"w": torch.full((1024,), 5.0)}, blocking=False,
+                          progress=lambda done, total: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            bad.result(timeout=30)
+        assert sender.next_version == 5
+        assert sender.push({"w": torch.full((1024,), 5.0)}) == 5
+
+
 def test_load_into_a_plain_module_checks_first_then_copies(root):
     source = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
     with dbsync.Sender(root) as sender:

@@ -84,6 +84,11 @@ _BUMP_CHUNK = 512
 _EMPTY_CHECKSUM = checksum(b"")
 
 
+class _LeaseNotRenewed(LeaseExpiredError):
+    """The lease was not renewed in time, though the slot still holds the version: a load
+    reads it again (the read renews the lease first)."""
+
+
 class _SlotReused(LeaseExpiredError):
     """A leaseless read saw the slot change before anything was applied: read again."""
 
@@ -715,11 +720,15 @@ class Snapshot:
                    "the lease timeout), or the stamp file was damaged")
                 + ". What was read cannot be trusted: load again"
             )
-        if self.leased and not self.receiver._keeper.trusted():
-            raise LeaseExpiredError(
-                f"reader {self.receiver.reader_id} could not renew its lease in "
-                f"{self.receiver.store.root} for longer than its lease timeout "
-                f"({self.receiver._keeper.error}); the writer may reuse slot "
+        keeper = self.receiver._keeper
+        if self.leased and not keeper.trusted():
+            why = (f"renewing it failed: {keeper.error}" if keeper.error is not None else
+                   "this process, or its lease thread, was stalled (stopped, or starved of "
+                   "CPU)")
+            raise _LeaseNotRenewed(
+                f"reader {self.receiver.reader_id} did not renew its lease in "
+                f"{self.receiver.store.root} within 0.9 x its lease timeout "
+                f"({keeper.timeout:g} s; {why}); the writer may reuse slot "
                 f"{self.manifest.slot}, so what was read cannot be trusted: load again"
             )
 
@@ -1012,17 +1021,22 @@ class Receiver:
                         if verify or not snap.leased:
                             snap.verify()
                         target(snap._views())
+                    if snap.leased:  # (a private copy was verified before the apply: it stays
+                        snap.check_unchanged()  # good; a leased slot must still hold it)
                 except _SlotReused:
                     if attempt + 1 < _LEASELESS_RETRIES:
                         log.info("version %d was replaced while %s read it without a lease; "
                                  "reading again", snap.version, self.reader_id)
                         continue
                     raise
+                except _LeaseNotRenewed as exc:
+                    if attempt + 1 < _LEASELESS_RETRIES:
+                        log.info("%s; reading version %d again", exc, snap.version)
+                        continue
+                    raise
                 except (IncompatibleWeightsError, DamagedVersionError) as exc:
                     self._refused(snap.version, exc)
                     raise
-                if snap.leased:  # a private copy was verified before the apply: it stays good
-                    snap.check_unchanged()
                 self.mark_loaded(snap.version, snap.run_id)
                 return snap.version
         raise AssertionError("unreachable")

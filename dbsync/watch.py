@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import DBSyncError
 from .format import MANIFEST_FILE, Head
 from .inotify import DirectoryWatch
 from .store import Store
@@ -309,7 +310,11 @@ class Watcher:
             return
         try:
             self.callback(head.version)
-        except Exception as exc:
+        except DBSyncError as exc:  # refused, damaged, stalled: said plainly, no traceback
+            self.last_error = exc
+            log.warning("dbsync watcher: callback failed for version %s: %s", head.version,
+                        exc)
+        except Exception as exc:  # anything else may be a bug in the callback: where it failed
             self.last_error = exc
             log.exception("dbsync watcher: callback failed for version %s", head.version)
         else:

@@ -140,6 +140,30 @@ def test_stalled_reader_finds_out_its_lease_expired(root):
             receiver.load(stall)
 
 
+def test_a_load_whose_lease_went_unrenewed_reads_again_when_its_slot_is_intact(root, caplog):
+    """A reader whose lease went unrenewed for a while (a process starved of CPU) while its
+    slot still holds the version cannot trust what it read, but need not fail: the load
+    reads it again (renewing the lease first), and says why at INFO."""
+    import logging
+
+    calls = []
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.full((4,), 7.0)})
+        with dbsync.Receiver(root) as receiver:
+            def stalled_once(pairs):
+                calls.append([float(t.sum()) for _, t in pairs])
+                if len(calls) == 1:  # as if the lease thread had not run for 100 s
+                    receiver._keeper.last_ok = time.monotonic() - 100
+
+            with caplog.at_level(logging.INFO, logger="dbsync"):
+                assert receiver.load(stalled_once) == 1
+    assert calls == [[28.0], [28.0]]
+    said = [r.getMessage() for r in caplog.records if "reading version 1 again" in
+            r.getMessage()]
+    assert len(said) == 1 and "stalled (stopped, or starved of CPU)" in said[0]
+    assert all(r.levelno < logging.WARNING for r in caplog.records)
+
+
 def test_wait_sees_a_flip_with_polling_only(root):
     """Where no inotify events arrive, polling alone must notice the flip."""
     with dbsync.Sender(root) as sender:
@@ -227,3 +251,35 @@ def test_inotify_watcher_reacts_without_waiting_for_a_poll(root):
             while 2 not in seen and time.monotonic() < deadline:
                 time.sleep(0.01)
         assert seen == [1, 2]
+
+
+@pytest.mark.parametrize("error", [dbsync.IncompatibleWeightsError, RuntimeError])
+def test_a_watch_callback_that_fails_is_said_plainly_or_with_its_traceback(root, caplog,
+                                                                         error):
+    """A callback failing with a dbsync error (a refused version, a stalled lease) is a
+    WARNING saying why, without a traceback; anything else (a bug in the callback) is an
+    ERROR with its traceback. Either way ``last_error`` holds it."""
+    import logging
+    import threading
+
+    failed = threading.Event()
+
+    def callback(version: int) -> None:
+        failed.set()
+        raise error(f"no thanks to version {version}")
+
+    with dbsync.Sender(root) as sender, caplog.at_level(logging.INFO, logger="dbsync"):
+        sender.push({"w": torch.ones(4)})
+        with dbsync.Watcher(root, callback, poll_interval=0.05) as watcher:
+            assert failed.wait(30)
+            deadline = time.monotonic() + 30
+            while watcher.last_error is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # (set as the callback returns, in the watcher's thread)
+    assert isinstance(watcher.last_error, error)
+    said = [r for r in caplog.records if "callback failed for version 1" in r.getMessage()]
+    assert len(said) == 1
+    if error is RuntimeError:
+        assert said[0].levelno == logging.ERROR and said[0].exc_info is not None
+    else:
+        assert said[0].levelno == logging.WARNING and said[0].exc_info is None
+        assert "no thanks to version 1" in said[0].getMessage()

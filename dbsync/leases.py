@@ -219,7 +219,8 @@ class ReaderIdInUse(Exception):
     """Raised by ``claim_reader_id``; its message names the live reader."""
 
 
-#: (store root, reader id) of the open receivers of this process that write leases
+#: (store directory (device, inode), reader id) of the open receivers of this process that
+#: write leases
 _CLAIMED: set[tuple[Any, str]] = set()
 _CLAIMED_LOCK = threading.Lock()
 

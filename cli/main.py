@@ -57,6 +57,13 @@ def _interrupted(message: str) -> NoReturn:
     raise click.exceptions.Exit(INTERRUPTED_EXIT)
 
 
+def _is_config_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a configuration check's refusal (pydantic's ``ValidationError``,
+    which vLLM's config classes raise), without importing pydantic."""
+    return any(cls.__name__ == "ValidationError" and cls.__module__.startswith("pydantic")
+               for cls in type(exc).__mro__)
+
+
 class _Group(click.Group):
     """Turns library and OS errors raised by any command into plain one-paragraph failures,
     Ctrl-C into exit status 130, and a vanished reader of our output into a quiet exit."""
@@ -80,6 +87,9 @@ class _Group(click.Group):
         except Exception as exc:
             if os.environ.get("DBSYNC_DEBUG"):
                 raise
+            if _is_config_error(exc):  # vLLM's own checks of its options (pydantic)
+                raise Failure(f"vLLM refused its configuration (the options after `--`, or "
+                              f"the model's own limits): {exc}") from None
             raise Failure(f"unexpected {type(exc).__name__}: {exc} (this is a bug in dbsync; "
                           "rerun with DBSYNC_DEBUG=1 and report the traceback)") from None
 

@@ -547,3 +547,96 @@ def test_a_missing_store_shows_in_the_status_and_metrics(tmp_path: Path) -> None
         assert registry.get_sample_value("dbsync_store_ok") == 1
     finally:
         controller.stop()
+
+
+def test_a_refusal_in_a_new_run_is_counted_and_said_though_the_old_run_refused_its_number(
+        tmp_path: Path, caplog: Any) -> None:
+    """Refusals name versions of their own run: a new run's version 2 refused after the old
+    run's version 2 was refused is logged and counted again, and the status lists only the
+    new run's refusals."""
+    import shutil
+
+    from prometheus_client import CollectorRegistry
+
+    from dbsync.vllm.metrics import SwapMetrics
+
+    root = tmp_path / "store"
+    registry = CollectorRegistry()
+    bad = {**weights(1), "model.norm.weight": torch.ones(3)}  # another shape: refused
+    with Sender(root) as sender:
+        sender.push(weights(0))
+    controller = SwapController(root, ScriptedOps(), EXPECTED,
+                                metrics=SwapMetrics(registry=registry))
+    try:
+        for run in range(2):
+            if run:
+                shutil.rmtree(root)  # the trainer starts a new run at ROOT
+            with Sender(root) as sender:
+                if run:
+                    sender.push(weights(run))
+                assert controller.apply_latest() == 1
+                sender.push(bad)
+                with caplog.at_level(logging.ERROR, logger="dbsync"), \
+                        pytest.raises(IncompatibleWeightsError):
+                    controller.apply_latest()
+            assert controller.status()["refused_versions"] == [2]
+            assert registry.get_sample_value("dbsync_swaps_total",
+                                             {"outcome": "refused"}) == run + 1
+        said = [r for r in caplog.records if "version 2 refused" in r.getMessage()]
+        assert len(said) == 2
+    finally:
+        controller.stop()
+
+
+def test_closing_the_engine_ops_abandons_a_call_waiting_on_the_engines_loop() -> None:
+    """A server shutting down closes its engine ops: a swap's call waiting on the engine's
+    loop (a drain that never ends, or a loop busy stopping) raises at once instead of holding
+    the controller's stop for the call's 10-minute timeout, and no call starts afterwards."""
+    import asyncio
+    import threading
+
+    from dbsync.vllm.engine import AsyncEngineOps, EngineClosed
+
+    class Engine:
+        started = threading.Event()
+
+        async def resume_generation(self) -> None:
+            Engine.started.set()
+            await asyncio.Event().wait()  # never ends
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    ops = AsyncEngineOps(Engine(), loop)
+    outcome: list[BaseException] = []
+
+    def swap() -> None:
+        try:
+            ops.resume()
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    caller = threading.Thread(target=swap)
+    caller.start()
+    try:
+        assert Engine.started.wait(30)
+        ops.close()
+        caller.join(timeout=30)
+        assert not caller.is_alive()
+        assert isinstance(outcome[0], EngineClosed) and "abandoned" in str(outcome[0])
+        with pytest.raises(EngineClosed, match="no more engine calls"):
+            ops.resume()
+        # the abandoned coroutine was cancelled on the loop: nothing of it keeps running
+        pending = asyncio.run_coroutine_threadsafe(_tasks_left(), loop).result(30)
+        assert pending == 0
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(timeout=30)
+        loop.close()
+
+
+async def _tasks_left() -> int:
+    import asyncio
+
+    await asyncio.sleep(0)  # (let the cancellation land)
+    return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])

@@ -266,3 +266,18 @@ def test_missing_store_fails_at_once(tmp_path: Path) -> None:
     assert "does not exist or is not a directory" in proc.stderr
     assert "Initializing a V1 LLM engine" not in proc.stdout + proc.stderr
     assert not (tmp_path / "stroe").exists()
+
+
+def test_a_configuration_vllm_refuses_is_said_as_such_not_as_a_bug(tmp_path: Path) -> None:
+    """An option vLLM's own configuration checks refuse (a context longer than the model's)
+    is reported as vLLM refusing its configuration, not as a bug in dbsync."""
+    root = tmp_path / "store"
+    root.mkdir()  # (a store with nothing published yet: served as soon as one comes)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve-vllm", str(root),
+         "--model", str(tiny_model("A")), "--", "--max-model-len", "1000000"],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "vLLM refused its configuration" in proc.stderr, proc.stderr[-2000:]
+    assert "max_model_len" in proc.stderr or "max-model-len" in proc.stderr
+    assert "bug in dbsync" not in proc.stderr

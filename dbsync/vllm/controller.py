@@ -304,6 +304,8 @@ class SwapController:
             self.init_transport()
             error: DBSyncError | None = None
             for attempt in range(MAX_ATTEMPTS):
+                if self._stopping.is_set() and error is not None:
+                    break  # (shutting down: no other try)
                 try:
                     done = self._attempt()
                 except SwapError as exc:
@@ -364,8 +366,13 @@ class SwapController:
         return self._watcher
 
     def stop(self) -> None:
-        """Stop watching and release the reader registration. Does not touch the engine."""
+        """Stop watching and release the reader registration. Does not touch the engine: an
+        engine call under way is abandoned (``ops.close()``, where the ops have it), so a
+        server shutting down is never held up by a swap, nor a swap by the server's loop."""
         self._stopping.set()  # ends a retry wait at once
+        close = getattr(self.ops, "close", None)
+        if close is not None:
+            close()
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -395,6 +402,8 @@ class SwapController:
                                                               s.published_version or 0)
             if run_id is not None or new_run:
                 self._published_run = run_id
+            if new_run:  # (refusals name versions of the run they were made in)
+                s.refused.clear()
             self.metrics.versions(s.version, s.published_version)
 
     def _follow(self) -> None:
@@ -408,6 +417,9 @@ class SwapController:
             except (IncompatibleWeightsError, DamagedVersionError, RolledBackError):
                 break  # a refusal or a rollback: recorded in the status and logged already
             except (OSError, DBSyncError) as exc:
+                if self._stopping.is_set():
+                    log.info("dbsync: stopping; %s", exc)
+                    break
                 if not isinstance(exc, SwapError):  # a SwapError is recorded by _fail
                     self._read_failed(exc, delay)
                 s.retrying = True
@@ -518,7 +530,7 @@ class SwapController:
         s.version, s.loaded_at, s.healthy, s.applying = version, time.time(), True, None
         s.swaps += 1
         s.last_swap = timings
-        s.last_error = None
+        s.last_error = s.last_error_version = s.last_error_at = None
         self.metrics.applied(pause_s=timings.pause_s, read_verify_s=timings.read_verify_s,
                              nbytes=timings.nbytes, source=timings.source)
         self.metrics.versions(s.version, s.published_version)
@@ -646,6 +658,9 @@ class SwapController:
             return
         self._record(version, f"applying version {version} failed, nothing applied; still "
                               f"serving version {s.version}: {exc}")
+        if self._stopping.is_set():  # shutting down: not a failure to alert on
+            log.info("dbsync: stopping; version %d was not applied (%s)", version, exc)
+            return
         if SUPERSEDED in str(exc) or self._newer_than(version):
             # a normal race: the store moved on while this version was being applied
             log.info("dbsync: version %d was superseded while it was applied; applying the "

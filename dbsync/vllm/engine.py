@@ -13,7 +13,9 @@ Hazards:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -103,6 +105,10 @@ class LLMOps:
             raise DBSyncError("vLLM could not reset the prefix cache after the swap")
 
 
+class EngineClosed(DBSyncError):
+    """An engine call refused or abandoned because the server is shutting down."""
+
+
 class AsyncEngineOps:
     """``EngineOps`` for an ``AsyncLLM`` (or any vLLM ``EngineClient``) running on ``loop``."""
 
@@ -111,6 +117,19 @@ class AsyncEngineOps:
         self.engine = engine
         self.loop = loop
         self.timeout = timeout
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+
+    def close(self) -> None:
+        """Refuse engine calls from now on and abandon those under way (they raise
+        ``EngineClosed`` at once): the server is shutting down, and a call waiting on the
+        engine's loop must not hold up the stop, nor the loop wait for the call."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._pending)
+        for future in pending:
+            future.cancel()  # (and the coroutine on the loop is cancelled in turn)
 
     def _run(self, coro: Any) -> Any:
         if self.loop.is_closed():
@@ -126,7 +145,20 @@ class AsyncEngineOps:
                 "dbsync must not apply a version from the engine's own event loop thread (it "
                 "would deadlock); use `await attachment.apply_latest_async()`"
             )
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout)
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise EngineClosed("the server is shutting down: no more engine calls")
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._pending.add(future)
+        try:
+            return future.result(self.timeout)
+        except concurrent.futures.CancelledError:
+            raise EngineClosed("the server is shutting down: the engine call was abandoned"
+                               ) from None
+        finally:
+            with self._lock:
+                self._pending.discard(future)
 
     def init(self, init_info: dict[str, Any]) -> None:
         self._run(self.engine.init_weight_transfer_engine(init_request(init_info)))

@@ -194,11 +194,12 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
             log.info("dbsync: serving %s on %s (store %s, version %s)", args.model,
                      listen_address, root, controller.version)
             shutdown_task = await serve_app(app, sock, args)
-            controller.stop()
+            # (in a thread: a swap under way waits on this loop for its engine calls)
+            await asyncio.to_thread(controller.stop)
         await shutdown_task
     finally:
         if controller is not None:
-            controller.stop()
+            await asyncio.to_thread(controller.stop)
         sock.close()
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from dbsync import DBSyncError, Sender
+from dbsync import DBSyncError, Sender, StoreFullError
 from dbsync.nccl import (
     BroadcastError,
     BroadcastReceiver,
@@ -359,7 +359,7 @@ def test_version_republished_after_a_failed_publish_replaces_the_broadcast_copy(
             publish(manifest, durable)
 
         sender.store.publish_head = fail_once  # type: ignore[method-assign]
-        with pytest.raises(OSError):
+        with pytest.raises(StoreFullError, match="nothing was published"):
             bs.push({"x": torch.ones(4)})
         thread.join(20)
         assert first["version"] == 1 and first["source"] == "broadcast"

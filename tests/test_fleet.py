@@ -155,8 +155,9 @@ def used_bytes(path: str) -> int:
 @needs_root
 def test_lease_write_failures_never_wedge_a_receiver(tmp_path):
     """A full disk makes every lease write fail (ENOSPC): loads go on without a lease
-    (private verified copies) and keep working; once there is space again, the receiver
-    leases and acknowledges again."""
+    (private verified copies) and keep working, the one whose lease expired meanwhile too (it
+    reads again, leaseless); once there is space again, the receiver leases and acknowledges
+    again."""
     with tmpfs(tmp_path / "small", "2m") as small:
         root = os.path.join(small, "store")
         with dbsync.Sender(root, lease_timeout=1.0) as sender:
@@ -167,11 +168,11 @@ def test_lease_write_failures_never_wedge_a_receiver(tmp_path):
 
             def fill_then_stall(pairs: Any) -> None:  # the disk fills during a leased load,
                 list(pairs)                            # which then outlasts its lease
-                fillers.append(fill(small))
-                time.sleep(1.2)
+                if not fillers:
+                    fillers.append(fill(small))
+                    time.sleep(1.2)
 
-            with pytest.raises(dbsync.LeaseExpiredError, match="could not renew"):
-                bounded(lambda: receiver.load(fill_then_stall), 20)
+            assert bounded(lambda: receiver.load(fill_then_stall), 20) == 1
             assert receiver.loaded_version == 1
             filler = fillers[0]
             for _ in range(3):  # the first failed lease write used to wedge every later load

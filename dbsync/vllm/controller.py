@@ -365,14 +365,20 @@ class SwapController:
                                     poll_interval=self.poll_interval).start()
         return self._watcher
 
-    def stop(self) -> None:
-        """Stop watching and release the reader registration. Does not touch the engine: an
-        engine call under way is abandoned (``ops.close()``, where the ops have it), so a
-        server shutting down is never held up by a swap, nor a swap by the server's loop."""
+    def stop_applying(self) -> None:
+        """Start no swap from now on, and abandon the engine calls of one under way
+        (``ops.close()``, where the ops have it): the server is shutting down. Never blocks;
+        ``stop`` does the rest."""
         self._stopping.set()  # ends a retry wait at once
         close = getattr(self.ops, "close", None)
         if close is not None:
             close()
+
+    def stop(self) -> None:
+        """Stop watching and release the reader registration. Does not touch the engine: an
+        engine call under way is abandoned (``stop_applying``), so a server shutting down is
+        never held up by a swap, nor a swap by the server's loop."""
+        self.stop_applying()
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from ..errors import DBSyncError
+
+log = logging.getLogger(__name__)
 
 #: options serve-vllm owns: passing them to vLLM after '--' is a usage error
 OWNED_OPTIONS = ("--model", "--host", "--port")
@@ -86,6 +89,17 @@ async def serve_app(app: Any, sock: Any, args: Any) -> asyncio.Task:
         h11_max_header_count=args.h11_max_header_count, **uvicorn_kwargs)
 
 
+#: called (on the server's loop) as soon as a stop signal arrives, before vLLM's own handler
+_ON_STOP_SIGNAL: list[Callable[[], None]] = []
+
+
+def on_stop_signal(callback: Callable[[], None]) -> None:
+    """Have ``callback`` called as soon as SIGINT or SIGTERM reaches the server (it must not
+    block: it runs on the server's event loop), e.g. so that no swap starts while the server
+    drains its requests and shuts the engine down."""
+    _ON_STOP_SIGNAL.append(callback)
+
+
 def run_until_stopped(main: Any) -> None:
     """Run the server coroutine ``main`` on uvloop until it returns. Raises
     ``KeyboardInterrupt`` after a clean stop that Ctrl-C (SIGINT) asked for: vLLM's handlers
@@ -98,6 +112,11 @@ def run_until_stopped(main: Any) -> None:
         def add_signal_handler(self, sig: int, callback: Any, *args: Any) -> None:
             def noted(*given: Any) -> None:
                 stops.append(sig)
+                for stopping in _ON_STOP_SIGNAL:
+                    try:
+                        stopping()
+                    except Exception:  # noqa: BLE001 - the server must still stop
+                        log.exception("dbsync: a stop callback failed")
                 callback(*given)
 
             super().add_signal_handler(sig, noted, *args)

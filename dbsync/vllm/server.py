@@ -55,7 +55,13 @@ from .broadcast import TRANSPORTS, check_transport
 from .checkpoint import check_model, expected_from_checkpoint, resolve_model_dir
 from .controller import DEFAULT_DRAIN_TIMEOUT, PAUSE_MODES, SwapController, check_pause_mode
 from .engine import AsyncEngineOps, engine_args
-from .http import check_owned_options, parse_server_args, run_until_stopped, serve_app
+from .http import (
+    check_owned_options,
+    on_stop_signal,
+    parse_server_args,
+    run_until_stopped,
+    serve_app,
+)
 from .plugin import configure_logging
 from .versions import VersionStamp, wrap_generate
 
@@ -176,6 +182,7 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
                 allow_missing, poll_interval=poll_interval,
                 workers=engine_client.vllm_config.parallel_config.world_size,
                 transport=transport, pause_mode=pause_mode, drain_timeout=drain_timeout)
+            on_stop_signal(controller.stop_applying)  # (no swap while the server drains)
             supported_tasks = await engine_client.get_supported_tasks()
             app = build_app(args, supported_tasks, model_config)
             install_routes(app, controller)

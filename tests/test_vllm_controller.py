@@ -640,3 +640,45 @@ async def _tasks_left() -> int:
 
     await asyncio.sleep(0)  # (let the cancellation land)
     return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])
+
+
+def test_a_stop_signal_stops_swaps_before_the_server_drains(tmp_path: Path) -> None:
+    """SIGTERM reaching serve-vllm's loop stops the controller from applying (and abandons
+    an engine call under way) before vLLM's own handler starts draining the server: a push
+    that comes while the server drains starts no swap."""
+    import asyncio
+    import os
+    import signal
+
+    from dbsync.vllm import http
+
+    root = tmp_path / "store"
+    with Sender(root) as sender:
+        sender.push(weights(1))
+    ops = ScriptedOps()
+    controller = SwapController(root, ops, EXPECTED)
+    order: list[str] = []
+    was = list(http._ON_STOP_SIGNAL)
+
+    async def main() -> None:
+        stopped = asyncio.Event()
+
+        def vllm_handler() -> None:  # what vLLM's own handler does first: stop serving
+            order.append(f"vllm, stopping={controller._stopping.is_set()}")
+            stopped.set()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, vllm_handler)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(stopped.wait(), 30)
+
+    try:
+        http.on_stop_signal(controller.stop_applying)
+        http.run_until_stopped(main())
+        assert order == ["vllm, stopping=True"]
+        with Sender(root) as sender:
+            sender.push(weights(2))
+        controller._follow()  # what the watcher does on the new version: nothing now
+        assert ops.calls == []
+    finally:
+        http._ON_STOP_SIGNAL[:] = was
+        controller.stop()

@@ -195,6 +195,7 @@ class Watcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._observer: DirectoryWatch | None = None
+        self._link_observer: DirectoryWatch | None = None  # (where ROOT is a symlink)
         self._watched: tuple[int, int] | None = None  # (st_dev, st_ino) of the watched root
         self._rewatch = threading.Event()
 
@@ -357,6 +358,13 @@ class Watcher:
             elif name == MANIFEST_FILE:
                 wake.set()
 
+        parent, link = os.path.split(self.root)
+
+        def on_link_event(name: str | None) -> None:  # ROOT is a symlink: re-pointed?
+            if name is None or name == link:
+                rewatch.set()
+                wake.set()
+
         try:
             st = os.stat(self.root)
             watch = DirectoryWatch(self.root, on_event).start()
@@ -368,11 +376,20 @@ class Watcher:
             return
         self._observer, self._watched = watch, (st.st_dev, st.st_ino)
         self._rewatch.clear()
+        # A ROOT that is a symlink (a "current" link re-pointed from one store to the next)
+        # is watched where it lies too: re-pointing it makes no event in the old target.
+        if os.path.islink(self.root):
+            try:
+                self._link_observer = DirectoryWatch(parent, on_link_event).start()
+            except OSError as exc:
+                log.info("dbsync watcher: the symlink %s is not watched (%s); a new target is "
+                         "noticed within %g s", self.root, exc, self.safety_interval)
 
     def _stop_observer(self) -> None:
-        if self._observer is not None:
-            self._observer.stop()
-            self._observer = None
+        for observer in (self._observer, self._link_observer):
+            if observer is not None:
+                observer.stop()
+        self._observer = self._link_observer = None
 
     def _restart_observer(self) -> None:
         """The watched directory was deleted or replaced: watch the one now at ``root``."""

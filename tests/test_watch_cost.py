@@ -250,3 +250,30 @@ def test_starting_and_stopping_leaves_nothing_behind(store):
     assert not inotify_threads()
     assert fds() == before
     assert max(took) < 0.1, took
+
+
+def test_a_root_symlink_re_pointed_to_another_store_is_followed_at_once(tmp_path):
+    """ROOT is a "current" symlink that an operator re-points from one store to the next
+    (blue/green): the watcher notices at once, not at its next safety look."""
+    import threading
+
+    blue, green, current = tmp_path / "blue", tmp_path / "green", tmp_path / "current"
+    with dbsync.Sender(blue) as sender:
+        sender.push({"w": torch.ones(4)})
+    with dbsync.Sender(green) as sender:
+        sender.push({"w": torch.ones(4)})
+        sender.push({"w": torch.ones(4)})
+    os.symlink(blue, current)
+    seen: list[int] = []
+    got_two = threading.Event()
+
+    def callback(version: int) -> None:
+        seen.append(version)
+        if version == 2:
+            got_two.set()
+
+    with dbsync.Watcher(current, callback, safety_interval=120, use_polling=False):
+        os.symlink(green, tmp_path / "next")
+        os.replace(tmp_path / "next", current)  # re-pointed atomically
+        assert got_two.wait(30), "re-pointing ROOT was not noticed before the safety look"
+    assert seen[-1] == 2

@@ -25,6 +25,7 @@ _LAZY = {
     "ReceiverRefusedError": "errors",
     "StalenessError": "errors",
     "StoreFullError": "errors",
+    "StoreReadOnlyError": "errors",
     "StoreNotFoundError": "errors",
     "StoreRewoundError": "errors",
     "UnsupportedFormatError": "errors",
@@ -53,6 +54,7 @@ __all__ = [
     "StalenessError",
     "StoreBusyError",
     "StoreFullError",
+    "StoreReadOnlyError",
     "StoreNotFoundError",
     "StoreRewoundError",
     "UnsupportedFormatError",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
         StoreBusyError,
         StoreFullError,
         StoreNotFoundError,
+        StoreReadOnlyError,
         StoreRewoundError,
         UnsupportedFormatError,
     )

@@ -73,9 +73,15 @@ class StoreNotFoundError(NothingPublishedError):
     """The store root does not exist (a typo, or a volume that is not mounted)."""
 
 
-class StoreFullError(DBSyncError):
-    """A push did not fit on the store's filesystem. Nothing was published, and the partial
-    files were removed again."""
+class StoreFullError(DBSyncError, OSError):
+    """A push did not fit on the store's filesystem (also an ``OSError``: ``errno`` is
+    ENOSPC or EDQUOT). Nothing was published; the partial files were removed where the
+    filesystem still allowed it."""
+
+
+class StoreReadOnlyError(DBSyncError, OSError):
+    """The store's filesystem is read-only (also an ``OSError``: ``errno`` is EROFS), mounted
+    so or remounted read-only after an error. Nothing was published."""
 
 
 class StoreRewoundError(DBSyncError):

@@ -374,6 +374,7 @@ class LeaseMonitor:
             overdue = self._dead_for(reader_id, lease, now)
             if overdue is None:
                 live[reader_id] = lease
+                self._unremovable.discard(reader_id)  # (alive again: warned anew if it dies)
                 continue
             dead.append(reader_id)
             if (overdue >= DEAD_LEASE_GRACE * lease_timeout_of(lease, self.timeout)

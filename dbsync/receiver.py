@@ -555,13 +555,14 @@ class Snapshot:
         shards = sorted(plan.raw)
         if self.leased and len(shards) > fileio.SHARDS_OPEN_AT_ONCE:
             self._reopen(shards, keep_open=False)  # every file checked before any byte lands
-        self._copy(plan, shards, by_torch, threads)
+        self._copy(plan, shards, by_torch, threads, drop=_owns_its_tensors(target))
         return self.manifest.total_bytes
 
     def _copy(self, plan: Any, shards: list[int], by_torch: Callable[[Any], None],
-              threads: int) -> None:
+              threads: int, drop: bool) -> None:
         """Run the copy plan in the receiver's worker threads and bump the destinations'
-        autograd versions meanwhile; return once every copy has ended."""
+        autograd versions meanwhile (``drop``: dropping the plan's references to them as it
+        goes, see ``_bump_versions``); return once every copy has ended."""
         pool = self.receiver.workers.get(threads)
         # The switch interval is short from before the first task is queued until the bump
         # ends: a copy thread woken meanwhile waits that long for the GIL, which the bump
@@ -579,7 +580,7 @@ class Snapshot:
                         self._queue_reads(plan, batch, fds, pool, futures)
                         if not first:  # bumped while the first bytes land, and before a failed
                             # read could leave it unbumped
-                            _bump_versions(plan.raw_destinations)
+                            _bump_versions(plan.raw_destinations, drop)
                             switching.close()
                         wait_all(futures)
                     except BaseException:
@@ -750,9 +751,17 @@ class Snapshot:
         self.close()
 
 
+_OVERLAY_CHECKED: set[str] = set()  # roots this process looked at (receivers come per swap)
+
+
 def _warn_if_under_an_overlay(root: str) -> None:
+    """Warn once per root and process if ``root`` is reached through an overlay whose lower
+    layer (where it is visible here) holds the store."""
     from .watch import store_in_overlay_lower
 
+    if root in _OVERLAY_CHECKED:
+        return
+    _OVERLAY_CHECKED.add(root)
     lower = store_in_overlay_lower(root)
     if lower is not None:
         log.warning(
@@ -765,31 +774,43 @@ def _warn_if_under_an_overlay(root: str) -> None:
 
 
 def _drop_own(dest: dict[str, Any], target: Any) -> None:
-    """Empty ``dest`` if it was built for this copy (not the caller's own dict): now, just
-    after planning looked at every tensor in it, rather than on return, after the copy has
-    pushed them out of the caches (see ``_bump_versions``)."""
-    if dest is not target:
+    """Empty ``dest`` if it was built for this copy from a module (whose parameters and
+    buffers own their memory): now, just after planning looked at every tensor in it, rather
+    than on return, after the copy has pushed them out of the caches (see
+    ``_bump_versions``). Other targets' flattened tensors are kept: a mapping may hand out
+    tensors nothing else holds (a lazily stacked TensorDict), and the copy writes into them."""
+    if dest is not target and _owns_its_tensors(target):
         dest.clear()
 
 
-def _bump_versions(tensors: list[Any]) -> None:
+def _owns_its_tensors(target: Any) -> bool:
+    """Whether ``target`` holds every tensor the copy writes (a plain dict, a module), so the
+    copy's own references may go before it ends."""
+    import torch
+
+    return type(target) is dict or isinstance(target, torch.nn.Module)
+
+
+def _bump_versions(tensors: list[Any], drop: bool) -> None:
     """Bump the autograd version of ``tensors``, as an in-place copy does, ``_BUMP_CHUNK`` at
     a time: each call holds the GIL (~0.15 us per tensor when the caches are cold), and the
     copy threads need it between two reads.
 
-    Empties ``tensors`` as it goes: a chunk's references are dropped right after its bump,
-    while its tensors are in the caches. Dropped after the copy instead, when the bytes
-    copied have pushed them out, they cost one more cache miss per tensor on the caller's
-    time."""
+    ``drop`` (only where the target holds every tensor itself): empty ``tensors`` as it goes,
+    a chunk's references right after its bump, while its tensors are in the caches. Dropped
+    after the copy instead, when the bytes copied have pushed them out, they cost one more
+    cache miss per tensor on the caller's time."""
     import torch
 
     bump = torch.autograd.graph.increment_version
     for lo in range(0, len(tensors), _BUMP_CHUNK):
         chunk = tensors[lo:lo + _BUMP_CHUNK]
         bump(chunk)
-        tensors[lo:lo + len(chunk)] = itertools.repeat(None, len(chunk))
+        if drop:
+            tensors[lo:lo + len(chunk)] = itertools.repeat(None, len(chunk))
         del chunk
-    tensors.clear()
+    if drop:
+        tensors.clear()
 
 
 def _mismatch(got: str, r: Any) -> str:

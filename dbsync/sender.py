@@ -40,6 +40,7 @@ from .errors import (
     InvalidWeightsError,
     StalenessError,
     StoreFullError,
+    StoreReadOnlyError,
     UnsupportedFormatError,
 )
 from .format import (
@@ -415,6 +416,7 @@ class Sender:
                 with self._numbering:
                     self._pending -= 1
                 raise
+            future.add_done_callback(self._uncount_if_cancelled)
             if buffer is not None:
                 buffer.user = future
         if not blocking:
@@ -425,6 +427,12 @@ class Sender:
             abort.set()
             exc = future.exception()
             raise PushInterrupted(None if exc is not None else future.result()) from None
+
+    def _uncount_if_cancelled(self, future: Future[int]) -> None:
+        """A push cancelled while it waited its turn never ran: it is no longer pending."""
+        if future.cancelled():
+            with self._numbering:
+                self._pending -= 1
 
     def _gate(self, abort: threading.Event) -> None:
         """Called by writer threads before each write: waits while a snapshot runs, and
@@ -556,8 +564,14 @@ class Sender:
         try:
             self.store.publish_head(head, durable=self.durable)
         except OSError as exc:
-            self._raise_plainly(exc, version, sum(sizes), "the previous version stays current")
-            raise
+            if not self._flipped(head):
+                self._raise_plainly(exc, version, sum(sizes),
+                                    "the previous version stays current")
+                raise
+            # (the rename landed, its directory's fsync did not: readers see this version)
+            log.warning("version %d of %s was published, but making the flip durable failed "
+                        "(%s): a crash of the store's host may bring version %d back",
+                        version, self.store.root, exc.strerror or exc, self._version)
         with self._numbering:  # (published: counted in _version, no longer pending)
             self._version, self._slot = version, slot
             self._pending -= 1
@@ -566,21 +580,34 @@ class Sender:
                                   "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}
         return version
 
+    def _flipped(self, head: Head) -> bool:
+        """Whether the store's head is ``head`` (read back after a failed head write)."""
+        try:
+            now = self.store.read_head()
+        except (OSError, DBSyncError):
+            return False
+        return now is not None and (now.run_id, now.version) == (head.run_id, head.version)
+
     def _raise_plainly(self, exc: OSError, version: int, nbytes: int, after: str) -> None:
         """Raise a full or read-only store's write error as one that says what happened and
         what to do (``after``: what became of the partial version, when the store was full);
         other errors are raised as they are."""
+        if isinstance(exc, DBSyncError):
+            return  # (said plainly already)
+        plain: OSError | None = None
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoreFullError(
+            plain = StoreFullError(
                 f"no space left on the filesystem of {self.store.root} while writing version "
                 f"{version} ({nbytes} bytes); nothing was published and {after}. Free space "
-                "there, then push again") from exc
-        if exc.errno == errno.EROFS:
-            raise DBSyncError(
+                "there, then push again")
+        elif exc.errno == errno.EROFS:
+            plain = StoreReadOnlyError(
                 f"the filesystem of {self.store.root} is read-only (mounted so, or remounted "
                 f"read-only after an error: see the kernel log) while writing version {version}; "
-                "nothing was published. Make it writable, then push again"
-            ) from exc
+                "nothing was published. Make it writable, then push again")
+        if plain is not None:
+            plain.errno = exc.errno
+            raise plain from exc
 
     def _check_space(self, slot: str, shard_sizes: list[int]) -> None:
         """Refuse before writing anything if the new shards cannot fit (files reused in place
@@ -595,11 +622,12 @@ class Sender:
         reclaim = sum(n for name, n in have.items() if name.startswith("shard-") and name not in
                       {shard_file(i) for i in range(len(shard_sizes))})
         if need > free + reclaim:
-            raise StoreFullError(
+            full = StoreFullError(
                 f"version {self._version + 1} needs {need} more bytes in {self.store.root} but "
                 f"its filesystem has {free} free; nothing was written. Free space there (or "
-                "publish in a smaller dtype), then push again"
-            )
+                "publish in a smaller dtype), then push again")
+            full.errno = errno.ENOSPC
+            raise full
 
     def _free_slot(self, slot: str) -> None:
         try:  # (first: a stamp naming a version that was never flipped to would make the

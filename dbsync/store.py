@@ -559,6 +559,7 @@ class Store:
 def root_problem(root: str) -> str | None:
     """Why this process cannot use ``root`` as an existing store directory (None if it can):
     missing, not a directory, or a directory along the path it may not search."""
+    root = os.path.abspath(root)
     try:
         st = os.stat(root)
     except PermissionError:

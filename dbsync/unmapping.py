@@ -51,6 +51,15 @@ def _queue() -> queue.SimpleQueue:
         return _QUEUE[0]
 
 
+def _reset_in_child() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()  # (a fork while another thread held it would leave it held)
+    _QUEUE[:] = [None, 0]
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
+
+
 def _drop_forever(items: queue.SimpleQueue) -> None:
     while True:
         item = items.get()

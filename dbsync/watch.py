@@ -240,6 +240,7 @@ class Watcher:
         self._stop_observer()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+            self._stop_observer()  # (one the loop restarted meanwhile)
         self._thread = None
 
     def __enter__(self) -> Watcher:

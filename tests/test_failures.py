@@ -775,3 +775,30 @@ def test_a_store_removed_under_a_receiver_is_reported_gone_not_empty(tmp_path):
             rx.load(lambda pairs: None)
         with pytest.raises(dbsync.NothingPublishedError):
             rx.load(lambda pairs: None)
+
+
+def test_a_head_whose_flip_landed_but_not_durably_counts_as_published(root, caplog):
+    """The head's rename lands but its directory's fsync fails (a disk turning read-only
+    just then): readers see the new version, so the Sender counts it as published, says the
+    flip may not be durable, and the next push takes the next number and the other slot."""
+    import logging
+
+    with dbsync.Sender(root) as sender:
+        assert sender.push({"w": torch.ones(4)}) == 1
+        publish = sender.store.publish_head
+
+        def landed_then_failed(head, durable):
+            publish(head, durable)
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        sender.store.publish_head = landed_then_failed
+        with caplog.at_level(logging.WARNING, logger="dbsync"):
+            assert sender.push({"w": torch.full((4,), 2.0)}) == 2
+        sender.store.publish_head = publish
+        assert any("version 2" in r.getMessage() and "durable failed" in r.getMessage()
+                   for r in caplog.records)
+        assert sender.push({"w": torch.full((4,), 3.0)}) == 3
+    got = {}
+    with dbsync.Receiver(root) as rx:
+        assert rx.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 3
+    assert torch.equal(got["w"], torch.full((4,), 3.0))

@@ -842,10 +842,11 @@ def test_a_store_that_turns_read_only_mid_push_is_reported_plainly(tmp_path):
                 if done > total // 2:
                     fail()
 
-            with pytest.raises(dbsync.DBSyncError, match="is read-only .* nothing was "
-                               "published. Make it writable, then push again"):
+            with pytest.raises(dbsync.StoreReadOnlyError, match="is read-only .* nothing was "
+                               "published. Make it writable, then push again") as err:
                 sender.push({k: v.repeat(256) for k, v in weights_for(2).items()},
                             progress=midway)
+            assert isinstance(err.value, OSError) and err.value.errno == errno.EROFS
         got: list[list[float]] = []
         with dbsync.Receiver(root) as rx:
             assert rx.load(lambda pairs: got.append(values_of(pairs))) == 1

@@ -89,12 +89,23 @@ def test_next_version_counts_background_pushes_not_yet_published(root):
         push()
         push()
         assert [f.result(timeout=30) for f in futures] == said == [1, 2, 3, 4]
-        bad = sender.push({"w": torch.full((1024,), 5.0)}, blocking=False,
+        release.clear()
+        writing.clear()
+        held = sender.push({"w": torch.full((1024,), 5.0)}, blocking=False,
+                           progress=hold_first_write)
+        assert writing.wait(30)
+        queued = sender.push({"w": torch.full((1024,), 6.0)}, blocking=False)
+        assert sender.next_version == 7
+        assert queued.cancel()  # never runs: its number goes to the next push
+        assert sender.next_version == 6
+        release.set()
+        assert held.result(timeout=30) == 5
+        bad = sender.push({"w": torch.full((1024,), 6.0)}, blocking=False,
                           progress=lambda done, total: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             bad.result(timeout=30)
-        assert sender.next_version == 5
-        assert sender.push({"w": torch.full((1024,), 5.0)}) == 5
+        assert sender.next_version == 6
+        assert sender.push({"w": torch.full((1024,), 6.0)}) == 6
 
 
 def test_load_into_a_plain_module_checks_first_then_copies(root):

@@ -83,6 +83,7 @@ from ..errors import (
     IncompatibleWeightsError,
     LeaseExpiredError,
     NothingPublishedError,
+    StoreNotFoundError,
 )
 from ..receiver import Receiver, Snapshot
 from ..watch import Watcher
@@ -315,6 +316,8 @@ class SwapController:
                     if exc.partial or SUPERSEDED in str(exc) or self._newer_than(exc.version):
                         continue  # roll forward to the newest complete version
                     raise
+                except StoreNotFoundError:
+                    raise  # the store went away (removed, unmounted): an error, retried
                 except NothingPublishedError:
                     return self.state.version
                 if done:
@@ -375,10 +378,10 @@ class SwapController:
             close()
 
     def stop(self) -> None:
-        """Stop watching and release the reader registration. Does not touch the engine: an
-        engine call under way is abandoned (``stop_applying``), so a server shutting down is
-        never held up by a swap, nor a swap by the server's loop."""
-        self.stop_applying()
+        """Stop watching and release the reader registration. Does not touch the engine: a
+        swap under way finishes first (the watcher is joined). A server shutting down calls
+        ``stop_applying`` before this, so that no swap holds it up."""
+        self._stopping.set()  # ends a retry wait at once
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -653,6 +656,10 @@ class SwapController:
 
     def _fail(self, version: int, exc: BaseException, partial: bool) -> None:
         s = self.state
+        if self._stopping.is_set():  # shutting down: not a failure to alert on, nor refusal
+            self._record(version, f"stopping; version {version} was not applied ({exc})")
+            log.info("dbsync: stopping; version %d was not applied (%s)", version, exc)
+            return
         self.metrics.outcome("failed")
         if partial:
             s.healthy = False
@@ -664,9 +671,6 @@ class SwapController:
             return
         self._record(version, f"applying version {version} failed, nothing applied; still "
                               f"serving version {s.version}: {exc}")
-        if self._stopping.is_set():  # shutting down: not a failure to alert on
-            log.info("dbsync: stopping; version %d was not applied (%s)", version, exc)
-            return
         if SUPERSEDED in str(exc) or self._newer_than(version):
             # a normal race: the store moved on while this version was being applied
             log.info("dbsync: version %d was superseded while it was applied; applying the "

@@ -4,6 +4,7 @@ for parsing vLLM's own server arguments and for serving the built app on its soc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import logging
 import signal
@@ -98,6 +99,12 @@ def on_stop_signal(callback: Callable[[], None]) -> None:
     block: it runs on the server's event loop), e.g. so that no swap starts while the server
     drains its requests and shuts the engine down."""
     _ON_STOP_SIGNAL.append(callback)
+
+
+def remove_stop_callback(callback: Callable[[], None]) -> None:
+    """Undo ``on_stop_signal(callback)`` (a server stopped; another may start in-process)."""
+    with contextlib.suppress(ValueError):
+        _ON_STOP_SIGNAL.remove(callback)
 
 
 def run_until_stopped(main: Any) -> None:

@@ -59,6 +59,7 @@ from .http import (
     check_owned_options,
     on_stop_signal,
     parse_server_args,
+    remove_stop_callback,
     run_until_stopped,
     serve_app,
 )
@@ -201,12 +202,15 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
             log.info("dbsync: serving %s on %s (store %s, version %s)", args.model,
                      listen_address, root, controller.version)
             shutdown_task = await serve_app(app, sock, args)
+            controller.stop_applying()  # (no swap holds the shutdown up)
             # (in a thread: a swap under way waits on this loop for its engine calls)
             await asyncio.to_thread(controller.stop)
         await shutdown_task
     finally:
         if controller is not None:
+            controller.stop_applying()
             await asyncio.to_thread(controller.stop)
+            remove_stop_callback(controller.stop_applying)
         sock.close()
 
 

@@ -89,6 +89,18 @@ class PushInterrupted(KeyboardInterrupt):
         self.published_version = published_version
 
 
+def _uncount_if_cancelled(lock: threading.Lock, pending: list[int]
+                          ) -> Callable[[Future[int]], None]:
+    """The callback that stops counting a push cancelled while it waited its turn (it never
+    ran). It holds the counter, not the Sender: a staging buffer keeps the future, and the
+    Sender must still go by reference counting alone once dropped."""
+    def uncount(future: Future[int]) -> None:
+        if future.cancelled():
+            with lock:
+                pending[0] -= 1
+    return uncount
+
+
 class _Aborted(DBSyncError):
     pass
 
@@ -251,10 +263,11 @@ class Sender:
         self._next_buffer = 0
         self._layouts = LayoutCache()
         self._push_lock = threading.Lock()
-        #: guards ``_version`` with ``_pending`` (pushes submitted, not yet published or
-        #: failed), which ``next_version`` adds up
+        #: guards ``_version`` with ``_pending[0]`` (pushes submitted, not yet published or
+        #: failed), which ``next_version`` adds up (in a list: a future's callback counts in
+        #: it without holding the Sender)
         self._numbering = threading.Lock()
-        self._pending = 0
+        self._pending = [0]
         #: cleared while a snapshot runs: background writes wait for it (see ``push``)
         self._writes_allowed = threading.Event()
         self._writes_allowed.set()
@@ -335,7 +348,7 @@ class Sender:
         pushes not yet published count as if they will be: one that fails leaves its number
         to the next)."""
         with self._numbering:
-            return self._version + self._pending + 1
+            return self._version + self._pending[0] + 1
 
     @overload
     def push(self, weights: Weights, blocking: Literal[True] = True,
@@ -408,15 +421,15 @@ class Sender:
                         pairs = sources.materialize_all(pairs, self.dtype)
             abort = self._abort = threading.Event()
             with self._numbering:
-                self._pending += 1
+                self._pending[0] += 1
             try:
                 future = self._publisher.submit(self._publish_and_report, not blocking, pairs,
                                                 progress, adapter, layout, abort)
             except BaseException:
                 with self._numbering:
-                    self._pending -= 1
+                    self._pending[0] -= 1
                 raise
-            future.add_done_callback(self._uncount_if_cancelled)
+            future.add_done_callback(_uncount_if_cancelled(self._numbering, self._pending))
             if buffer is not None:
                 buffer.user = future
         if not blocking:
@@ -427,12 +440,6 @@ class Sender:
             abort.set()
             exc = future.exception()
             raise PushInterrupted(None if exc is not None else future.result()) from None
-
-    def _uncount_if_cancelled(self, future: Future[int]) -> None:
-        """A push cancelled while it waited its turn never ran: it is no longer pending."""
-        if future.cancelled():
-            with self._numbering:
-                self._pending -= 1
 
     def _gate(self, abort: threading.Event) -> None:
         """Called by writer threads before each write: waits while a snapshot runs, and
@@ -449,7 +456,7 @@ class Sender:
             version = self._publish(*args)
         except BaseException as exc:
             with self._numbering:
-                self._pending -= 1
+                self._pending[0] -= 1
             self.last_error = None if isinstance(exc, _Aborted) else exc
             if background and self.last_error is not None:
                 log.error("background push into %s failed: %s", self.store.root, exc)
@@ -574,7 +581,7 @@ class Sender:
                         version, self.store.root, exc.strerror or exc, self._version)
         with self._numbering:  # (published: counted in _version, no longer pending)
             self._version, self._slot = version, slot
-            self._pending -= 1
+            self._pending[0] -= 1
         t3 = time.perf_counter()
         self.last_push_seconds = {"wait_for_lag": lagged, "wait_for_readers": waited,
                                   "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}

@@ -18,6 +18,15 @@ def publish(root, weights, **kw):
         return sender.push(weights)
 
 
+def setpriv_or_skip(why: str) -> str:
+    """util-linux's setpriv (to run as another user, or as root without its file-access
+    override); skips the test where it is missing or this is not root."""
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or setpriv is None:
+        pytest.skip(f"needs root and util-linux setpriv {why}")
+    return setpriv
+
+
 def shard_of(root, name):
     """(path of the shard holding ``name``, the tensor's offset in it)."""
     manifest = dbsync.Receiver(root).manifest()
@@ -361,13 +370,10 @@ def test_verify_by_reading_reports_a_shard_cut_short_while_held(root):
 def test_a_shard_this_user_may_not_read_is_not_called_damaged(root):
     """A verify by a process that may not read a shard (root without its file-access
     override, as a locked-down container runs) is told so, not told to publish again."""
-    import shutil
     import subprocess
     import sys
 
-    setpriv = shutil.which("setpriv")
-    if os.getuid() != 0 or setpriv is None:
-        pytest.skip("needs root and util-linux setpriv to drop the file-access override")
+    setpriv = setpriv_or_skip("to drop the file-access override")
     publish(root, {"a": torch.ones(8)})
     path, _ = shard_of(root, "a")
     os.chmod(path, 0o000)
@@ -391,9 +397,7 @@ def test_a_dead_readers_lease_the_writer_may_not_remove_does_not_stop_its_pushes
     import subprocess
     import sys
 
-    setpriv = shutil.which("setpriv")
-    if os.getuid() != 0 or setpriv is None:
-        pytest.skip("needs root and util-linux setpriv to drop the file-access override")
+    setpriv = setpriv_or_skip("to drop the file-access override")
     publish(root, {"w": torch.ones(16)})
     reader = subprocess.Popen(
         [sys.executable, "-c", "import sys, time, dbsync\n"
@@ -431,9 +435,7 @@ def test_a_trainer_with_umask_077_leaves_the_store_reachable_and_a_blocked_path_
     import sys
     import tempfile
 
-    setpriv = shutil.which("setpriv")
-    if os.getuid() != 0 or setpriv is None:
-        pytest.skip("needs root and util-linux setpriv to read as another user")
+    setpriv = setpriv_or_skip("to read as another user")
     # (not pytest's tmp_path: it lies under a directory only its owner may search)
     base = pathlib.Path(tempfile.mkdtemp(prefix="dbsync-umask-", dir="/tmp"))
     try:

@@ -513,6 +513,7 @@ class Snapshot:
         self._check_open()
         if verify is None:
             verify = self.receiver.verify
+        holds = _owns_its_tensors(target)  # (the copy's references may go before it ends)
         tensordict = sys.modules.get("tensordict")  # (no TensorDict unless it was imported)
         if isinstance(target, torch.nn.Module):
             dest = target.state_dict(keep_vars=True)
@@ -534,13 +535,13 @@ class Snapshot:
                     verified()  # damage first: it says more than a mismatch
                     raise
                 finally:
-                    _drop_own(dest, target)
+                    _drop_own(dest, drop=holds and dest is not target)
             verified()
         else:
             try:
                 plan = self._plan_copy(dest, strict)
             finally:
-                _drop_own(dest, target)
+                _drop_own(dest, drop=holds and dest is not target)
         if self._missing:
             raise DamagedVersionError(f"version {self.version} is missing shards",
                                       self._missing)
@@ -555,7 +556,7 @@ class Snapshot:
         shards = sorted(plan.raw)
         if self.leased and len(shards) > fileio.SHARDS_OPEN_AT_ONCE:
             self._reopen(shards, keep_open=False)  # every file checked before any byte lands
-        self._copy(plan, shards, by_torch, threads, drop=_owns_its_tensors(target))
+        self._copy(plan, shards, by_torch, threads, drop=holds)
         return self.manifest.total_bytes
 
     def _copy(self, plan: Any, shards: list[int], by_torch: Callable[[Any], None],
@@ -773,13 +774,13 @@ def _warn_if_under_an_overlay(root: str) -> None:
             "volume)", root, lower)
 
 
-def _drop_own(dest: dict[str, Any], target: Any) -> None:
-    """Empty ``dest`` if it was built for this copy from a module (whose parameters and
-    buffers own their memory): now, just after planning looked at every tensor in it, rather
-    than on return, after the copy has pushed them out of the caches (see
+def _drop_own(dest: dict[str, Any], drop: bool) -> None:
+    """Empty ``dest`` if ``drop`` (it was built for this copy from a module, whose parameters
+    and buffers own their memory): now, just after planning looked at every tensor in it,
+    rather than on return, after the copy has pushed them out of the caches (see
     ``_bump_versions``). Other targets' flattened tensors are kept: a mapping may hand out
     tensors nothing else holds (a lazily stacked TensorDict), and the copy writes into them."""
-    if dest is not target and _owns_its_tensors(target):
+    if drop:
         dest.clear()
 
 

@@ -602,7 +602,7 @@ def _make_parents(path: str) -> None:
             os.mkdir(directory, DIR_MODE)
         except FileExistsError:
             if not os.path.isdir(directory):
-                raise
+                raise  # (a file there: the caller says "a part of its path is a file")
             continue
         os.chmod(directory, DIR_MODE)
 

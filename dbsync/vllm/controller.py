@@ -426,8 +426,8 @@ class SwapController:
             except (IncompatibleWeightsError, DamagedVersionError, RolledBackError):
                 break  # a refusal or a rollback: recorded in the status and logged already
             except (OSError, DBSyncError) as exc:
-                if self._stopping.is_set():
-                    log.info("dbsync: stopping; %s", exc)
+                if self._stopping.is_set():  # (said by _fail, where it was an apply)
+                    log.debug("dbsync: stopping; %s", exc)
                     break
                 if not isinstance(exc, SwapError):  # a SwapError is recorded by _fail
                     self._read_failed(exc, delay)

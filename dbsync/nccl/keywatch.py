@@ -18,8 +18,11 @@ Hazards, stated plainly:
   keys that appeared, read it after clearing.
 - When the connection breaks (the store's host went away), the thread ends, ``failed`` says
   why and ``rung`` is set, so a caller waiting on it wakes; callers then poll on their own.
-- ``close`` releases the wait it ends; a thread blocked on a host that vanished without closing
-  its sockets stays parked (a daemon, no CPU) until the connection times out.
+- ``close`` releases the wait it ends and waits for the thread to end (``JOIN_SECONDS`` at
+  most): a thread still inside the store's C++ ``wait`` when the interpreter finalizes aborts
+  the whole process (``terminate called without an active exception``, exit status 134) as it
+  comes back into Python. A thread blocked on a host that vanished without closing its sockets
+  cannot be released: it stays parked (a daemon, no CPU) until the connection times out.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: how long one store wait may last before it is renewed (a renewal logs two C++ warnings)
 WAIT_SECONDS = 3600.0
+#: how long ``close`` waits for the released thread to end
+JOIN_SECONDS = 10.0
 
 
 class KeyWatch:
@@ -87,21 +92,26 @@ class KeyWatch:
         return self.rung.wait(timeout)
 
     def close(self) -> None:
-        """Stop watching (releases the current wait). Idempotent."""
+        """Stop watching: release the current wait, then wait for the thread to end (at most
+        ``JOIN_SECONDS``; not when the release failed: nothing will end that wait). Call it
+        before the process exits (see the module's hazards). Idempotent."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             old = self._waiting
             self._cond.notify_all()
-        if old is not None:
-            self._release_quietly(old)
+        released = old is None or self._release_quietly(old)
+        if released and threading.current_thread() is not self._thread:
+            self._thread.join(JOIN_SECONDS)
 
-    def _release_quietly(self, key: str) -> None:
+    def _release_quietly(self, key: str) -> bool:
         try:
             self._release(key)
         except Exception as exc:  # noqa: BLE001 - store gone: the wait ends with an error
             log.debug("could not release the wait for %s: %s", key, exc)
+            return False
+        return True
 
     def _run(self) -> None:
         try:

@@ -15,8 +15,9 @@ A lease is dead when its reader is gone:
 
 A dead reader costs the writer one timeout, not one per push: a beat once found dead stays
 dead until it changes. A lease dead for another timeout is removed (``DEAD_LEASE_GRACE``).
-A starting writer also removes lease and temp files that were not written for longer than
-that and a margin, judged by the store's own clock (``prune_abandoned``).
+A starting writer also removes temp files not written for longer than that and a margin,
+judged by the store's own clock, and lease files that old once their readers are known to be
+gone (``prune_abandoned``: an old file time alone proves nothing where clients stamp files).
 A hold blocks only while the slot still holds the version it names: once a writer has judged
 the reader dead and rewritten the slot, the hold protects nothing, so a writer started later
 (``dbsync push`` once per checkpoint: a new Sender per push, knowing nothing of what earlier
@@ -31,6 +32,7 @@ slot stamp (and a reader that cannot renew its lease stops trusting its slot) an
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import DBSyncError
+from .format import READERS_DIR, FormatError
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -182,37 +185,101 @@ def same_pid_namespace(lease: dict[str, Any]) -> bool:
 #: clocks of clients where a filesystem takes file times from them (Lustre), and for slow
 #: heartbeats of a loaded host.
 ABANDONED_MARGIN = 60.0
+#: the largest note of an old-looking lease a writer reads
+MAX_NOTE_BYTES = 4096
 
 
 def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
     """Remove lease files, and receivers' temp files, not written for longer than their
-    lease timeout, the grace period and ``ABANDONED_MARGIN``, by the store's own clock (a
-    probe file's mtime; never this host's clock). Returns the names removed.
+    lease timeout, the grace period and ``ABANDONED_MARGIN`` by the store's own clock (a
+    probe file's mtime; never this host's clock), once their readers are known to be gone.
+    Returns the names removed.
 
     Why: a writer removes a dead lease only after watching its beat stand still for two
     timeouts, and a writer started per push (``dbsync push`` once per checkpoint) never
     watches that long, so the files of readers that died on other hosts would pile up in
     ``readers/`` (each read at every push). A live reader rewrites its file every
-    ``lease_timeout / 4``; one whose file is that old holds nothing a writer honours."""
+    ``lease_timeout / 4``.
+
+    An old file time alone does not prove a reader gone: where clients set file times
+    (Lustre), a reader whose clock lags, or a clock stepped forward, makes a live lease look
+    old, and removing it would let the next push overwrite the slot under that reader. So an
+    old lease is removed only when its reader is gone for sure:
+    - its pid is checkable here (same host, boot and PID namespace) and gone (an old-looking
+      lease whose process lives is kept, with a WARNING about clocks);
+    - else (another host or namespace) the lease file must be exactly as a starting writer
+      found it at least one lease timeout earlier (same beat, same file time), by a note
+      that writer left (``readers/.stale-<id>``): the second writer start after a reader
+      died removes its lease.
+    Files that are no reader's lease (nothing honours them) go on age alone."""
     now = store.storage_time()
     if now is None:
         return []
     leases = store.read_leases()
+    times = store.reader_file_times()
     removed = []
-    for name, mtime in store.reader_file_times().items():
+    for name, mtime in times.items():
+        if name.startswith(_STALE_NOTE):
+            if f"{name[len(_STALE_NOTE):]}.json" not in times:  # its lease is gone
+                store.remove_reader_file(name)
+            continue
         if name.endswith(".json") and not name.startswith("."):
-            timeout = lease_timeout_of(leases.get(name[: -len(".json")], {}), default_timeout)
+            reader_id = name[: -len(".json")]
+            lease = leases.get(reader_id)
+            timeout = lease_timeout_of(lease or {}, default_timeout)
         elif name.startswith((".tmp-", ".probe-")):
-            timeout = default_timeout
+            reader_id, lease, timeout = None, None, default_timeout
         else:
             continue
         age = now - mtime
-        if age > (1 + DEAD_LEASE_GRACE) * timeout + ABANDONED_MARGIN:
-            log.info("removing %s from %s: not written for %.0f s (its reader is gone)",
-                     name, store.readers_dir, age)
-            store.remove_reader_file(name)
-            removed.append(name)
+        if age <= (1 + DEAD_LEASE_GRACE) * timeout + ABANDONED_MARGIN:
+            continue
+        if (reader_id is not None and lease is not None and lease_problem(lease) is None
+                and not _reader_gone(store, reader_id, lease, mtime, now, timeout, age)):
+            continue
+        log.info("removing %s from %s: not written for %.0f s (its reader is gone)",
+                 name, store.readers_dir, age)
+        store.remove_reader_file(name)
+        if reader_id is not None:
+            store.remove_reader_file(_STALE_NOTE + reader_id)
+        removed.append(name)
     return removed
+
+
+#: prefix of a starting writer's note of an old-looking lease of another host (see
+#: ``prune_abandoned``): the lease's beat and file time as that writer found them
+_STALE_NOTE = ".stale-"
+
+
+def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: float,
+                 now: float, timeout: float, age: float) -> bool:
+    """For ``prune_abandoned``: whether the reader of an old-looking lease is gone for sure
+    (see there); notes the lease for a later writer when that cannot be told yet."""
+    if same_pid_namespace(lease):
+        if not pid_alive(lease["pid"]):
+            return True
+        log.warning("reader %s's lease in %s was last written %.0f s ago by the store's clock, "
+                    "but its process (pid %s) is alive: kept. Check this host's clock against "
+                    "the file server's (NTP)", reader_id, store.readers_dir, age, lease["pid"])
+        return False
+    seen = {"beat": lease.get("beat"), "mtime": mtime}
+    note = _STALE_NOTE + reader_id
+    note_time = store.reader_file_times().get(note)
+    if note_time is not None and now - note_time >= timeout:
+        try:
+            raw = store.read_small((READERS_DIR, note), MAX_NOTE_BYTES)
+            if raw is not None and json.loads(raw) == seen:
+                return True
+        except (OSError, ValueError, FormatError):
+            pass  # unreadable or garbled: written again below
+    elif note_time is not None:
+        return False  # noted less than a timeout ago: a later writer decides
+    try:
+        store.write_reader_file(note, json.dumps(seen).encode())
+    except OSError as exc:
+        log.info("could not note reader %s's old-looking lease in %s (%s); it stays",
+                 reader_id, store.readers_dir, exc)
+    return False
 
 
 class ReaderIdInUse(Exception):
@@ -402,8 +469,13 @@ class LeaseMonitor:
 
     def _describe(self, reader_id: str) -> str:
         lease = self._live.get(reader_id, {})
+        me = host_identity()
+        elsewhere = ""  # (a pid of this host's name that means another process than here's)
+        if lease.get("host") == me["host"] and not same_pid_namespace(lease):
+            elsewhere = (" of another boot" if lease.get("boot_id") != me["boot_id"]
+                         else " in another PID namespace")
         return (f"{reader_id} (host {str(lease.get('host'))[:64]}, pid "
-                f"{str(lease.get('pid'))[:16]}, holding version "
+                f"{str(lease.get('pid'))[:16]}{elsewhere}, holding version "
                 f"{str(lease.get('version'))[:16]})")
 
     def holders(self, slot: str) -> list[str]:

@@ -472,6 +472,14 @@ class Store:
         with self.dir_fd(READERS_DIR) as dfd:
             fileio.write_atomic_at(dfd, name, json.dumps(record).encode(), durable=False)
 
+    def write_reader_file(self, name: str, data: bytes) -> None:
+        """Replace a writer's note in ``readers/`` atomically (a name starting with '.', which
+        no reader's lease has). Raises OSError for the caller to handle."""
+        if not name.startswith(".") or "/" in name or name in (".", ".."):
+            raise FormatError(f"not a note's name in readers/: {name!r}")
+        with self.dir_fd(READERS_DIR) as dfd:
+            fileio.write_atomic_at(dfd, name, data, durable=False)
+
     def remove_lease(self, reader_id: str) -> None:
         try:
             with self.dir_fd(READERS_DIR) as dfd:

@@ -21,12 +21,14 @@ needs_root = pytest.mark.skipif(
 
 
 @contextlib.contextmanager
-def tmpfs(path: Any, size: str) -> Iterator[str]:
-    """A small filesystem of its own (``size`` like "4m"): a disk that can fill up."""
+def tmpfs(path: Any, size: str, options: str = "") -> Iterator[str]:
+    """A small filesystem of its own (``size`` like "4m"; ``options`` more mount options, like
+    "nr_inodes=40"): a disk that can fill up."""
     path = str(path)
     os.makedirs(path, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", path],
-                   check=True)
+    more = f",{options}" if options else ""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755{more}", "tmpfs",
+                    path], check=True)
     try:
         yield path
     finally:

@@ -424,10 +424,12 @@ def _read_tensordict_level(directory: str, prefix: str, pairs: Pairs, problems: 
                         "stores it with pickle, and dbsync never unpickles); drop it from "
                         "the tensordict before saving")
         return
-    entries = meta.get("leaves") if isinstance(meta.get("leaves"), dict) else meta
+    leaves = meta.get("leaves")
+    entries = leaves if isinstance(leaves, dict) and not _td_entry(leaves) else meta
     for key, value in entries.items():
-        if key in _TD_META_KEYS or not isinstance(value, dict):
-            continue
+        if not isinstance(value, dict) or (key in _TD_META_KEYS and not _td_entry(value)):
+            continue  # (tensordict's own metadata; a tensor or sub-tensordict of that name
+            # is an entry like any other)
         name = prefix + key
         if "dtype" in value:
             pairs_or_problem = _tensordict_leaf(directory, key, name, value)
@@ -445,6 +447,12 @@ def _read_tensordict_level(directory: str, prefix: str, pairs: Pairs, problems: 
             problems.append(f"{name}: a {value.get('type') or value.get('_type') or 'non-tensor'}"
                             " entry (stored with pickle or not a tensor); dbsync never "
                             "unpickles: drop it from the tensordict before saving")
+
+
+def _td_entry(value: dict[str, Any]) -> bool:
+    """Whether a ``meta.json`` value describes an entry (a tensor: its ``dtype`` is a
+    string; a nested tensordict: it has a ``type``), not tensordict's own metadata."""
+    return isinstance(value.get("dtype"), str) or "type" in value
 
 
 _MAX_META_BYTES = 64 << 20

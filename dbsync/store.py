@@ -46,6 +46,7 @@ from .errors import (
     NothingPublishedError,
     StoreBusyError,
     StoreNotFoundError,
+    StoreReadOnlyError,
 )
 from .format import (
     INDEX_FILE,
@@ -423,15 +424,22 @@ class Store:
             except OSError as exc:
                 if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise
-                raise DBSyncError(
+                cls = StoreReadOnlyError if exc.errno == errno.EROFS else DBSyncError
+                refused = cls(
                     f"{self.root} is not writable here ({exc.strerror}): a Sender publishes "
                     "only where the store is writable (readers work on read-only views); "
-                    "publish from the trainer's read-write mount"
-                ) from None
+                    "publish from the trainer's read-write mount")
+                if isinstance(refused, OSError):
+                    refused.errno = exc.errno
+                raise refused from None
         try:
-            mode = os.fstat(fd).st_mode
+            st = os.fstat(fd)
+            mode = st.st_mode
             if not stat.S_ISREG(mode):
                 raise self._not_regular((WRITER_LOCK_FILE,), _kind(mode))
+            if stat.S_IMODE(mode) != FILE_MODE and st.st_uid == os.geteuid():
+                with contextlib.suppress(OSError):  # (created under a umask such as 077)
+                    os.fchmod(fd, FILE_MODE)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

@@ -317,6 +317,9 @@ def test_read_only_view_serves_load_wait_watch_status_verify(tmp_path, how):
             receiver = dbsync.Receiver(view, lease_timeout=1.0)
             assert receiver.read_only
             assert load(receiver) == (1, [1.0])
+            with pytest.raises(dbsync.StoreReadOnlyError, match="read-write mount") as caught:
+                dbsync.Sender(view)  # (an OSError with its errno, as the docs say)
+            assert caught.value.errno == errno.EROFS
             seen: list[int] = []
             got_2 = threading.Event()
             watcher = receiver.watch(lambda v: (seen.append(v), v == 2 and got_2.set()),

@@ -665,8 +665,11 @@ def test_fp8_versions_open_as_a_tensordict(root):
 
 
 # ---- 8. permissions --------------------------------------------------------------------------
-def test_store_modes_ignore_the_umask(root):
-    old = os.umask(0)
+@pytest.mark.parametrize("umask", [0, 0o077])
+def test_store_modes_ignore_the_umask(root, umask):
+    """Every directory 0755 and every file 0644, writer.lock included (it followed a 077
+    umask: 0600)."""
+    old = os.umask(umask)
     try:
         publish(root, V1)
         publish(root, V2)
@@ -679,7 +682,7 @@ def test_store_modes_ignore_the_umask(root):
                     modes[os.path.relpath(path, root)] = stat.S_IMODE(os.lstat(path).st_mode)
     finally:
         os.umask(old)
-    assert {"slots", "readers", "slots/a", "slots/b", MANIFEST_FILE,
+    assert {"slots", "readers", "slots/a", "slots/b", MANIFEST_FILE, "writer.lock",
             "readers/reader.json", "slots/a/index.json"} <= set(modes), sorted(modes)
     wrong = {p: oct(m) for p, m in modes.items()
              if m != (0o755 if os.path.isdir(os.path.join(root, p)) else 0o644)}

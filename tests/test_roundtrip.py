@@ -112,6 +112,22 @@ def test_tensordict_directory_with_a_missing_file_is_refused(root, tmp_path):
     assert dbsync.Receiver(root).latest_version() is None
 
 
+def test_tensordict_directory_entries_named_like_its_metadata_are_published(root, tmp_path):
+    """Tensors and sub-tensordicts whose keys are names tensordict uses for its own metadata
+    (``meta``, ``names``, ``batch_size``, ``leaves``, ...) are entries like any other. Before,
+    they were dropped without a word: a version published with tensors missing, exit 0."""
+    td = TensorDict({"w": torch.ones(3), "meta": torch.arange(4.0), "leaves": torch.zeros(2),
+                     "batch_size": torch.full((2,), 7.0),
+                     "layers": {"names": torch.ones(1), "meta": {"weight": torch.ones(2)}}}, [])
+    td.memmap(str(tmp_path / "td"))
+    with dbsync.Sender(root) as sender:
+        sender.push(str(tmp_path / "td"))
+    _, got = load_all(root)
+    want = {k: v for k, v in td.flatten_keys(".").items()}
+    assert sorted(got) == sorted(want)
+    assert_bit_exact(want, got)
+
+
 def test_module_tensordict_and_checkpoint_sources(root, tmp_path):
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     with dbsync.Sender(root) as sender:

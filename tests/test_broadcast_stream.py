@@ -573,3 +573,41 @@ def test_the_triton_kernels_pack_verify_and_copy_byte_exact_in_triton_s_interpre
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"packed": True, "bad": 1, "row0_untouched": True, "row1_copied": True,
                    "last_copied": True}
+
+
+def test_a_workers_transport_watch_says_a_missing_store_once(tmp_path, monkeypatch, caplog):
+    """A vLLM worker watching for a broadcast (``--transport auto``) while the store is
+    missing (unmounted, moved away) says so once, at INFO, not an ERROR with a traceback
+    every second (before: 5 in 5 s); once the store is back (here: one without a broadcast)
+    it is quiet."""
+    import logging
+    import os
+
+    from dbsync.vllm import staging
+
+    root = str(tmp_path / "store")
+    looks: list[bool] = []
+    seen = {6: threading.Event(), 12: threading.Event()}
+    real = staging.choose_transport
+
+    def counted(*args: Any, **kwargs: Any) -> str:
+        looks.append(os.path.isdir(root))
+        if len(looks) in seen:
+            seen[len(looks)].set()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "_CHECK_SECONDS", 0.005)
+    monkeypatch.setattr(staging, "choose_transport", counted)
+    with caplog.at_level(logging.INFO, logger="dbsync"):
+        stager = staging.Stager(root, "auto", device="cpu")
+        try:
+            assert seen[6].wait(30)  # six looks at a missing store
+            with Sender(root) as sender:
+                sender.push({"w": torch.ones(2)})
+            assert seen[12].wait(30)
+        finally:
+            stager.close()
+    said = [r for r in caplog.records if "cannot look for a broadcast" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO and said[0].exc_info is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert looks[:6] == [False] * 6 and looks[-1] is True

@@ -404,13 +404,24 @@ class Stager:
                          self.root, self.device)
 
     def _watch(self) -> None:
+        said = None  # the last failure logged: each is said once, not once a second
         while not self._stop.wait(_CHECK_SECONDS):
             try:
                 if choose_transport(self.root, "auto", self.device) == "broadcast":
                     self._start_receiver()
                     return
-            except Exception:  # noqa: BLE001 - keep watching; the filesystem path remains
-                log.exception("dbsync: could not start the broadcast receiver")
+                said = None
+            except (DBSyncError, OSError) as exc:  # the store missing or unreachable (the
+                # server's status says so): the filesystem path goes on and says the rest
+                if str(exc) != said:
+                    said = str(exc)
+                    log.info("dbsync: worker pid %d cannot look for a broadcast of %s (%s); "
+                             "looking again every %g s", os.getpid(), self.root, exc,
+                             _CHECK_SECONDS)
+            except Exception as exc:  # noqa: BLE001 - keep watching; the filesystem path remains
+                if repr(exc) != said:
+                    said = repr(exc)
+                    log.exception("dbsync: could not start the broadcast receiver")
 
     def needs_recording(self, layout: Layout) -> bool:
         """Whether an apply of a version of ``layout`` should record what this worker reads

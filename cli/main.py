@@ -353,7 +353,10 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
     with Watcher(store.root, on_version, poll_interval=poll_interval):
         try:
             while not done.wait(0.5):
-                pass
+                if pipes.stdout_reader_gone():  # (`| head -1`: gone after the first line,
+                    # though nothing may be published for hours)
+                    closed.append(BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)))
+                    break
         except KeyboardInterrupt:
             interrupted = True
     if closed:

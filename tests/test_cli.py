@@ -608,6 +608,37 @@ def test_serve_vllm_usage():
     assert helped.exit_code == 0 and "/dbsync/status" in helped.stdout
 
 
+@pytest.mark.parametrize("case", ["missing store", "missing model", "owned option",
+                                  "max-loras alone"])
+def test_serve_vllm_refuses_bad_arguments_before_importing_vllm(tmp_path, case):
+    """Mistakes serve-vllm can see without vLLM are said at once (importing vLLM takes 10-20
+    s on a CPU box): a store that is not there (exit 1, as `status` says it), a --model that
+    is no directory, one of its own options after '--', --max-loras without --lora (exit 2)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    store = tmp_path / "store"
+    store.mkdir()
+    args = {"missing store": [str(tmp_path / "stroe"), "--model", str(model)],
+            "missing model": [str(store), "--model", str(tmp_path / "modle")],
+            "owned option": [str(store), "--model", str(model), "--", "--port", "9"],
+            "max-loras alone": [str(store), "--model", str(model), "--max-loras", "3"]}[case]
+    probe = ("import sys; from click.testing import CliRunner; from cli.main import cli; "
+             "r = CliRunner().invoke(cli, sys.argv[1:]); "
+             "print(r.exit_code, 'vllm' in sys.modules, 'torch' in sys.modules); "
+             "print(r.output)")
+    proc = subprocess.run([sys.executable, "-c", probe, "serve-vllm", *args], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    code, vllm_loaded, torch_loaded = proc.stdout.split("\n")[0].split()
+    assert (vllm_loaded, torch_loaded) == ("False", "False"), proc.stdout
+    assert code == ("1" if case == "missing store" else "2"), proc.stdout
+    said = {"missing store": "does not exist or is not a directory",
+            "missing model": "no such directory on this host",
+            "owned option": "pass --port to serve-vllm itself",
+            "max-loras alone": "--max-loras only applies with --lora"}[case]
+    assert said in proc.stdout, proc.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 def test_serve_vllm_delegates_and_refuses_options_it_owns(tmp_path):
     """Reaches dbsync.vllm.server (no engine starts): options serve-vllm owns may not be

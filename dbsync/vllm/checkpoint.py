@@ -21,6 +21,9 @@ import struct
 import torch
 
 from ..errors import DBSyncError
+from ..serveargs import check_model, resolve_model_dir
+
+__all__ = ["check_model", "resolve_model_dir"]  # (re-exported: the CLI checks without vLLM)
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -32,51 +35,6 @@ _MAX_HEADER = 100 * 2**20
 INDEX_FILE = "model.safetensors.index.json"
 
 Expected = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-def resolve_model_dir(model: str) -> str:
-    """A local directory for ``model``: the path itself, or the Hugging Face cache's snapshot
-    for a hub id (never downloads)."""
-    if os.path.isdir(model):
-        return os.path.abspath(model)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, local_files_only=True)
-    except Exception as exc:
-        raise DBSyncError(
-            f"cannot find the checkpoint of model {model!r} on this host ({exc}); dbsync needs "
-            "its safetensors files to check that published versions fit: pass a local "
-            "directory as the model"
-        ) from None
-
-
-def check_model(model: str) -> None:
-    """Fail at once, with what to do, when ``model`` names a local path that cannot be a model
-    directory, or neither a directory nor a hub id in the local Hugging Face cache (vLLM would
-    try it on the hub, with retries, and dbsync needs the checkpoint's files here anyway)."""
-    expanded = os.path.expanduser(model)
-    if os.path.isdir(expanded):
-        if not os.path.exists(os.path.join(expanded, "config.json")):
-            raise DBSyncError(f"--model {model} has no config.json: pass the directory of a "
-                              "Hugging Face checkpoint (config.json, tokenizer, *.safetensors)")
-        return
-    parent = os.path.dirname(expanded.rstrip(os.sep))
-    path_like = (os.path.isabs(expanded) or model.startswith((".", "~"))
-                 or expanded.count(os.sep) > 1 or (parent != "" and os.path.isdir(parent))
-                 or os.path.exists(expanded))
-    if path_like:
-        raise DBSyncError(f"--model {model}: no such directory on this host; pass the "
-                          "directory of a Hugging Face checkpoint (config.json, tokenizer, "
-                          "*.safetensors)")
-    try:
-        resolve_model_dir(model)
-    except DBSyncError:
-        raise DBSyncError(
-            f"--model {model}: no such directory on this host, and no Hugging Face model of "
-            "that id in the local cache (dbsync needs the checkpoint's files on this host to "
-            "check that versions fit): pass the checkpoint's directory, or download the "
-            f"model first (hf download {model})") from None
 
 
 def checkpoint_files(model_dir: str) -> list[str]:

@@ -12,18 +12,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from ..errors import DBSyncError
+from ..serveargs import OWNED_OPTIONS, check_owned_options
 
 log = logging.getLogger(__name__)
-
-#: options serve-vllm owns: passing them to vLLM after '--' is a usage error
-OWNED_OPTIONS = ("--model", "--host", "--port")
-
-
-def check_owned_options(extra: Sequence[str]) -> None:
-    for flag in OWNED_OPTIONS:
-        if any(a == flag or a.startswith(flag + "=") for a in extra):
-            raise DBSyncError(f"pass {flag} to serve-vllm itself, not after '--'")
-
 
 def parse_server_args(model: str, port: int, host: str | None, extra: Sequence[str],
                       description: str, own_options: Sequence[str] = OWNED_OPTIONS) -> Any:

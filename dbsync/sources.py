@@ -23,7 +23,13 @@ import torch
 
 from . import fileio
 from .errors import InvalidWeightsError, first_line
-from .format import DTYPE_SIZES, is_supported_dtype, name_problem
+from .format import (
+    DTYPE_SIZES,
+    MANIFEST_FILE,
+    READERS_DIR,
+    is_supported_dtype,
+    name_problem,
+)
 
 Pairs = list[tuple[str, torch.Tensor]]
 
@@ -167,7 +173,9 @@ def validate(pairs: list[tuple[Any, Any]]) -> None:
             seen.add(name)
         if not isinstance(value, torch.Tensor):
             why = why or (f"is {_a(type(value).__name__)}, not a tensor (drop it or convert it "
-                          "to a tensor)")
+                          "to a tensor" + (": a training checkpoint? publish its model's "
+                                           "state_dict alone" if isinstance(value, Mapping)
+                                           else "") + ")")
         elif value.layout != strided or value.is_sparse:
             why = why or "sparse/non-strided tensors are not supported (densify it)"
         elif not is_supported_dtype(value.dtype):
@@ -319,6 +327,9 @@ def _load_safetensors_dir(path: str) -> Pairs:
         elif torch_files:
             hint = (f" It holds {len(torch_files)} torch files ({', '.join(torch_files[:3])}"
                     "...), shards of one model: convert the checkpoint to safetensors")
+        elif MANIFEST_FILE in listing and READERS_DIR in listing:
+            hint = (" It is a dbsync store: is ROOT given as SRC? (dbsync push SRC ROOT: the "
+                    "weights first, then the store)")
         else:
             hint = ""
         raise InvalidWeightsError(

@@ -236,6 +236,16 @@ def _bin_shards(d, weights):
         torch.save(weights, str(d / f"pytorch_model-0000{k}-of-00002.bin"))
 
 
+def _a_store(d, weights):  # (`dbsync push ROOT SRC`: the arguments swapped)
+    with dbsync.Sender(str(d)) as sender:
+        sender.push(weights)
+
+
+def _a_training_checkpoint(d, weights):  # (the file itself is pushed)
+    torch.save({"model": weights, "step": 3}, str(d / "checkpoint.pt"))
+    return d / "checkpoint.pt"
+
+
 @pytest.mark.parametrize("make, said", [
     (_bad_index(["model-1.safetensors"]), "weight_map is a list, not an object"),
     (_bad_index({"a": ["model-1.safetensors"]}), "maps to \"['model-1.safetensors']\""),
@@ -244,13 +254,15 @@ def _bin_shards(d, weights):
     (_peft_with_bad_config, "adapter_config.json is not readable JSON"),
     (_only_a_bin, "push that file itself (dbsync push "),
     (_bin_shards, "shards of one model: convert the checkpoint to safetensors"),
+    (_a_store, "It is a dbsync store: is ROOT given as SRC?"),
+    (_a_training_checkpoint, "a training checkpoint? publish its model's state_dict alone"),
 ])
 def test_push_of_a_bad_directory_says_why_and_creates_no_root(tmp_path, weights, make, said):
     src = tmp_path / "src"
     src.mkdir()
-    make(src, weights)
+    pushed = make(src, weights) or src
     root = str(tmp_path / "new-store")
-    result = run("push", str(src), root)
+    result = run("push", str(pushed), root)
     assert result.exit_code == 1
     assert said in result.stderr and "bug in dbsync" not in result.stderr, result.stderr
     assert not os.path.exists(root)  # checked before ROOT is touched

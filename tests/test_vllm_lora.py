@@ -179,6 +179,13 @@ def test_served_versions_equal_a_fresh_engine_given_the_adapter(stack: Stack) ->
         assert stack.served() == expected, f"version {version}"
         assert complete_with_version(stack.server.base, NAME, PROMPTS[0])[1] == str(version)
         assert stack.served(model=str(stack.model)) == base  # the base model is untouched
+        # the base model's answers are labelled as its own weights
+        assert complete_with_version(stack.server.base, str(stack.model),
+                                     PROMPTS[0])[1] == "default"
+        # /v1/models lists the adapter by the name clients request it by
+        with urllib.request.urlopen(f"{stack.server.base}/v1/models", timeout=60) as resp:
+            listed = [card["id"] for card in json.loads(resp.read())["data"]]
+        assert sorted(listed) == sorted([str(stack.model), NAME]), listed
         ids.add(status["lora_int_id"])
         assert len(status["kept"]) <= 2 and status["kept"][-1]["version"] == version
         previous = expected

@@ -143,6 +143,22 @@ class LoRAServing:
         if self.models is not None:
             self.models.lora_requests[self.versions.name] = prepared.request
 
+    def list_by_name(self, models: Any) -> None:
+        """Make ``models`` (vLLM's ``OpenAIServingModels``) list each adapter under the name
+        it is requested by (``NAME``) in ``/v1/models``, not under its version's request name
+        (``NAME@v4#...``: internal, and unknown to clients once a newer version is served)."""
+        original = models.show_available_models
+
+        async def show_available_models() -> Any:
+            listing = await original()
+            named = {r.lora_name: key for key, r in models.lora_requests.items()}
+            for card in listing.data:
+                card.id = named.get(card.id, card.id)
+            return listing
+
+        models.show_available_models = show_available_models
+        self.models = models
+
     # ---- following the store ---------------------------------------------------------------
     def start_watching(self) -> None:
         self._thread = threading.Thread(target=self._follow, name="dbsync-lora", daemon=True)
@@ -190,7 +206,11 @@ class LoRAServing:
             request = kwargs.get("lora_request")
             lora_id = None if request is None else getattr(request, "lora_int_id", None)
             adapter = None if lora_id is None else versions.by_id(lora_id)
-            record = current_request.get() if adapter is not None else None
+            # (the base model's own weights are labelled "default", as in full-weight mode;
+            # an adapter not of this store is not labelled)
+            label = "default" if lora_id is None else (
+                None if adapter is None else str(adapter.version))
+            record = current_request.get() if label is not None else None
             if lora_id is not None:
                 versions.acquire(lora_id)
             if record is not None:
@@ -198,7 +218,6 @@ class LoRAServing:
             try:
                 async for out in original(*args, **kwargs):
                     if record is not None and getattr(out, "finished", False):
-                        label = str(adapter.version)  # type: ignore[union-attr]
                         if label not in record.versions:
                             record.versions.append(label)
                         record.active -= 1  # before the caller turns it into the last chunk
@@ -314,7 +333,7 @@ async def _serve(args: Any, root: str, name: str, max_loras: int,
             app = build_app(args, supported_tasks, engine_client.model_config)
             install_routes(app, serving)  # type: ignore[arg-type]
             await init_app_state(engine_client, app.state, args, supported_tasks)
-            serving.models = app.state.openai_serving_models
+            serving.list_by_name(app.state.openai_serving_models)
             try:
                 await asyncio.to_thread(serving.apply_latest)
             except NothingPublishedError:

@@ -205,12 +205,11 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
     (Lustre), a reader whose clock lags, or a clock stepped forward, makes a live lease look
     old, and removing it would let the next push overwrite the slot under that reader. So an
     old lease is removed only when its reader is gone for sure:
-    - its pid is checkable here (same host, boot and PID namespace) and gone (an old-looking
-      lease whose process lives is kept, with a WARNING about clocks);
-    - else (another host or namespace) the lease file must be exactly as a starting writer
-      found it at least one lease timeout earlier (same beat, same file time), by a note
-      that writer left (``readers/.stale-<id>``): the second writer start after a reader
-      died removes its lease.
+    - its pid is checkable here (same host, boot and PID namespace) and gone;
+    - else the lease file must be exactly as a starting writer found it at least one lease
+      timeout earlier (same beat, same file time), by a note that writer left
+      (``readers/.stale-<id>``): the second writer start after a reader died removes its
+      lease. A lease renewed since (another beat) is kept, with a WARNING about clocks.
     Files that are no reader's lease (nothing honours them) go on age alone."""
     now = store.storage_time()
     if now is None:
@@ -235,7 +234,8 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
         if age <= (1 + DEAD_LEASE_GRACE) * timeout + ABANDONED_MARGIN:
             continue
         if (reader_id is not None and lease is not None and lease_problem(lease) is None
-                and not _reader_gone(store, reader_id, lease, mtime, now, timeout, age)):
+                and not _reader_gone(store, reader_id, lease, mtime, now, timeout, age,
+                                     times)):
             continue
         log.info("removing %s from %s: not written for %.0f s (its reader is gone)",
                  name, store.readers_dir, age)
@@ -252,26 +252,28 @@ _STALE_NOTE = ".stale-"
 
 
 def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: float,
-                 now: float, timeout: float, age: float) -> bool:
+                 now: float, timeout: float, age: float, times: dict[str, float]) -> bool:
     """For ``prune_abandoned``: whether the reader of an old-looking lease is gone for sure
-    (see there); notes the lease for a later writer when that cannot be told yet."""
-    if same_pid_namespace(lease):
-        if not pid_alive(lease["pid"]):
-            return True
-        log.warning("reader %s's lease in %s was last written %.0f s ago by the store's clock, "
-                    "but its process (pid %s) is alive: kept. Check this host's clock against "
-                    "the file server's (NTP)", reader_id, store.readers_dir, age, lease["pid"])
-        return False
+    (see there); notes the lease for a later writer when that cannot be told yet. ``times``:
+    the file times of ``readers/``."""
+    if same_pid_namespace(lease) and not pid_alive(lease["pid"]):
+        return True
+    # (a live pid here may be another process's by now: the beat decides, as elsewhere)
     seen = {"beat": lease.get("beat"), "mtime": mtime}
     note = _STALE_NOTE + reader_id
-    note_time = store.reader_file_times().get(note)
+    note_time = times.get(note)
     if note_time is not None and now - note_time >= timeout:
         try:
             raw = store.read_small((READERS_DIR, note), MAX_NOTE_BYTES)
-            if raw is not None and json.loads(raw) == seen:
-                return True
-        except (OSError, ValueError, FormatError):
-            pass  # unreadable or garbled: written again below
+            noted = None if raw is None else json.loads(raw)
+        except (OSError, ValueError, RecursionError, FormatError):
+            noted = None  # unreadable or garbled: written again below
+        if noted == seen:
+            return True
+        if isinstance(noted, dict) and noted.get("beat") != seen["beat"]:
+            log.warning("reader %s renews its lease in %s, but its file was last written %.0f "
+                        "s ago by the store's clock: kept. Check the clocks of its host and of "
+                        "the file server (NTP)", reader_id, store.readers_dir, age)
     elif note_time is not None:
         return False  # noted less than a timeout ago: a later writer decides
     try:

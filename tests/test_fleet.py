@@ -627,47 +627,78 @@ def test_a_starting_writer_removes_reader_files_abandoned_long_ago(root):
 def test_a_starting_writer_keeps_old_looking_leases_of_live_readers(root, caplog):
     """A lease whose file time looks old (a reader's clock lagging where clients set file
     times, as on Lustre, or a clock stepped forward) is not removed while its reader lives:
-    here, a local reader holding version 1 (its pid lives: kept at once, with a WARNING about
-    clocks), and a reader of another host whose beat moved between two writers' starts.
-    Before, every `dbsync push` removed such leases and overwrote the slot under the reader."""
+    a starting writer notes it, and the next one keeps it because its beat moved (with a
+    WARNING about clocks), here for a local reader holding version 1 and for one of another
+    host; a lease that stood still between the two starts goes, and a local one whose pid is
+    gone goes at once. Before, every `dbsync push` removed such leases and overwrote the slot
+    under the reader."""
     with dbsync.Sender(root) as sender:
         sender.push(weights_for(1))
     readers = os.path.join(root, "readers")
     long_ago = time.time() - 600
+
+    def backdate(*paths: str, when: float = long_ago) -> None:
+        for path in paths:
+            os.utime(path, (when, when))
+
+    def start_a_writer() -> None:  # `dbsync push` starting up
+        dbsync.Sender(root, lease_timeout=1.0).close()
+
     with dbsync.Receiver(root, lease_timeout=1.0) as holder, holder.open() as snap:
         lease = os.path.join(readers, f"{holder.reader_id}.json")
+        own_note = os.path.join(readers, f".stale-{holder.reader_id}")
         record = Store(root).read_leases()[holder.reader_id]
-        record.update(host="far-host", pid=4242, boot_id="other-boot", beat=7)
+        far_record = dict(record, host="far-host", pid=4242, boot_id="other-boot", beat=7)
         far = os.path.join(readers, "far-host-4242-0a1b2c3d.json")
-        note = os.path.join(readers, ".stale-far-host-4242-0a1b2c3d")
+        far_note = os.path.join(readers, ".stale-far-host-4242-0a1b2c3d")
+        dead_record = dict(record, pid=_dead_pid())  # (a reader of this host that is gone)
+        dead = os.path.join(readers, "dead-local-0a1b2c3d.json")
+        for path, rec in ((far, far_record), (dead, dead_record)):
+            with open(path, "w") as f:
+                json.dump(rec, f)
+        backdate(far, dead)
 
-        def far_reader_beats(beat: int) -> None:  # a live reader there, its clock behind
-            record["beat"] = beat
-            with open(far, "w") as f:
-                json.dump(record, f)
-            os.utime(far, (long_ago, long_ago))
-
-        far_reader_beats(7)
         with holder._keeper.lock:  # (no renewal of the holder's lease meanwhile)
-            os.utime(lease, (long_ago, long_ago))
+            beat = Store(root).read_leases()[holder.reader_id]["beat"]
+            backdate(lease)
+            start_a_writer()
+        assert not os.path.exists(dead), "a dead local reader's lease stayed"
+        assert all(map(os.path.exists, (lease, own_note, far, far_note)))
+
+        deadline = time.monotonic() + 30  # the holder renews (its beat moves) ...
+        while Store(root).read_leases()[holder.reader_id]["beat"] == beat:
+            assert time.monotonic() < deadline, "the holder never renewed its lease"
+            time.sleep(0.05)
+        far_record["beat"] = 8  # ... and so does the far reader
+        with open(far, "w") as f:
+            json.dump(far_record, f)
+        backdate(far)
+        with holder._keeper.lock:  # their file times still look old
+            backdate(lease)
+            backdate(own_note, far_note, when=time.time() - 2)  # noted 2 s ago
             with caplog.at_level(logging.WARNING, logger="dbsync"):
-                dbsync.Sender(root, lease_timeout=1.0).close()  # `dbsync push` starting up
+                start_a_writer()
             assert os.path.exists(lease), "a live reader's lease was removed"
-        assert any("is alive: kept" in r.getMessage() and "clock" in r.getMessage()
-                   for r in caplog.records)
-        assert os.path.exists(far) and os.path.exists(note)
-        far_reader_beats(8)
-        os.utime(note, (time.time() - 2, time.time() - 2))
-        dbsync.Sender(root, lease_timeout=1.0).close()
         assert os.path.exists(far), "a lease whose beat moved was removed"
-        os.utime(note, (time.time() - 2, time.time() - 2))
-        dbsync.Sender(root, lease_timeout=1.0).close()  # it stood still since: gone now
-        assert not os.path.exists(far) and not os.path.exists(note)
+        warned = [r.getMessage() for r in caplog.records if "renews its lease" in r.getMessage()]
+        assert len(warned) == 2 and all("clock" in w for w in warned), warned
+
+        backdate(far_note, when=time.time() - 2)
+        start_a_writer()  # the far lease stood still since it was noted: gone now
+        assert not os.path.exists(far) and not os.path.exists(far_note)
+        assert os.path.exists(lease)
 
         with dbsync.Sender(root, lease_timeout=1.0) as sender:
             assert sender.push(weights_for(2)) == 2  # (into the other slot)
         assert {float(t.flatten()[0]) for _, t in snap.tensors()} == {1.0}
         snap.check_unchanged()
+
+
+def _dead_pid() -> int:
+    """A pid of this host and PID namespace whose process has ended."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 # ---- 6. a new run at the same path -------------------------------------------------------------

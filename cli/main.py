@@ -176,6 +176,9 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
             _interrupted(f"\ninterrupted while reading {src}: nothing was published"
                          + _still_serves(root))
         raise
+    if reading.is_set():  # (an interrupt that something swallowed on the way)
+        _interrupted(f"\ninterrupted while reading {src}: nothing was published"
+                     + _still_serves(root))
     nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
     bar = ProgressBar()
     stop = SigintFlag("interrupted: stopping before the new version is published "
@@ -221,11 +224,15 @@ def _torch_dtype(name: str | None) -> Any:
 
 def _still_serves(root: str) -> str:
     """"; ROOT still serves version N" (or "no version"), or "" if that cannot be read."""
+    from dbsync.store import Store
+
     try:
-        now = _current_version(root)
+        manifest = (Store(root, create=False).read_manifest() if os.path.isdir(root)
+                    else None)
     except (DBSyncError, OSError, KeyboardInterrupt):
         return ""
-    return f"; {root} still serves " + ("no version" if now is None else f"version {now}")
+    return f"; {root} still serves " + ("no version" if manifest is None
+                                        else f"version {manifest.version}")
 
 
 def _report_interrupted_push(root: str, before: int | None,

@@ -73,6 +73,11 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def is_reader_id(name: Any) -> bool:
+    """Whether ``name`` is a reader id a receiver may have (see ``check_reader_id``)."""
+    return isinstance(name, str) and _SAFE_READER_ID.fullmatch(name) is not None
+
+
 def check_reader_id(reader_id: str) -> str:
     if not isinstance(reader_id, str) or not _SAFE_READER_ID.fullmatch(reader_id):
         raise FormatError(

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import DBSyncError
-from .format import READERS_DIR, FormatError
+from .format import READERS_DIR, FormatError, is_reader_id
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,8 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
     old lease is removed only when its reader is gone for sure:
     - its pid is checkable here (same host, boot and PID namespace) and gone;
     - else the lease file must be exactly as a starting writer found it at least one lease
-      timeout earlier (same beat, same file time), by a note that writer left
+      timeout (and ``ABANDONED_MARGIN``) earlier (same beat, same file time), by a note that
+      writer left
       (``readers/.stale-<id>``): the second writer start after a reader died removes its
       lease. A lease renewed since (another beat) is kept, with a WARNING about clocks.
     Files that are no reader's lease (nothing honours them) go on age alone."""
@@ -222,20 +223,25 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
             if f"{name[len(_STALE_NOTE):]}.json" not in times:  # its lease is gone
                 store.remove_reader_file(name)
             continue
+        reader_id: str | None = None
         if name.endswith(".json") and not name.startswith("."):
             reader_id = name[: -len(".json")]
             lease = leases.get(reader_id)
             timeout = lease_timeout_of(lease or {}, default_timeout)
+            if not is_reader_id(reader_id) or (
+                    lease is not None and lease_problem(lease) is not None):
+                reader_id = None  # no reader's lease: nothing honours it (age alone)
         elif name.startswith((".tmp-", ".probe-")):
-            reader_id, lease, timeout = None, None, default_timeout
+            lease, timeout = None, default_timeout
         else:
             continue
         age = now - mtime
         if age <= (1 + DEAD_LEASE_GRACE) * timeout + ABANDONED_MARGIN:
             continue
-        if (reader_id is not None and lease is not None and lease_problem(lease) is None
-                and not _reader_gone(store, reader_id, lease, mtime, now, timeout, age,
-                                     times)):
+        # (a lease that did not read, caught mid-rewrite or on a transient error, is noted
+        # like any other: its file time changes if its reader lives)
+        if reader_id is not None and not _reader_gone(store, reader_id, lease or {}, mtime,
+                                                      now, timeout, age, times):
             continue
         log.info("removing %s from %s: not written for %.0f s (its reader is gone)",
                  name, store.readers_dir, age)
@@ -256,13 +262,15 @@ def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: flo
     """For ``prune_abandoned``: whether the reader of an old-looking lease is gone for sure
     (see there); notes the lease for a later writer when that cannot be told yet. ``times``:
     the file times of ``readers/``."""
-    if same_pid_namespace(lease) and not pid_alive(lease["pid"]):
+    if lease and same_pid_namespace(lease) and not pid_alive(lease["pid"]):
         return True
     # (a live pid here may be another process's by now: the beat decides, as elsewhere)
     seen = {"beat": lease.get("beat"), "mtime": mtime}
     note = _STALE_NOTE + reader_id
     note_time = times.get(note)
-    if note_time is not None and now - note_time >= timeout:
+    # (the note's writer and this one may stamp files with clocks of their own: the margin
+    # for skew applies here too)
+    if note_time is not None and now - note_time >= timeout + ABANDONED_MARGIN:
         try:
             raw = store.read_small((READERS_DIR, note), MAX_NOTE_BYTES)
             noted = None if raw is None else json.loads(raw)

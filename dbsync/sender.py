@@ -557,9 +557,14 @@ class Sender:
             if abort.is_set():
                 raise _Aborted("push interrupted before the flip; nothing was published")
         except BaseException as exc:
+            # (what ran out is looked at before the partial files are removed, which frees
+            # space and inodes)
+            ran_out = (self._what_ran_out(exc.errno) if isinstance(exc, OSError)
+                       and exc.errno in (errno.ENOSPC, errno.EDQUOT) else None)
             self._free_slot(slot)
             if isinstance(exc, OSError):
-                self._raise_plainly(exc, version, sum(sizes), "the partial files were removed")
+                self._raise_plainly(exc, version, sum(sizes), "the partial files were removed",
+                                    ran_out)
             raise
         head = Head(
             run_id=self._run_id, version=version, slot=slot,
@@ -595,15 +600,17 @@ class Sender:
             return False
         return now is not None and (now.run_id, now.version) == (head.run_id, head.version)
 
-    def _raise_plainly(self, exc: OSError, version: int, nbytes: int, after: str) -> None:
+    def _raise_plainly(self, exc: OSError, version: int, nbytes: int, after: str,
+                       ran_out: tuple[str, str] | None = None) -> None:
         """Raise a full or read-only store's write error as one that says what happened and
-        what to do (``after``: what became of the partial version, when the store was full);
-        other errors are raised as they are."""
+        what to do (``after``: what became of the partial version, when the store was full;
+        ``ran_out``: ``_what_ran_out`` as it was at the failure); other errors are raised as
+        they are."""
         if isinstance(exc, DBSyncError):
             return  # (said plainly already)
         plain: OSError | None = None
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            what, todo = self._what_ran_out(exc.errno)
+            what, todo = ran_out or self._what_ran_out(exc.errno)
             plain = StoreFullError(
                 f"{what} while writing version {version} ({nbytes} bytes); nothing was "
                 f"published and {after}. {todo}, then push again")

@@ -4,6 +4,7 @@ CPU box) before it starts the server."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 
@@ -54,6 +55,8 @@ def check_model(model: str) -> None:
         raise DBSyncError(f"--model {model}: no such directory on this host; pass the "
                           "directory of a Hugging Face checkpoint (config.json, tokenizer, "
                           "*.safetensors)")
+    if importlib.util.find_spec("huggingface_hub") is None:
+        return  # (no hub cache to look in: vLLM is missing too, which is said next)
     try:
         resolve_model_dir(model)
     except DBSyncError:

@@ -437,10 +437,12 @@ def _read_tensordict_level(directory: str, prefix: str, pairs: Pairs, problems: 
         return
     leaves = meta.get("leaves")
     entries = leaves if isinstance(leaves, dict) and not _td_entry(leaves) else meta
+    described = set()
     for key, value in entries.items():
         if not isinstance(value, dict) or (key in _TD_META_KEYS and not _td_entry(value)):
             continue  # (tensordict's own metadata; a tensor or sub-tensordict of that name
             # is an entry like any other)
+        described.add(key)
         name = prefix + key
         if "dtype" in value:
             pairs_or_problem = _tensordict_leaf(directory, key, name, value)
@@ -458,6 +460,33 @@ def _read_tensordict_level(directory: str, prefix: str, pairs: Pairs, problems: 
             problems.append(f"{name}: a {value.get('type') or value.get('_type') or 'non-tensor'}"
                             " entry (stored with pickle or not a tensor); dbsync never "
                             "unpickles: drop it from the tensordict before saving")
+    problems.extend(_undescribed(directory, prefix, described))
+
+
+def _undescribed(directory: str, prefix: str, described: set[str]) -> list[str]:
+    """Entries saved in ``directory`` that its ``meta.json`` does not describe: tensordict
+    writes its own metadata (``shape``, ``device``, ...) over an entry of the same name, whose
+    data it saved all the same. Published without them, the version would lack tensors."""
+    found = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    for entry in names:
+        key = entry.removesuffix(".memmap")
+        if entry.endswith(".shape.memmap") or entry == key and not os.path.isfile(
+                os.path.join(directory, entry, "meta.json")):
+            continue  # (a nested tensor's shapes; files of other kinds)
+        if key not in described:
+            found.append(f"{prefix}{key}: saved in {directory} but not described by its "
+                         "meta.json (tensordict writes its own metadata over an entry of that "
+                         f"name: {', '.join(sorted(_TD_OWN_KEYS))}); rename the entry and "
+                         "save again")
+    return found
+
+
+#: the keys tensordict writes into every level's meta.json itself
+_TD_OWN_KEYS = ("shape", "device", "_type", "_format_version", "_class")
 
 
 def _td_entry(value: dict[str, Any]) -> bool:

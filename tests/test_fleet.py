@@ -287,22 +287,24 @@ def test_a_store_out_of_inodes_says_so(tmp_path):
         root = os.path.join(few, "store")
         with dbsync.Sender(root, lease_timeout=1.0) as sender:
             sender.push(weights_for(1))
+            sender.push(weights_for(2))  # (steady state: the next push reuses a slot's files,
+            # which a failed push removes, freeing inodes before the error is worded)
             fillers = []
             with contextlib.suppress(OSError):
                 while True:
                     fillers.append(os.path.join(few, f"f{len(fillers)}"))
                     open(fillers[-1], "w").close()
             with pytest.raises(dbsync.StoreFullError, match="nothing was published") as caught:
-                sender.push(weights_for(2))
+                sender.push({f"t{i}": torch.ones(8) for i in range(3)})  # (one more file)
             message = str(caught.value)
             assert "no free inodes" in message and "df -i" in message, message
             receiver = dbsync.Receiver(root, lease_timeout=1.0)
-            assert load(receiver) == (1, [1.0])
+            assert load(receiver) == (2, [2.0])
             for filler in fillers:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(filler)
-            assert sender.push(weights_for(2)) == 2
-            assert load(receiver) == (2, [2.0])
+            assert sender.push(weights_for(3)) == 3
+            assert load(receiver) == (3, [3.0])
             receiver.close()
 
 
@@ -409,6 +411,7 @@ def test_a_read_only_snapshot_stays_usable_after_its_slot_is_reused(tmp_path):
                 assert snap.version == 1
                 assert {float(t.flatten()[0]) for t in got.values()} == {1.0}
                 assert sorted(got) == sorted(weights_for(1))
+                snap.check_unchanged()  # (as serve-vllm's controller does after an apply)
             receiver.close()
 
 
@@ -612,7 +615,7 @@ def test_a_starting_writer_removes_reader_files_abandoned_long_ago(root):
         note = os.path.join(readers, ".stale-far-host-4242-0a1b2c3d")
         assert os.path.exists(abandoned) and os.path.exists(note)  # noted, not yet removed
         assert not os.path.exists(old_tmp)  # (a temp file goes on age alone)
-        os.utime(note, (time.time() - 2, time.time() - 2))  # that writer started 2 s ago
+        os.utime(note, (time.time() - 120, time.time() - 120))  # that writer started 2 min ago
         dbsync.Sender(root, lease_timeout=1.0).close()  # the next `dbsync push`
 
         assert not os.path.exists(abandoned) and not os.path.exists(note)
@@ -675,7 +678,7 @@ def test_a_starting_writer_keeps_old_looking_leases_of_live_readers(root, caplog
         backdate(far)
         with holder._keeper.lock:  # their file times still look old
             backdate(lease)
-            backdate(own_note, far_note, when=time.time() - 2)  # noted 2 s ago
+            backdate(own_note, far_note, when=time.time() - 120)  # noted 2 min ago
             with caplog.at_level(logging.WARNING, logger="dbsync"):
                 start_a_writer()
             assert os.path.exists(lease), "a live reader's lease was removed"
@@ -683,7 +686,7 @@ def test_a_starting_writer_keeps_old_looking_leases_of_live_readers(root, caplog
         warned = [r.getMessage() for r in caplog.records if "renews its lease" in r.getMessage()]
         assert len(warned) == 2 and all("clock" in w for w in warned), warned
 
-        backdate(far_note, when=time.time() - 2)
+        backdate(far_note, when=time.time() - 120)
         start_a_writer()  # the far lease stood still since it was noted: gone now
         assert not os.path.exists(far) and not os.path.exists(far_note)
         assert os.path.exists(lease)

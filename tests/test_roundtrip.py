@@ -128,6 +128,21 @@ def test_tensordict_directory_entries_named_like_its_metadata_are_published(root
     assert_bit_exact(want, got)
 
 
+def test_tensordict_directory_entries_its_metadata_overwrote_are_refused(root, tmp_path):
+    """tensordict writes its own ``device``/``shape``/... over an entry of that name in
+    ``meta.json`` (the entry's data is saved all the same): such an entry is named and the
+    push refused, not published without it."""
+    td = TensorDict({"a": torch.ones(3), "device": torch.arange(4.0),
+                     "sub": {"shape": torch.ones(2), "w": torch.ones(1)}}, [])
+    td.memmap(str(tmp_path / "td"))
+    with dbsync.Sender(root) as sender, pytest.raises(dbsync.InvalidWeightsError) as refused:
+        sender.push(str(tmp_path / "td"))
+    said = str(refused.value)
+    assert "device: saved in" in said and "sub.shape: saved in" in said, said
+    assert "rename the entry" in said
+    assert dbsync.Receiver(root).latest_version() is None
+
+
 def test_module_tensordict_and_checkpoint_sources(root, tmp_path):
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     with dbsync.Sender(root) as sender:

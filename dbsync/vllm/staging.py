@@ -407,10 +407,7 @@ class Stager:
         said = None  # the last failure logged: each is said once, not once a second
         while not self._stop.wait(_CHECK_SECONDS):
             try:
-                if choose_transport(self.root, "auto", self.device) == "broadcast":
-                    self._start_receiver()
-                    return
-                said = None
+                offered = choose_transport(self.root, "auto", self.device)
             except (DBSyncError, OSError) as exc:  # the store missing or unreachable (the
                 # server's status says so): the filesystem path goes on and says the rest
                 if str(exc) != said:
@@ -418,6 +415,13 @@ class Stager:
                     log.info("dbsync: worker pid %d cannot look for a broadcast of %s (%s); "
                              "looking again every %g s", os.getpid(), self.root, exc,
                              _CHECK_SECONDS)
+                continue
+            if offered != "broadcast":
+                said = None
+                continue
+            try:
+                self._start_receiver()
+                return
             except Exception as exc:  # noqa: BLE001 - keep watching; the filesystem path remains
                 if repr(exc) != said:
                     said = repr(exc)

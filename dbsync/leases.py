@@ -237,6 +237,8 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
             continue
         age = now - mtime
         if age <= (1 + DEAD_LEASE_GRACE) * timeout + ABANDONED_MARGIN:
+            if reader_id is not None and _STALE_NOTE + reader_id in times:
+                store.remove_reader_file(_STALE_NOTE + reader_id)  # (renewed in time now)
             continue
         # (a lease that did not read, caught mid-rewrite or on a transient error, is noted
         # like any other: its file time changes if its reader lives)

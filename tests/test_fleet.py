@@ -668,15 +668,20 @@ def test_a_starting_writer_keeps_old_looking_leases_of_live_readers(root, caplog
         assert not os.path.exists(dead), "a dead local reader's lease stayed"
         assert all(map(os.path.exists, (lease, own_note, far, far_note)))
 
-        deadline = time.monotonic() + 30  # the holder renews (its beat moves) ...
-        while Store(root).read_leases()[holder.reader_id]["beat"] == beat:
-            assert time.monotonic() < deadline, "the holder never renewed its lease"
-            time.sleep(0.05)
+        def holder_renewed(since: int) -> int:
+            deadline = time.monotonic() + 30
+            while (now := Store(root).read_leases()[holder.reader_id]["beat"]) == since:
+                assert time.monotonic() < deadline, "the holder never renewed its lease"
+                time.sleep(0.05)
+            return now
+
+        beat = holder_renewed(beat)  # the holder renews (its beat moves) ...
         far_record["beat"] = 8  # ... and so does the far reader
         with open(far, "w") as f:
             json.dump(far_record, f)
         backdate(far)
         with holder._keeper.lock:  # their file times still look old
+            beat = Store(root).read_leases()[holder.reader_id]["beat"]
             backdate(lease)
             backdate(own_note, far_note, when=time.time() - 120)  # noted 2 min ago
             with caplog.at_level(logging.WARNING, logger="dbsync"):
@@ -691,8 +696,11 @@ def test_a_starting_writer_keeps_old_looking_leases_of_live_readers(root, caplog
         assert not os.path.exists(far) and not os.path.exists(far_note)
         assert os.path.exists(lease)
 
-        with dbsync.Sender(root, lease_timeout=1.0) as sender:
+        holder_renewed(beat)
+        with dbsync.Sender(root, lease_timeout=1.0) as sender:  # (the holder's lease is
+            # fresh again: its note goes)
             assert sender.push(weights_for(2)) == 2  # (into the other slot)
+        assert not os.path.exists(own_note)
         assert {float(t.flatten()[0]) for _, t in snap.tensors()} == {1.0}
         snap.check_unchanged()
 

@@ -55,10 +55,11 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
     shard = -1
     iov = array.array("Q")
     end = run_bytes = 0
+    spans: list[tuple[int, int, str]] = []
     for entry in entries:
         tensor = get(entry.name)
         if (not isinstance(tensor, torch.Tensor) or tensor.shape != entry.shape
-                or tensor.is_meta):
+                or tensor.is_meta or _distributed(tensor)):
             return None
         want = dtypes.get(entry.dtype)
         if want is None:
@@ -82,6 +83,7 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
             by_torch.append((tensor, entry))
             continue
         raw_destinations.append(tensor)
+        spans.append((address, address + nbytes, entry.name))
         offset = entry.offset
         fresh = entry.shard != shard
         if fresh:
@@ -102,7 +104,25 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
         run_bytes += nbytes + gap
     if strict and len(dest) != len(entries):
         return None
+    if partial_overlaps(spans):
+        return None
     return CopyPlan(raw, raw_destinations, by_torch)
+
+
+def partial_overlaps(spans: list[tuple[int, int, str]]) -> dict[str, str]:
+    """{name: why} for destinations whose memory ([start, end) in ``spans``) overlaps
+    another's in part (views of one buffer that share some bytes): the copy would write one
+    version tensor's bytes into the other. The same memory under two names (tied weights)
+    is not an overlap here."""
+    found: dict[str, str] = {}
+    reach_end, reach = -1, ("", 0)  # the span reaching furthest so far: (name, start)
+    for start, end, name in sorted(spans):
+        if start < reach_end and (start, end) != (reach[1], reach_end):
+            found[name] = f"shares part of its memory with {reach[0]} in the target"
+            found.setdefault(reach[0], f"shares part of its memory with {name} in the target")
+        if end > reach_end:
+            reach_end, reach = end, (name, start)
+    return found
 
 
 def overlaps_itself(tensor: Any) -> bool:
@@ -124,7 +144,17 @@ def unfit_destination(tensor: Any) -> str | None:
     if overlaps_itself(tensor):
         return ("its elements share memory (an expanded tensor): no copy can write it; give "
                 "it memory of its own (.clone())")
+    if _distributed(tensor):
+        return (f"a {type(tensor).__name__} (a distributed tensor): dbsync copies whole "
+                "tensors; load into plain tensors (e.g. a full state dict) and distribute "
+                "them, or into each rank's local shard")
     return None
+
+
+def _distributed(tensor: Any) -> bool:
+    """Whether ``tensor`` is a distributed tensor (a ``DTensor``), whose ``copy_`` from a
+    plain tensor fails."""
+    return hasattr(tensor, "device_mesh") and hasattr(tensor, "placements")
 
 
 _LAYOUT = operator.itemgetter(0, 1, 2, 3, 4, 5)  # a TensorEntry without its range

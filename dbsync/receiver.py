@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from . import fileio, gcpause, gilswitch, scatter
-from .copyplan import PlanCache, tie_key, unfit_destination
+from .copyplan import PlanCache, partial_overlaps, tie_key, unfit_destination
 from .errors import (
     DamagedVersionError,
     DBSyncError,
@@ -553,8 +553,14 @@ class Snapshot:
 
         def by_torch(task: list[tuple[Any, Any]]) -> None:
             with torch.no_grad():  # one batched copy per task: little per-tensor overhead
-                torch._foreach_copy_([dst.detach() for dst, _ in task],
-                                     [self._tensor(entry) for _, entry in task])
+                # (torch's batched copy refuses conjugate and negative views: those alone)
+                views = [(d, e) for d, e in task if d.is_conj() or d.is_neg()]
+                batched = [(d, e) for d, e in task if not (d.is_conj() or d.is_neg())]
+                if batched:
+                    torch._foreach_copy_([dst.detach() for dst, _ in batched],
+                                         [self._tensor(entry) for _, entry in batched])
+                for dst, entry in views:
+                    dst.detach().copy_(self._tensor(entry))
 
         shards = sorted(plan.raw)
         if self.leased and len(shards) > fileio.SHARDS_OPEN_AT_ONCE:
@@ -670,6 +676,8 @@ class Snapshot:
 
     def _copy_problems(self, dest: dict[str, Any], strict: bool) -> dict[str, str]:
         """Every reason why ``dest`` cannot take this version (name -> why)."""
+        import torch
+
         problems: dict[str, str] = {}
         for entry in self.manifest.tensors:
             tensor = dest.get(entry.name)
@@ -688,6 +696,13 @@ class Snapshot:
             for name in dest:
                 if name not in published:
                     problems[name] = _MISSING
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), e.name)
+                 for e in self.manifest.tensors if e.name not in problems
+                 and isinstance(t := dest.get(e.name), torch.Tensor) and t.is_contiguous()
+                 and t.numel() and t.data_ptr()]
+        for name, why in partial_overlaps(spans).items():
+            problems.setdefault(name, why + " (views of one buffer): nothing can copy both; "
+                                "give each tensor memory of its own")
         return problems
 
     def _reopen(self, shards: list[int], keep_open: bool = True) -> dict[int, int]:

@@ -176,6 +176,9 @@ def validate(pairs: list[tuple[Any, Any]]) -> None:
                           "to a tensor" + (": a training checkpoint? publish its model's "
                                            "state_dict alone" if isinstance(value, Mapping)
                                            else "") + ")")
+        elif value.is_nested:
+            why = why or ("a nested tensor cannot be published (publish its components as "
+                          "tensors of their own)")
         elif value.layout != strided or value.is_sparse:
             why = why or "sparse/non-strided tensors are not supported (densify it)"
         elif not is_supported_dtype(value.dtype):

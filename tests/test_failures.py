@@ -538,6 +538,59 @@ def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lan
             assert torch.equal(module.state_dict()[name], want), name
 
 
+def test_partly_overlapping_and_distributed_destinations_are_refused_and_views_load(root,
+                                                                                     tmp_path):
+    """Two destinations that share part of their memory (views of one buffer) are refused,
+    named, nothing copied: before, the copy wrote one tensor's bytes into the other and loaded
+    values never published (f = [1, 5, 6] for [1, 2, 3]). A distributed tensor (DTensor) is
+    refused, named, before any byte lands (before: torch's bare RuntimeError after other
+    tensors had landed). Conjugate and negative views load the published values (before:
+    torch's batched copy refused them mid-copy)."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"f": torch.tensor([1.0, 2.0, 3.0]), "g": torch.tensor([5.0, 6.0]),
+                     "c": torch.tensor([1 + 2j, 3 - 4j]), "n": torch.tensor([1.0, -2.0]),
+                     "z": torch.full((2,), 3.0)})
+    with dbsync.Receiver(root) as rx:
+        buf = torch.zeros(3)
+        overlapping = {"f": buf, "g": buf[1:], "c": torch.zeros(2, dtype=torch.complex64),
+                       "n": torch.zeros(2), "z": torch.zeros(2)}
+        with pytest.raises(dbsync.IncompatibleWeightsError) as refused:
+            rx.load(overlapping)
+        assert set(refused.value.problems) == {"f", "g"}, refused.value.problems
+        assert "shares part of its memory" in refused.value.problems["g"]
+        assert torch.equal(buf, torch.zeros(3)) and torch.equal(overlapping["z"], torch.zeros(2))
+
+        views = {"f": torch.zeros(3), "g": torch.zeros(2),
+                 "c": torch.zeros(2, dtype=torch.complex64).conj(),
+                 "n": torch._neg_view(torch.zeros(2)), "z": torch.zeros(2)}
+        for threads in (1, 8):
+            assert rx.load(views, threads=threads) == 1
+            assert views["c"].tolist() == [1 + 2j, 3 - 4j]
+            assert views["n"].tolist() == [1.0, -2.0] and views["z"].tolist() == [3.0, 3.0]
+
+        try:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import distribute_tensor
+        except ImportError:
+            return
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0,
+                                    world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,))
+            dest = {**{k: torch.zeros_like(v) for k, v in views.items() if k not in "cn"},
+                    "c": torch.zeros(2, dtype=torch.complex64), "n": torch.zeros(2)}
+            dest["f"] = distribute_tensor(torch.zeros(3), mesh)
+            with pytest.raises(dbsync.IncompatibleWeightsError) as refused:
+                rx.load(dest)
+            assert set(refused.value.problems) == {"f"}
+            assert "DTensor" in refused.value.problems["f"]
+            assert torch.equal(dest["g"], torch.zeros(2)), "a tensor landed before the refusal"
+        finally:
+            dist.destroy_process_group()
+
+
 def test_tied_weights_load_whether_the_version_stores_them_once_or_twice(root):
     """A model whose output layer is its embedding (one Parameter under two names).
     Checkpoints often store it once (``save_pretrained`` drops the tied name): that loads,

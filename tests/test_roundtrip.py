@@ -143,6 +143,22 @@ def test_tensordict_directory_entries_its_metadata_overwrote_are_refused(root, t
     assert dbsync.Receiver(root).latest_version() is None
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_nested_tensor_is_named_among_every_bad_entry(root, blocking):
+    """A nested tensor (strided, torch's default layout for them) is refused by name in the
+    one error listing every bad entry, nothing written (before: a bare ValueError or
+    RuntimeError, and a listing without it)."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    bad = {"nt": nested, "meta": torch.empty(2, device="meta"), "ok": torch.ones(2)}
+    with dbsync.Sender(root) as sender, pytest.raises(dbsync.InvalidWeightsError) as refused:
+        result = sender.push(bad, blocking=blocking)
+        if not blocking:
+            result.result()
+    said = str(refused.value)
+    assert "'nt': a nested tensor" in said and "'meta'" in said, said
+    assert dbsync.Receiver(root).latest_version() is None
+
+
 def test_module_tensordict_and_checkpoint_sources(root, tmp_path):
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     with dbsync.Sender(root) as sender:

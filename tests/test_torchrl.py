@@ -247,6 +247,33 @@ def test_double_buffer_paths_on_modules(strategy: str, tmp_path: Path) -> None:
     assert not os.listdir(os.path.join(store, "readers"))  # no lease left behind
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_module_that_does_not_fit_is_refused_untouched(strategy: str, tmp_path: Path
+                                                         ) -> None:
+    """A receiver module whose shapes or names differ from the published version: one
+    IncompatibleWeightsError naming every problem, nothing applied (before: tensordict's bare
+    KeyError with the module holding parts of two versions), and no version taken."""
+    store = str(tmp_path / "store")
+    scheme = VLLMDoubleBufferSyncScheme(store, strategy=strategy)
+    sender = scheme.create_sender()
+    trained = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    sender.register_model(trained)  # (held by a weak reference)
+    assert sender.update_weights() == 1
+    wider = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    extra = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    extra.register_buffer("extra", torch.zeros(1))
+    for target, named in ((wider, {"2.weight", "2.bias"}), (extra, {"extra"})):
+        before = {k: v.clone() for k, v in target.state_dict().items()}
+        receiver = scheme.create_receiver(target)
+        with pytest.raises(IncompatibleWeightsError) as refused:
+            receiver.poll_and_apply()
+        assert set(refused.value.problems) == named, refused.value.problems
+        assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+        assert receiver.version is None
+        receiver.close()
+    scheme.shutdown()
+
+
 def test_engine_receiver_refuses_what_torchrl_would_apply_unversioned(engine: Any,
                                                                      tmp_path: Path) -> None:
     """apply_weights(tensors) would bypass versions and checks: refused for an engine, with

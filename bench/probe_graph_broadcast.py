@@ -1,9 +1,14 @@
-"""Host time of one ProcessGroupNCCL broadcast call on a host that idled 0.5 s: called eagerly,
-and replayed from a CUDA graph captured once. Two ranks on two GPUs, 256 MiB, torch only.
+"""ProcessGroupNCCL broadcasts replayed from CUDA graphs, two ranks on two GPUs, torch only:
 
-    python bench/probe_graph_broadcast.py OUT_DIR      # writes OUT_DIR/graph_bcast_rank{0,1}.json
+- ``run``: host time of one 256 MiB broadcast call on a host that idled 0.5 s, called eagerly
+  and replayed from a graph captured once; each entry [microseconds until the call returned,
+  until a synchronize after it returned] (OUT_DIR/graph_bcast_rank{0,1}.json);
+- ``capture_local``: whether capturing is local to the capturing rank (rank 0 captures while
+  rank 1 makes no NCCL call), then replays and eager calls in every combination across the
+  ranks, checking the bytes, 64 MiB (OUT_DIR/asym_rank{0,1}.json).
 
-Each entry: [microseconds until the call returned, until a synchronize after it returned].
+    python bench/probe_graph_broadcast.py OUT_DIR
+
 Result and what came of it: docs/BROADCAST.md ("Broadcasts replayed from CUDA graphs")."""
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 NBYTES = 256 << 20
+LOCAL_NBYTES = 64 << 20
 
 
 def capture(buf: torch.Tensor, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
@@ -69,11 +75,68 @@ def run(rank: int, world: int, port: int, out: str) -> None:
             t2 = time.perf_counter()
             result["ok"] &= bool((buf[:: 1 << 20] == value).all())
             result[mode].append([(t1 - t0) * 1e6, (t2 - t0) * 1e6])
-    with open(f"{out}/graph_bcast_rank{rank}.json", "w") as f:
+    finish(store, rank, f"{out}/graph_bcast_rank{rank}.json", result)
+
+
+def finish(store: dist.TCPStore, rank: int, path: str, result: dict) -> None:
+    """Write this rank's result, then wait for the other rank's (the store outlives both)."""
+    with open(path, "w") as f:
         json.dump(result, f)
     store.set(f"done{rank}", "1")
     store.wait([f"done{1 - rank}"])
 
 
+def capture_local(rank: int, world: int, port: int, out: str) -> None:
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    pg = dist.ProcessGroupNCCL(dist.PrefixStore("g", store), rank, world)
+    buf = torch.zeros(LOCAL_NBYTES, dtype=torch.uint8, device="cuda")
+    pg.broadcast([buf]).wait()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    result: dict = {}
+
+    def capture_alone() -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                pg.broadcast([buf]).wait()
+            finally:
+                graph.capture_end()
+        return graph
+
+    if rank == 0:
+        t = time.perf_counter()
+        graph = capture_alone()
+        result["capture_alone_s"] = time.perf_counter() - t
+        store.set("captured", "1")
+    else:
+        store.wait(["captured"])  # rank 0 captured while this rank made no NCCL call
+        graph = capture_alone()
+    ok = []
+    for it, modes in enumerate([("replay", "eager"), ("eager", "replay"), ("replay", "replay"),
+                                ("eager", "eager")]):
+        buf.fill_(it + 1 if rank == 0 else 0)
+        torch.cuda.synchronize()
+        store.set(f"s{it}{rank}", "1")
+        store.wait([f"s{it}{1 - rank}"])
+        if modes[rank] == "replay":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph.replay()
+            torch.cuda.current_stream().wait_stream(stream)
+        else:
+            pg.broadcast([buf]).wait()
+        torch.cuda.synchronize()
+        ok.append(bool((buf[:: 1 << 16] == it + 1).all()))
+    result["ok"] = ok
+    finish(store, rank, f"{out}/asym_rank{rank}.json", result)
+
+
 if __name__ == "__main__":
     mp.spawn(run, args=(2, 29533, sys.argv[1]), nprocs=2)
+    mp.spawn(capture_local, args=(2, 29541, sys.argv[1]), nprocs=2)

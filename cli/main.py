@@ -172,13 +172,11 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
             pairs = sources.collect(src, dtype=_torch_dtype(dtype))
             adapter_config = sources.adapter_config_of(src)  # (checked before ROOT is touched)
     except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt) or reading.is_set():  # (whatever it became)
-            _interrupted(f"\ninterrupted while reading {src}: nothing was published"
-                         + _still_serves(root))
-        raise
+        if not (isinstance(exc, KeyboardInterrupt) or reading.is_set()):  # (whatever it became)
+            raise
+        _interrupted_while_reading(src, root)
     if reading.is_set():  # (an interrupt that something swallowed on the way)
-        _interrupted(f"\ninterrupted while reading {src}: nothing was published"
-                     + _still_serves(root))
+        _interrupted_while_reading(src, root)
     nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
     bar = ProgressBar()
     stop = SigintFlag("interrupted: stopping before the new version is published "
@@ -222,17 +220,19 @@ def _torch_dtype(name: str | None) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _still_serves(root: str) -> str:
-    """"; ROOT still serves version N" (or "no version"), or "" if that cannot be read."""
+def _interrupted_while_reading(src: str, root: str) -> NoReturn:
+    """Exit 130 saying nothing was published, and what ROOT still serves where that can be
+    read ("no version" for a ROOT not made yet)."""
     from dbsync.store import Store
 
     try:
         manifest = (Store(root, create=False).read_manifest() if os.path.isdir(root)
                     else None)
+        serves = f"; {root} still serves " + ("no version" if manifest is None
+                                              else f"version {manifest.version}")
     except (DBSyncError, OSError, KeyboardInterrupt):
-        return ""
-    return f"; {root} still serves " + ("no version" if manifest is None
-                                        else f"version {manifest.version}")
+        serves = ""
+    _interrupted(f"\ninterrupted while reading {src}: nothing was published{serves}")
 
 
 def _report_interrupted_push(root: str, before: int | None,

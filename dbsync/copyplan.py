@@ -15,7 +15,7 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .format import TensorEntry, torch_dtype
+from .format import TensorEntry, describe_name, torch_dtype
 from .scatter import MAX_GAP, MAX_IOVECS, SCRATCH_ADDRESS, Read
 from .tensorstate import ADDRESS, CONTIGUOUS, DTYPE, SHAPE, States
 
@@ -123,6 +123,64 @@ def partial_overlaps(spans: list[tuple[int, int, str]]) -> dict[str, str]:
         if end > reach_end:
             reach_end, reach = end, (name, start)
     return found
+
+
+#: why a target tensor the version lacks cannot be loaded (``fit_problems``)
+MISSING = "missing from the published version"
+
+
+def fit_problems(published: Sequence[tuple[str, Any, Any]], dest: Mapping[str, Any],
+                 strict: bool) -> dict[str, str]:
+    """Every reason why ``dest`` (name -> tensor) cannot take the tensors ``published`` ((name,
+    shape, torch dtype) of each) in place, name -> why: a name it lacks, a tensor nothing can
+    be copied into, another shape, a dtype no cast reaches (floating dtypes cast to each
+    other), memory shared in part with another destination; with ``strict``, also a tensor
+    of ``dest`` the version lacks (``MISSING``; see ``tied_to_published``)."""
+    import torch
+
+    problems: dict[str, str] = {}
+    for name, shape, dtype in published:
+        tensor = dest.get(name)
+        if name not in dest:
+            problems[name] = "not in the target"
+        elif (why := unfit_destination(tensor)) is not None:
+            problems[name] = why
+        elif tuple(shape) != tuple(tensor.shape):
+            problems[name] = f"shape {list(shape)} != the target's {list(tensor.shape)}"
+        elif dtype != tensor.dtype and not (dtype.is_floating_point
+                                            and tensor.dtype.is_floating_point):
+            problems[name] = (f"dtype {str(dtype).removeprefix('torch.')} != the target's "
+                              f"{tensor.dtype}")
+    if strict:
+        names = {name for name, _, _ in published}
+        problems.update((name, MISSING) for name in dest if name not in names)
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+             for name, _, _ in published if name not in problems
+             and isinstance(t := dest.get(name), torch.Tensor) and t.is_contiguous()
+             and t.numel() and t.data_ptr()]
+    for name, why in partial_overlaps(spans).items():
+        problems.setdefault(name, why + " (views of one buffer): nothing can copy both; give "
+                            "each tensor memory of its own")
+    return problems
+
+
+def problem_listing(problems: Mapping[str, str]) -> str:
+    """'(N problem(s)): name: why; ...' (the first 12)."""
+    shown = "; ".join(f"{describe_name(k)}: {v}" for k, v in list(problems.items())[:12])
+    more = f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""
+    return f"({len(problems)} problem(s)): {shown}{more}"
+
+
+def tied_to_published(problems: Mapping[str, str], dest: Mapping[str, Any],
+                      published: Sequence[str]) -> dict[str, str]:
+    """{name: published twin} if every one of ``problems`` (from ``fit_problems``) is a name
+    the version lacks whose tensor in ``dest`` is the tensor of a ``published`` name (tied
+    weights, which checkpoints often store once); else {}."""
+    if not problems or any(why != MISSING for why in problems.values()):
+        return {}
+    twins = {tie_key(dest[name]): name for name in published if name in dest}
+    found = {name: twins.get(tie_key(dest[name]), "") for name in problems}
+    return found if all(found.values()) else {}
 
 
 def overlaps_itself(tensor: Any) -> bool:

@@ -73,13 +73,25 @@ class StoreNotFoundError(NothingPublishedError):
     """The store root does not exist (a typo, or a volume that is not mounted)."""
 
 
-class StoreFullError(DBSyncError, OSError):
+class _StoreOSError(DBSyncError, OSError):
+    """A store error that is also the ``OSError`` it comes from: ``errno`` is set, and the
+    message is the plain one (``OSError(code, text)`` would prefix it with ``[Errno N]``)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.errno = code
+
+    def __reduce__(self) -> tuple:  # (errno too, across processes)
+        return type(self), (str(self), self.errno)
+
+
+class StoreFullError(_StoreOSError):
     """A push did not fit on the store's filesystem (also an ``OSError``: ``errno`` is
     ENOSPC or EDQUOT). Nothing was published; the partial files were removed where the
     filesystem still allowed it."""
 
 
-class StoreReadOnlyError(DBSyncError, OSError):
+class StoreReadOnlyError(_StoreOSError):
     """The store's filesystem is read-only (also an ``OSError``: ``errno`` is EROFS), mounted
     so or remounted read-only after an error. Nothing was published."""
 

@@ -208,9 +208,9 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
     - its pid is checkable here (same host, boot and PID namespace) and gone;
     - else the lease file must be exactly as a starting writer found it at least one lease
       timeout (and ``ABANDONED_MARGIN``) earlier (same beat, same file time), by a note that
-      writer left
-      (``readers/.stale-<id>``): the second writer start after a reader died removes its
-      lease. A lease renewed since (another beat) is kept, with a WARNING about clocks.
+      writer left (``readers/.stale-<id>``): the second writer start after a reader died
+      removes its lease. A lease renewed since (another beat) is kept, with a WARNING about
+      clocks, and its note goes once the lease's file time is recent again.
     Files that are no reader's lease (nothing honours them) go on age alone."""
     now = store.storage_time()
     if now is None:
@@ -243,7 +243,7 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
         # (a lease that did not read, caught mid-rewrite or on a transient error, is noted
         # like any other: its file time changes if its reader lives)
         if reader_id is not None and not _reader_gone(store, reader_id, lease or {}, mtime,
-                                                      now, timeout, age, times):
+                                                      now, timeout, times):
             continue
         log.info("removing %s from %s: not written for %.0f s (its reader is gone)",
                  name, store.readers_dir, age)
@@ -254,13 +254,13 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
     return removed
 
 
-#: prefix of a starting writer's note of an old-looking lease of another host (see
-#: ``prune_abandoned``): the lease's beat and file time as that writer found them
+#: prefix of a starting writer's note of an old-looking lease (see ``prune_abandoned``): the
+#: lease's beat and file time as that writer found them
 _STALE_NOTE = ".stale-"
 
 
 def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: float,
-                 now: float, timeout: float, age: float, times: dict[str, float]) -> bool:
+                 now: float, timeout: float, times: dict[str, float]) -> bool:
     """For ``prune_abandoned``: whether the reader of an old-looking lease is gone for sure
     (see there); notes the lease for a later writer when that cannot be told yet. ``times``:
     the file times of ``readers/``."""
@@ -283,7 +283,7 @@ def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: flo
         if isinstance(noted, dict) and noted.get("beat") != seen["beat"]:
             log.warning("reader %s renews its lease in %s, but its file was last written %.0f "
                         "s ago by the store's clock: kept. Check the clocks of its host and of "
-                        "the file server (NTP)", reader_id, store.readers_dir, age)
+                        "the file server (NTP)", reader_id, store.readers_dir, now - mtime)
     elif note_time is not None:
         return False  # noted less than a timeout ago: a later writer decides
     try:

@@ -41,7 +41,14 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from . import fileio, gcpause, gilswitch, scatter
-from .copyplan import PlanCache, partial_overlaps, tie_key, unfit_destination
+from .copyplan import (
+    MISSING,
+    PlanCache,
+    fit_problems,
+    problem_listing,
+    tie_key,
+    tied_to_published,
+)
 from .errors import (
     DamagedVersionError,
     DBSyncError,
@@ -451,10 +458,10 @@ class Snapshot:
         published = {e.name for e in self.manifest.tensors}
         for name in expected:
             if name not in published and name not in optional:
-                problems[name] = _MISSING
+                problems[name] = MISSING
         if problems:
             raise IncompatibleWeightsError(
-                f"version {self.version} does not fit the model {_listing(problems)}. "
+                f"version {self.version} does not fit the model {problem_listing(problems)}. "
                 "Publish weights of the served architecture", problems)
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
@@ -629,7 +636,7 @@ class Snapshot:
         plan = cache.plan(entries, dest, strict)
         if plan is None:  # something does not fit: say everything that does not
             problems = self._copy_problems(dest, strict)
-            tied = _tied_to_published(problems, dest, entries)
+            tied = tied_to_published(problems, dest, [e.name for e in entries])
             if tied:  # names the version lacks only because they are tied to one it has
                 self.receiver._tied_names = tied
                 untied = {k: v for k, v in dest.items() if k not in tied}
@@ -639,7 +646,7 @@ class Snapshot:
             if not problems:  # pragma: no cover
                 raise AssertionError("the copy plan and the listing of problems disagree")
             raise IncompatibleWeightsError(
-                f"version {self.version} does not fit the target {_listing(problems)}; "
+                f"version {self.version} does not fit the target {problem_listing(problems)}; "
                 "nothing was copied. Load into tensors of the published names, shapes and "
                 "dtypes (floating dtypes are cast)", problems)
         return plan
@@ -676,34 +683,8 @@ class Snapshot:
 
     def _copy_problems(self, dest: dict[str, Any], strict: bool) -> dict[str, str]:
         """Every reason why ``dest`` cannot take this version (name -> why)."""
-        import torch
-
-        problems: dict[str, str] = {}
-        for entry in self.manifest.tensors:
-            tensor = dest.get(entry.name)
-            if entry.name not in dest:
-                problems[entry.name] = "not in the target"
-            elif (why := unfit_destination(tensor)) is not None:
-                problems[entry.name] = why
-            elif tuple(entry.shape) != tuple(tensor.shape):
-                problems[entry.name] = (f"shape {list(entry.shape)} != the target's "
-                                        f"{list(tensor.shape)}")
-            elif entry.torch_dtype != tensor.dtype and not (
-                    entry.torch_dtype.is_floating_point and tensor.dtype.is_floating_point):
-                problems[entry.name] = f"dtype {entry.dtype} != the target's {tensor.dtype}"
-        if strict:
-            published = {e.name for e in self.manifest.tensors}
-            for name in dest:
-                if name not in published:
-                    problems[name] = _MISSING
-        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), e.name)
-                 for e in self.manifest.tensors if e.name not in problems
-                 and isinstance(t := dest.get(e.name), torch.Tensor) and t.is_contiguous()
-                 and t.numel() and t.data_ptr()]
-        for name, why in partial_overlaps(spans).items():
-            problems.setdefault(name, why + " (views of one buffer): nothing can copy both; "
-                                "give each tensor memory of its own")
-        return problems
+        return fit_problems([(e.name, e.shape, e.torch_dtype) for e in self.manifest.tensors],
+                            dest, strict)
 
     def _reopen(self, shards: list[int], keep_open: bool = True) -> dict[int, int]:
         """Open these shards again (for scatter reads); each must be the file verified.
@@ -1210,27 +1191,6 @@ def _close_parts(keeper: _LeaseKeeper, workers: WorkerPools) -> None:
     keeper.close()
     workers.close()
 
-
-_MISSING = "missing from the published version"
-
-
-def _listing(problems: dict[str, str]) -> str:
-    """'(N problem(s)): name: why; ...' (the first 12)."""
-    shown = "; ".join(f"{describe_name(k)}: {v}" for k, v in list(problems.items())[:12])
-    more = f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""
-    return f"({len(problems)} problem(s)): {shown}{more}"
-
-
-def _tied_to_published(problems: dict[str, str], dest: Mapping[str, Any],
-                       entries: Sequence[Any]) -> dict[str, str]:
-    """{name: published twin} if every problem is a name the version lacks whose target
-    tensor is the target tensor of a published name (tied weights, which checkpoints often
-    store once); else {}."""
-    if not problems or any(why != _MISSING for why in problems.values()):
-        return {}
-    published = {tie_key(dest[e.name]): e.name for e in entries if e.name in dest}
-    twins = {name: published.get(tie_key(dest[name]), "") for name in problems}
-    return twins if all(twins.values()) else {}
 
 
 

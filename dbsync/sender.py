@@ -557,14 +557,13 @@ class Sender:
             if abort.is_set():
                 raise _Aborted("push interrupted before the flip; nothing was published")
         except BaseException as exc:
-            # (what ran out is looked at before the partial files are removed, which frees
-            # space and inodes)
-            ran_out = (self._what_ran_out(exc.errno) if isinstance(exc, OSError)
-                       and exc.errno in (errno.ENOSPC, errno.EDQUOT) else None)
+            # (worded before the partial files are removed, which frees space and inodes)
+            plain = (self._plain_error(exc, version, sum(sizes),
+                                       "the partial files were removed")
+                     if isinstance(exc, OSError) else None)
             self._free_slot(slot)
-            if isinstance(exc, OSError):
-                self._raise_plainly(exc, version, sum(sizes), "the partial files were removed",
-                                    ran_out)
+            if plain is not None:
+                raise plain from exc
             raise
         head = Head(
             run_id=self._run_id, version=version, slot=slot,
@@ -577,8 +576,10 @@ class Sender:
             self.store.publish_head(head, durable=self.durable)
         except OSError as exc:
             if not self._flipped(head):
-                self._raise_plainly(exc, version, sum(sizes),
-                                    "the previous version stays current")
+                plain = self._plain_error(exc, version, sum(sizes),
+                                          "the previous version stays current")
+                if plain is not None:
+                    raise plain from exc
                 raise
             # (the rename landed, its directory's fsync did not: readers see this version)
             log.warning("version %d of %s was published, but making the flip durable failed "
@@ -600,28 +601,24 @@ class Sender:
             return False
         return now is not None and (now.run_id, now.version) == (head.run_id, head.version)
 
-    def _raise_plainly(self, exc: OSError, version: int, nbytes: int, after: str,
-                       ran_out: tuple[str, str] | None = None) -> None:
-        """Raise a full or read-only store's write error as one that says what happened and
-        what to do (``after``: what became of the partial version, when the store was full;
-        ``ran_out``: ``_what_ran_out`` as it was at the failure); other errors are raised as
-        they are."""
+    def _plain_error(self, exc: OSError, version: int, nbytes: int, after: str
+                     ) -> OSError | None:
+        """A full or read-only store's write error ``exc`` as one that says what happened and
+        what to do (``after``: what became of the partial version, when the store was full);
+        None for other errors (raised as they are)."""
         if isinstance(exc, DBSyncError):
-            return  # (said plainly already)
-        plain: OSError | None = None
+            return None  # (said plainly already)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            what, todo = ran_out or self._what_ran_out(exc.errno)
-            plain = StoreFullError(
+            what, todo = self._what_ran_out(exc.errno)
+            return StoreFullError(
                 f"{what} while writing version {version} ({nbytes} bytes); nothing was "
-                f"published and {after}. {todo}, then push again")
-        elif exc.errno == errno.EROFS:
-            plain = StoreReadOnlyError(
+                f"published and {after}. {todo}, then push again", exc.errno)
+        if exc.errno == errno.EROFS:
+            return StoreReadOnlyError(
                 f"the filesystem of {self.store.root} is read-only (mounted so, or remounted "
                 f"read-only after an error: see the kernel log) while writing version {version}; "
-                "nothing was published. Make it writable, then push again")
-        if plain is not None:
-            plain.errno = exc.errno
-            raise plain from exc
+                "nothing was published. Make it writable, then push again", exc.errno)
+        return None
 
     def _what_ran_out(self, code: int) -> tuple[str, str]:
         """(what ran out, what to do) for an ENOSPC or EDQUOT: space, or files (inodes:
@@ -631,7 +628,7 @@ class Sender:
             return (f"this user's disk quota on the filesystem of {root} is exhausted",
                     "Free space within the quota (or raise it)")
         try:
-            st = os.statvfs(self.store.root)
+            st = os.statvfs(root)
             out_of_files = st.f_files > 0 and st.f_favail == 0 and st.f_bavail > 0
         except OSError:
             out_of_files = False
@@ -653,12 +650,10 @@ class Sender:
         reclaim = sum(n for name, n in have.items() if name.startswith("shard-") and name not in
                       {shard_file(i) for i in range(len(shard_sizes))})
         if need > free + reclaim:
-            full = StoreFullError(
+            raise StoreFullError(
                 f"version {self._version + 1} needs {need} more bytes in {self.store.root} but "
                 f"its filesystem has {free} free; nothing was written. Free space there (or "
-                "publish in a smaller dtype), then push again")
-            full.errno = errno.ENOSPC
-            raise full
+                "publish in a smaller dtype), then push again", errno.ENOSPC)
 
     def _free_slot(self, slot: str) -> None:
         try:  # (first: a stamp naming a version that was never flipped to would make the

@@ -477,9 +477,10 @@ def _undescribed(directory: str, prefix: str, described: set[str]) -> list[str]:
         return []
     for entry in names:
         key = entry.removesuffix(".memmap")
-        if entry.endswith(".shape.memmap") or entry == key and not os.path.isfile(
-                os.path.join(directory, entry, "meta.json")):
-            continue  # (a nested tensor's shapes; files of other kinds)
+        saved = (key != entry and not entry.endswith(".shape.memmap")  # (a tensor's data)
+                 or os.path.isfile(os.path.join(directory, entry, "meta.json")))  # (a level)
+        if not saved:
+            continue
         if key not in described:
             found.append(f"{prefix}{key}: saved in {directory} but not described by its "
                          "meta.json (tensordict writes its own metadata over an entry of that "

@@ -424,14 +424,12 @@ class Store:
             except OSError as exc:
                 if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise
-                cls = StoreReadOnlyError if exc.errno == errno.EROFS else DBSyncError
-                refused = cls(
-                    f"{self.root} is not writable here ({exc.strerror}): a Sender publishes "
-                    "only where the store is writable (readers work on read-only views); "
-                    "publish from the trainer's read-write mount")
-                if isinstance(refused, OSError):
-                    refused.errno = exc.errno
-                raise refused from None
+                why = (f"{self.root} is not writable here ({exc.strerror}): a Sender "
+                       "publishes only where the store is writable (readers work on read-only "
+                       "views); publish from the trainer's read-write mount")
+                if exc.errno == errno.EROFS:
+                    raise StoreReadOnlyError(why, exc.errno) from None
+                raise DBSyncError(why) from None
         try:
             st = os.fstat(fd)
             mode = st.st_mode

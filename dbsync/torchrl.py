@@ -70,6 +70,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "dbsync.torchrl needs torchrl (tested with torchrl 0.14.1): pip install torchrl"
     ) from exc
 
+from .copyplan import fit_problems, problem_listing, tied_to_published
 from .errors import (
     DBSyncError,
     IncompatibleWeightsError,
@@ -489,33 +490,20 @@ class _ReceiverTransport:
 
 
 def _check_fits(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Raise ``IncompatibleWeightsError`` listing every tensor of ``weights`` (a version) that
-    ``model`` cannot take in place, and every tensor of the model the version lacks (unless
-    tied to one it has), before anything is applied: torchrl's strategies fail part-way, with
-    the model holding parts of two versions."""
+    """Raise ``IncompatibleWeightsError`` listing every problem ``Receiver.load`` would see in
+    loading ``weights`` (a version) into ``model`` in place (names, shapes, dtypes, unusable
+    tensors; tensors the version lacks unless tied to one it has), before anything is
+    applied: torchrl's strategies fail part-way, with the model holding parts of two
+    versions."""
     state = {k: v for k, v in model.state_dict(keep_vars=True).items()
              if isinstance(v, torch.Tensor)}
-    problems: dict[str, str] = {}
-    for name, tensor in weights.items():
-        have = state.get(name)
-        if have is None:
-            problems[name] = "not in the model"
-        elif tuple(have.shape) != tuple(tensor.shape):
-            problems[name] = (f"shape {list(tensor.shape)} != the model's {list(have.shape)}")
-        elif have.dtype != tensor.dtype and not (have.dtype.is_floating_point
-                                                 and tensor.dtype.is_floating_point):
-            problems[name] = f"dtype {tensor.dtype} != the model's {have.dtype}"
-    published = {id(state[n]) for n in weights if n in state}
-    for name, have in state.items():
-        if name not in weights and id(have) not in published:  # (a tie is not missing)
-            problems[name] = "missing from the published version"
-    if problems:
-        listing = "; ".join(f"{n}: {why}" for n, why in list(problems.items())[:10])
-        more = " ..." if len(problems) > 10 else ""
+    problems = fit_problems([(n, t.shape, t.dtype) for n, t in weights.items()], state,
+                            strict=True)
+    if problems and not tied_to_published(problems, state, list(weights)):
         raise IncompatibleWeightsError(
-            f"the published version does not fit the model ({len(problems)} problem(s)): "
-            f"{listing}{more}; nothing was applied. Receive into a model of the trainer's "
-            "architecture", problems)
+            f"the published version does not fit the model {problem_listing(problems)}; "
+            "nothing was applied. Receive into a model of the trainer's architecture",
+            problems)
 
 
 # ---- scheme ----------------------------------------------------------------------------------

@@ -565,6 +565,7 @@ def test_partly_overlapping_and_distributed_destinations_are_refused_and_views_l
                  "n": torch._neg_view(torch.zeros(2)), "z": torch.zeros(2)}
         for threads in (1, 8):
             assert rx.load(views, threads=threads) == 1
+            assert views["f"].tolist() == [1.0, 2.0, 3.0] and views["g"].tolist() == [5.0, 6.0]
             assert views["c"].tolist() == [1 + 2j, 3 - 4j]
             assert views["n"].tolist() == [1.0, -2.0] and views["z"].tolist() == [3.0, 3.0]
 

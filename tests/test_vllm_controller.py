@@ -451,7 +451,7 @@ def test_mistyped_model_path_is_refused_at_once(tmp_path: Path, monkeypatch: Any
     from huggingface_hub import constants
 
     from dbsync import DBSyncError
-    from dbsync.vllm.checkpoint import check_model
+    from dbsync.serveargs import check_model
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
 
@@ -470,7 +470,7 @@ def test_mistyped_model_path_is_refused_at_once(tmp_path: Path, monkeypatch: Any
 def test_a_hub_id_in_the_local_cache_is_a_model(tmp_path: Path, monkeypatch: Any) -> None:
     from huggingface_hub import constants
 
-    from dbsync.vllm.checkpoint import check_model, resolve_model_dir
+    from dbsync.serveargs import check_model, resolve_model_dir
 
     repo = tmp_path / "hub" / "models--org--tiny"
     snapshot = repo / "snapshots" / "0123abc"

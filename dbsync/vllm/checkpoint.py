@@ -21,9 +21,6 @@ import struct
 import torch
 
 from ..errors import DBSyncError
-from ..serveargs import check_model, resolve_model_dir
-
-__all__ = ["check_model", "resolve_model_dir"]  # (re-exported: the CLI checks without vLLM)
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

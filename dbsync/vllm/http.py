@@ -16,6 +16,7 @@ from ..serveargs import OWNED_OPTIONS, check_owned_options
 
 log = logging.getLogger(__name__)
 
+
 def parse_server_args(model: str, port: int, host: str | None, extra: Sequence[str],
                       description: str, own_options: Sequence[str] = OWNED_OPTIONS) -> Any:
     """vLLM's parsed server arguments for ``model`` on ``host:port`` plus ``extra``. A bad

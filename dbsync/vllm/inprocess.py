@@ -31,8 +31,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import DBSyncError
+from ..serveargs import resolve_model_dir
 from ..watch import Watcher
-from .checkpoint import expected_from_checkpoint, resolve_model_dir
+from .checkpoint import expected_from_checkpoint
 from .controller import DEFAULT_DRAIN_TIMEOUT, SwapController
 from .engine import AsyncEngineOps, LLMOps, check_backend
 

@@ -459,7 +459,8 @@ def lora_limits(vllm_config: Any) -> tuple[int, int]:
 
 
 def expected_of(vllm_config: Any, model_dir: str | None = None) -> Expected:
-    from .checkpoint import expected_from_checkpoint, resolve_model_dir
+    from ..serveargs import resolve_model_dir
+    from .checkpoint import expected_from_checkpoint
 
     model_config = vllm_config.model_config
     expected, _ = expected_from_checkpoint(resolve_model_dir(model_dir or model_config.model),

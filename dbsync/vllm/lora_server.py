@@ -280,7 +280,7 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
                host: str | None = None, port: int = 8000, extra_args: Sequence[str] = (),
                poll_interval: float | None = None) -> None:
     """Run the LoRA server until it is stopped (see the module docstring)."""
-    from .checkpoint import check_model
+    from ..serveargs import check_model
     from .server import _apply_defaults, _configure_logging, own_options
 
     check_model(model)

@@ -50,9 +50,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import DBSyncError
+from ..serveargs import check_model, resolve_model_dir
 from ..store import root_problem
 from .broadcast import TRANSPORTS, check_transport
-from .checkpoint import check_model, expected_from_checkpoint, resolve_model_dir
+from .checkpoint import expected_from_checkpoint
 from .controller import DEFAULT_DRAIN_TIMEOUT, PAUSE_MODES, SwapController, check_pause_mode
 from .engine import AsyncEngineOps, engine_args
 from .http import (

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import dbsync
-from dbsync import receiver as rx_module
+from dbsync import snapshot as rx_module
 from dbsync import tensorstate
 
 THREADS = 8

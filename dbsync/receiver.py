@@ -23,736 +23,51 @@ Hazards, stated plainly:
   it and removes the lease.
 """
 
+
 from __future__ import annotations
 
-import collections
-import contextlib
 import errno
 import itertools
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
-from . import fileio, gcpause, gilswitch, scatter
-from .copyplan import (
-    MISSING,
-    PlanCache,
-    fit_problems,
-    problem_listing,
-    tie_key,
-    tied_to_published,
-)
+from . import gcpause
+from .copyplan import PlanCache
 from .errors import (
     DamagedVersionError,
     DBSyncError,
     FormatError,
     IncompatibleWeightsError,
-    LeaseExpiredError,
     StoreRewoundError,
 )
-from .fileio import ShardView, checksum, settle, wait_all
-from .format import Head, Manifest, check_reader_id, describe_name, shard_file
+from .format import Head, Manifest, check_reader_id
+from .leasekeeper import LeaseKeeper
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
-    IDLE,
-    READING,
     ReaderIdInUse,
     check_lease_timeout,
     claim_reader_id,
     default_reader_id,
-    host_identity,
     release_reader_id,
 )
+from .snapshot import LeaseNotRenewed, SlotReused, Snapshot
 from .store import Store
 from .workers import WorkerPools
 
 if TYPE_CHECKING:
-    from tensordict import TensorDict
-
     from .watch import Watcher
 
 log = logging.getLogger(__name__)
 
+__all__ = ["LoadWeights", "Receiver", "Snapshot"]
+
 LoadWeights = Callable[[Iterable[tuple[str, Any]]], Any]
-#: the suffix of a module's extra state in its state_dict (``nn.Module.get_extra_state``)
-_EXTRA_STATE = "_extra_state"
-#: bytes per verification / copy task
-_TASK_BYTES = 16 << 20
 _LEASELESS_RETRIES = 5
-#: tensors per autograd version bump call
-_BUMP_CHUNK = 512
-_EMPTY_CHECKSUM = checksum(b"")
-
-
-class _LeaseNotRenewed(LeaseExpiredError):
-    """The lease was not renewed in time, though the slot still holds the version: a load
-    reads it again (the read renews the lease first)."""
-
-
-class _SlotReused(LeaseExpiredError):
-    """A leaseless read saw the slot change before anything was applied: read again."""
-
-
-class _LeaseKeeper:
-    """Writes and refreshes one reader's lease from a heartbeat thread. Holds no reference to
-    its Receiver, so a Receiver dropped without ``close()`` is collected and stops it."""
-
-    def __init__(self, store: Store, reader_id: str, timeout: float, report_loaded: bool):
-        self.store = store
-        self.reader_id = reader_id
-        self.timeout = timeout
-        self.report_loaded = report_loaded
-        self.held: dict[int, tuple[str, int]] = {}
-        self.loaded: dict[str, Any] = {}
-        self.refused: dict[str, Any] | None = None
-        self.lock = threading.Lock()
-        self.beat = 0
-        self.last_ok: float | None = None
-        self.error: OSError | None = None
-        self._thread: threading.Thread | None = None
-        self._closing = False
-        self._ended = False
-        self._wake = threading.Event()  # wakes the heartbeat early (a release, the end)
-        self._released: collections.deque[int] = collections.deque()  # see release_later
-        self._pid = os.getpid()
-        #: this process's claim on the reader id (``leases.claim_reader_id``), if it made one
-        self.claim: tuple[Any, str] | None = None
-
-    def record(self) -> dict[str, Any]:
-        held = sorted(self.held.values())
-        slot, version = held[-1] if held else (None, None)
-        return {
-            "reader_id": self.reader_id, **host_identity(), "pid": os.getpid(),
-            "lease_timeout": self.timeout,
-            "state": READING if held else IDLE, "slot": slot, "version": version,
-            "held": [list(h) for h in held],
-            "loaded_version": self.loaded.get("version") if self.report_loaded else None,
-            "loaded_run_id": self.loaded.get("run_id") if self.report_loaded else None,
-            "loaded_at": self.loaded.get("at") if self.report_loaded else None,
-            "refused": self.refused,
-            "beat": self.beat, "updated_at": time.time(),
-        }
-
-    def write(self) -> bool:
-        """Write the lease now; False (logged once per kind of error) if it cannot be."""
-        if os.getpid() != self._pid:
-            return False  # a forked child: the lease is its parent's
-        with self.lock:
-            if self._ended:  # (a closed receiver's lease stays removed)
-                return False
-            self.beat += 1
-            started = time.monotonic()
-            try:
-                self.store.write_lease(self.reader_id, self.record())
-            except (OSError, FormatError) as exc:
-                err = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
-                if self.error is None or self.error.errno != err.errno:
-                    level = logging.INFO if err.errno in (errno.EROFS, errno.EACCES,
-                                                          errno.EPERM) else logging.WARNING
-                    log.log(level, "reader %s cannot write its lease in %s (%s): loads go on "
-                            "without a lease (private verified copies); the writer and `dbsync "
-                            "status` do not see this reader meanwhile", self.reader_id,
-                            self.store.root, err.strerror or err)
-                self.error = err
-                return False
-            if self.error is not None:
-                log.info("reader %s writes its lease in %s again", self.reader_id,
-                         self.store.root)
-                self.error = None
-            self.last_ok = started
-            return True
-
-    def trusted(self) -> bool:
-        """Whether the writer must still consider this lease live (renewed recently enough)."""
-        return self.last_ok is not None and time.monotonic() - self.last_ok < 0.9 * self.timeout
-
-    def hold(self, token: int, slot: str, version: int) -> bool:
-        """Add a hold and write the lease; False (no hold) once the keeper is closing."""
-        with self.lock:
-            if self._closing:
-                return False
-            self.held[token] = (slot, version)
-        return self.write()
-
-    def release(self, token: int) -> None:
-        if os.getpid() != self._pid:
-            return  # a forked child: the holds and the lease are its parent's
-        with self.lock:
-            if self.held.pop(token, None) is None:
-                return
-            last = self._closing and not self.held
-        if last:  # the receiver was closed while this hold lasted: end now
-            self._end()
-        else:
-            self.write()
-
-    def release_later(self, token: int) -> None:
-        """``release`` from the heartbeat thread, soon: for a snapshot's finalizer, which
-        garbage collection may run in any thread, this one included, even inside ``write``
-        (holding ``lock``)."""
-        self._released.append(token)
-        self._wake.set()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="dbsync-lease", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(self.timeout / 4)
-            self._wake.clear()
-            while self._released and not self._ended:
-                self.release(self._released.popleft())
-            if self._ended:
-                return
-            self.write()
-
-    def close(self) -> None:
-        """Stop the heartbeat and remove the lease, or, while snapshots still hold slots,
-        once the last of them is released (their slots stay protected until then)."""
-        with self.lock:
-            self._closing = True
-            if self.held:
-                return
-        self._end()
-
-    def _end(self) -> None:
-        with self.lock:
-            if self._ended:
-                return
-            self._ended = True
-        self._wake.set()
-        if self._thread is None:
-            return  # never wrote a lease (read-only): the file, if any, is another reader's
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-        try:
-            self.store.remove_lease(self.reader_id)
-        except (OSError, FormatError):
-            pass
-        release_reader_id(self.claim)
-
-
-class Snapshot:
-    """One opened version: leased (shards mapped) or leaseless (private verified copies).
-    Use as a context manager; the hold on the slot ends on exit (or, for a snapshot dropped
-    without ``close()``, once it is garbage-collected: its views are then unprotected)."""
-
-    def __init__(self, receiver: Receiver, manifest: Manifest, token: int, leased: bool):
-        self.receiver = receiver
-        self.manifest = manifest
-        self.leased = leased
-        self._token = token
-        # (a snapshot dropped without close() releases its hold too: its views are then
-        # unprotected, as documented, but the writer is not blocked forever)
-        self._dropped = weakref.finalize(self, receiver._keeper.release_later, token)
-        self._shards: dict[int, ShardView] = {}
-        self._missing: dict[str, str] = {}
-        self._closed = False
-        self._verified = False
-        store = receiver.store
-        bad_shards: dict[int, str] = {}
-        for i, size in enumerate(manifest.shards):
-            try:
-                self._shards[i] = ShardView(store.open_shard(manifest.slot, i), size,
-                                            private_copy=not leased)
-            except FileNotFoundError:
-                bad_shards[i] = "its shard file is missing"
-            except PermissionError as exc:  # not damage: this user may not read it
-                self.close()
-                raise DBSyncError(
-                    f"{os.path.join(store.slot_dir(manifest.slot), shard_file(i))}: "
-                    f"{exc.strerror or exc} for this process (uid {os.getuid()}); nothing is "
-                    "known to be damaged: read the store as a user who may read its files"
-                ) from None
-            except (OSError, FormatError) as exc:
-                bad_shards[i] = f"shard {i}: {exc}"
-        if bad_shards:
-            for entry in manifest.tensors:
-                if entry.nbytes and entry.shard in bad_shards:
-                    self._missing[entry.name] = bad_shards[entry.shard]
-        if bad_shards and not self._missing:  # shards no tensor uses: still damage
-            self._missing.update({f"<shard {i}>": why for i, why in bad_shards.items()})
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
-
-    @property
-    def run_id(self) -> str:
-        return self.manifest.run_id
-
-    def verify(self, threads: int = 4, by_reading: bool = False) -> None:
-        """Check every checksum; raise one ``DamagedVersionError`` naming every bad tensor.
-        Reads each byte once (which also warms the page cache for the apply).
-
-        Hazard: by default a leased snapshot hashes its shards' mappings, and a shard file
-        truncated meanwhile (only a process breaking the protocol can: a writer never touches
-        a leased slot) kills this process with SIGBUS. ``by_reading=True`` hashes what
-        ``preadv`` returns instead (a little slower: one more copy); a shard that shrank is
-        then reported as damaged (``dbsync verify`` reads this way)."""
-        self._start_verify(threads, by_reading)()
-
-    def _start_verify(self, threads: int, by_reading: bool = False) -> Callable[[], None]:
-        """Start ``verify`` (hashing in the receiver's worker threads) and return the call
-        that waits for it and raises as ``verify`` does; it must be called."""
-        if self._closed:
-            raise DBSyncError(f"version {self.version}'s snapshot is closed; open it again")
-        ranges = self.manifest.ranges
-        present = self._shards
-        todo = [i for i, r in enumerate(ranges) if r.shard in present]
-        if by_reading and self.leased:
-            bad = self._hash_by_reading(todo, threads)
-            return lambda: self._judge(bad)
-        hashed = self._hash_views(todo, threads)
-        return lambda: self._judge(hashed())
-
-    def _judge(self, bad: dict[int, str]) -> None:
-        """Raise one ``DamagedVersionError`` for the bad ranges ``bad`` and missing shards."""
-        ranges = self.manifest.ranges
-        present = self._shards
-        for i, r in enumerate(ranges):
-            if r.shard not in present and (not r.nbytes and r.checksum != _EMPTY_CHECKSUM):
-                bad[i] = f"checksum {_EMPTY_CHECKSUM} != {r.checksum}"
-        damaged = dict(self._missing)
-        if bad:
-            hit = self.manifest.tensors_in(set(bad))
-            for entry in hit:
-                damaged.setdefault(entry.name, bad[entry.range])
-            # damage no tensor lies in is still damage
-            for i in sorted(set(bad) - {e.range for e in hit}):
-                r = ranges[i]
-                damaged[f"<bytes [{r.offset}, {r.offset + r.nbytes}) of shard {r.shard}>"] = \
-                    bad[i]
-        if damaged or self.leased:
-            # (a private copy whose every checksum matched is the version, whatever the slot
-            # holds now; damage in one may be a writer's reuse of the slot: said as such)
-            self.check_unchanged()
-        if damaged:
-            names = ", ".join(describe_name(n) for n in list(damaged)[:10])
-            more = " ..." if len(damaged) > 10 else ""
-            shards = "; ".join(sorted(set(self._missing.values())))[:500]
-            where = (f" in {len(bad)} checked range(s); a range is checked as a whole, so "
-                     "every tensor in it is named" if bad else "")
-            raise DamagedVersionError(
-                f"version {self.version} in {self.receiver.store.slot_dir(self.manifest.slot)} "
-                f"is damaged ({len(damaged)} tensor(s){where}: {names}{more})"
-                + (f" [{shards}]" if shards else "") + "; nothing was applied. "
-                "Run `dbsync verify ROOT` and publish again from the trainer",
-                damaged,
-            )
-        self._verified = True
-
-    def _hash_views(self, todo: list[int], threads: int) -> Callable[[], dict[int, str]]:
-        """Start hashing; the returned call waits and gives {range: why} of every checked
-        range in ``todo`` whose bytes in the shards' views do not hash to its checksum.
-        Ranges are a few MiB (xxh3 releases the GIL), so the threads hash in parallel whatever
-        the tensor count."""
-        ranges = self.manifest.ranges
-        views = {i: shard.view() for i, shard in self._shards.items()}
-
-        def run(bounds: tuple[int, int]) -> list[tuple[int, str]]:
-            bad = []
-            for i in todo[bounds[0]:bounds[1]]:
-                r = ranges[i]
-                got = checksum(views[r.shard][r.offset:r.offset + r.nbytes])
-                if got != r.checksum:
-                    bad.append((i, _mismatch(got, r)))
-            return bad
-
-        pool = self.receiver.workers.get(threads)
-        futures = [pool.submit(run, bounds)
-                   for bounds in _task_bounds([ranges[i].nbytes for i in todo])]
-
-        def result() -> dict[int, str]:
-            wait_all(futures)
-            return dict(itertools.chain.from_iterable(f.result() for f in futures))
-
-        return result
-
-    def _hash_by_reading(self, todo: list[int], threads: int) -> dict[int, str]:
-        """{range: why} of every bad checked range in ``todo``, hashing ``preadv`` reads of
-        the shard files (reopened, each checked to be the file mapped), a bounded number of
-        shards open at a time."""
-        ranges = self.manifest.ranges
-        by_shard: dict[int, list[int]] = {}
-        for i in todo:
-            by_shard.setdefault(ranges[i].shard, []).append(i)
-        shards = sorted(by_shard)
-        bad: dict[int, str] = {}
-
-        def run(fd: int, group: Sequence[int]) -> list[tuple[int, str]]:
-            found = []
-            buf = bytearray(min(fileio.CHUNK_BYTES, max(ranges[i].nbytes for i in group) or 1))
-            view = memoryview(buf)
-            for i in group:
-                r = ranges[i]
-                hasher = xxhash.xxh3_64()
-                done = 0
-                while done < r.nbytes:
-                    piece = view[:min(len(buf), r.nbytes - done)]
-                    got = os.preadv(fd, [piece], r.offset + done)
-                    if got <= 0:
-                        break
-                    hasher.update(piece[:got])
-                    done += got
-                if done < r.nbytes:
-                    found.append((i, "its shard file is shorter than the manifest says "
-                                     "(truncated while it was held?)"))
-                elif (got_sum := hasher.hexdigest()) != r.checksum:
-                    found.append((i, _mismatch(got_sum, r)))
-            return found
-
-        pool = self.receiver.workers.get(threads)
-        for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
-            batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
-            try:
-                fds = self._reopen(batch)
-            except FileNotFoundError:  # removed while held: damage, named by tensor
-                bad.update((i, "its shard file was removed while the version was held")
-                           for shard in batch for i in by_shard[shard])
-                continue
-            futures: list[Any] = []
-            try:
-                for shard in batch:
-                    group = by_shard[shard]
-                    for a, b in _task_bounds([ranges[i].nbytes for i in group]):
-                        futures.append(pool.submit(run, fds[shard], group[a:b]))
-                wait_all(futures)
-                for future in futures:
-                    bad.update(future.result())
-            except BaseException:
-                settle(futures)  # (before the files close: no task may read a closed fd)
-                raise
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
-        return bad
-
-    def check_compatible(self, expected: Mapping[str, tuple[tuple[int, ...], Any]],
-                         allow_missing: Iterable[str] = (), cast_floats: bool = False) -> None:
-        """Raise ``IncompatibleWeightsError`` unless names, shapes and dtypes match
-        ``expected`` (name -> (shape, dtype)). Names in ``allow_missing`` may be absent. With
-        ``cast_floats``, a floating dtype fits any floating dtype (cast on apply)."""
-        problems: dict[str, str] = {}
-        optional = set(allow_missing)
-        for entry in self.manifest.tensors:
-            want = expected.get(entry.name)
-            if want is None:
-                problems[entry.name] = "not a parameter of the served model"
-                continue
-            shape, dtype = tuple(want[0]), want[1]
-            if tuple(entry.shape) != shape:
-                problems[entry.name] = f"shape {list(entry.shape)} != expected {list(shape)}"
-            elif entry.torch_dtype != dtype and not (
-                    cast_floats and entry.torch_dtype.is_floating_point
-                    and dtype.is_floating_point):
-                problems[entry.name] = f"dtype {entry.dtype} != expected {dtype}"
-        published = {e.name for e in self.manifest.tensors}
-        for name in expected:
-            if name not in published and name not in optional:
-                problems[name] = MISSING
-        if problems:
-            raise IncompatibleWeightsError(
-                f"version {self.version} does not fit the model {problem_listing(problems)}. "
-                "Publish weights of the served architecture", problems)
-
-    def tensors(self) -> Iterator[tuple[str, Any]]:
-        """(name, tensor) in manifest order; views valid only while the snapshot is open.
-        Every checksum is checked first (once per snapshot) when the receiver verifies
-        (``Receiver(verify=True)``, the default) and always for a private copy: a damaged
-        version raises ``DamagedVersionError`` before the first tensor is handed out."""
-        self._check_open()
-        if not self._verified and self.receiver.verify:
-            self.verify()
-        return self._views()
-
-    def _views(self) -> Iterator[tuple[str, Any]]:
-        """``tensors()`` without the receiver's verify setting (a caller that decided)."""
-        self._check_open()
-        if self._missing:
-            raise DamagedVersionError(
-                f"version {self.version} is missing shards: "
-                + ", ".join(sorted(set(self._missing.values()))), self._missing)
-        if not self.leased and not self._verified:
-            self.verify()  # a private copy is trusted only once its checksums match
-        return ((entry.name, self._tensor(entry)) for entry in self.manifest.tensors)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DBSyncError(f"version {self.version}'s snapshot is closed; open it again")
-
-    def _tensor(self, entry: Any) -> Any:
-        return self._shards[entry.shard].tensor(entry.torch_dtype, entry.shape, entry.offset,
-                                                entry.nbytes)
-
-    def tensordict(self) -> TensorDict:
-        """The version as a flat ``TensorDict`` of views, keyed by tensor name (names are not
-        split at '.'). Valid only while the snapshot is open, like ``tensors()``."""
-        from tensordict import TensorDict
-
-        return TensorDict(dict(self.tensors()), batch_size=[])
-
-    def copy_into(self, target: Any, threads: int = 8, strict: bool = True,
-                  verify: bool | None = None) -> int:
-        """Copy this version into the existing tensors of ``target`` (an ``nn.Module``'s
-        parameters and buffers by ``state_dict`` name, a dict of tensors, or a TensorDict by
-        its keys joined with '.'), in parallel
-        threads; names and shapes are checked before the first byte is copied. Floating dtypes
-        are cast. Returns the bytes copied. ``verify`` (default: the receiver's setting):
-        check every checksum first (as ``verify()``, in other threads while the copy is
-        planned); damage is reported before a mismatch of names or shapes, and nothing is
-        copied after either.
-
-        Tensors of the same dtype land by scatter reads from the shard files (leased) or
-        memory copies from the verified private copy (leaseless); the rest through torch.
-        Either way each destination's autograd version is bumped, as by an in-place copy.
-
-        Hazard: the raw copies write to the destinations' memory as it was when the copy was
-        planned. Do not replace, resize or move the destination tensors (``p.data = ...``,
-        ``.to()``, ``load_state_dict(assign=True)``) from another thread while it runs."""
-        import torch
-
-        self._check_open()
-        if verify is None:
-            verify = self.receiver.verify
-        holds = _owns_its_tensors(target)  # (the copy's references may go before it ends)
-        tensordict = sys.modules.get("tensordict")  # (no TensorDict unless it was imported)
-        if isinstance(target, torch.nn.Module):
-            dest = target.state_dict(keep_vars=True)
-            for name in [k for k in dest if k == _EXTRA_STATE or k.endswith("." + _EXTRA_STATE)]:
-                if not isinstance(dest[name], torch.Tensor):
-                    del dest[name]  # a module's extra state (get_extra_state): not weights
-        elif tensordict is not None and isinstance(target, tensordict.TensorDictBase):
-            dest = dict(target.flatten_keys(".").items())  # (its own leaves, names as pushed)
-        else:
-            dest = target if type(target) is dict else dict(target)
-        if (verify or not self.leased) and not self._verified:
-            # Hashing releases the GIL; planning (a look at every destination) holds it, a
-            # chunk of tensors per call: the hashing threads get it between chunks.
-            with gilswitch.fast_switching():
-                verified = self._start_verify(threads)
-                try:
-                    plan = self._plan_copy(dest, strict)
-                except BaseException:
-                    verified()  # damage first: it says more than a mismatch
-                    raise
-                finally:
-                    _drop_own(dest, drop=holds and dest is not target)
-            verified()
-        else:
-            try:
-                plan = self._plan_copy(dest, strict)
-            finally:
-                _drop_own(dest, drop=holds and dest is not target)
-        if self._missing:
-            raise DamagedVersionError(f"version {self.version} is missing shards",
-                                      self._missing)
-        if plan.shared:
-            self._check_shared(plan.shared)
-
-        def by_torch(task: list[tuple[Any, Any]]) -> None:
-            with torch.no_grad():  # one batched copy per task: little per-tensor overhead
-                # (torch's batched copy refuses conjugate and negative views: those alone)
-                views = [(d, e) for d, e in task if d.is_conj() or d.is_neg()]
-                batched = [(d, e) for d, e in task if not (d.is_conj() or d.is_neg())]
-                if batched:
-                    torch._foreach_copy_([dst.detach() for dst, _ in batched],
-                                         [self._tensor(entry) for _, entry in batched])
-                for dst, entry in views:
-                    dst.detach().copy_(self._tensor(entry))
-
-        shards = sorted(plan.raw)
-        if self.leased and len(shards) > fileio.SHARDS_OPEN_AT_ONCE:
-            self._reopen(shards, keep_open=False)  # every file checked before any byte lands
-        self._copy(plan, shards, by_torch, threads, drop=holds)
-        return self.manifest.total_bytes
-
-    def _copy(self, plan: Any, shards: list[int], by_torch: Callable[[Any], None],
-              threads: int, drop: bool) -> None:
-        """Run the copy plan in the receiver's worker threads and bump the destinations'
-        autograd versions meanwhile (``drop``: dropping the plan's references to them as it
-        goes, see ``_bump_versions``); return once every copy has ended."""
-        pool = self.receiver.workers.get(threads)
-        # The switch interval is short from before the first task is queued until the bump
-        # ends: a copy thread woken meanwhile waits that long for the GIL, which the bump
-        # holds. (Back to normal while the copy runs on.)
-        futures: list[Any] = []
-        with contextlib.ExitStack() as switching:  # (closed once the bump is done)
-            switching.enter_context(gilswitch.fast_switching())
-            try:  # (never leave a copy running past this call; the first error is the one raised)
-                futures += [pool.submit(by_torch, plan.by_torch[a:b]) for a, b in
-                            _task_bounds([e.nbytes for _, e in plan.by_torch])]
-                for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
-                    batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
-                    fds = self._reopen(batch) if self.leased else {}
-                    try:
-                        self._queue_reads(plan, batch, fds, pool, futures)
-                        if not first:  # bumped while the first bytes land, and before a failed
-                            # read could leave it unbumped
-                            _bump_versions(plan.raw_destinations, drop)
-                            switching.close()
-                        wait_all(futures)
-                    except BaseException:
-                        settle(futures)  # (before the files close: no read on a closed fd)
-                        raise
-                    finally:
-                        for fd in fds.values():
-                            os.close(fd)
-                wait_all(futures)
-            except BaseException:
-                settle(futures)
-                raise
-
-    def _queue_reads(self, plan: Any, batch: list[int], fds: dict[int, int], pool: Any,
-                     futures: list[Any]) -> None:
-        """Submit the plan's reads of the shards ``batch`` (from ``fds`` when leased, else
-        from the private copies), appending each future as it is queued."""
-        for shard in batch:
-            for read in plan.raw[shard]:
-                if self.leased:
-                    futures.append(pool.submit(scatter.read_into, fds[shard], read))
-                else:
-                    futures.append(pool.submit(scatter.copy_from,
-                                               self._shards[shard].address(), read))
-
-    def _plan_copy(self, dest: dict[str, Any], strict: bool) -> Any:
-        cache, entries = self.receiver.copy_plans, self.manifest.tensors
-        tied = self.receiver._tied_names
-        if tied and all(n in dest and twin in dest and tie_key(dest[n]) == tie_key(dest[twin])
-                        for n, twin in tied.items()):  # (the last load's tied names)
-            plan = cache.plan(entries, {k: v for k, v in dest.items() if k not in tied},
-                              strict)
-            if plan is not None:
-                return plan
-        self.receiver._tied_names = {}
-        plan = cache.plan(entries, dest, strict)
-        if plan is None:  # something does not fit: say everything that does not
-            problems = self._copy_problems(dest, strict)
-            tied = tied_to_published(problems, dest, [e.name for e in entries])
-            if tied:  # names the version lacks only because they are tied to one it has
-                self.receiver._tied_names = tied
-                untied = {k: v for k, v in dest.items() if k not in tied}
-                plan = cache.plan(entries, untied, strict)
-                if plan is not None:
-                    return plan
-            if not problems:  # pragma: no cover
-                raise AssertionError("the copy plan and the listing of problems disagree")
-            raise IncompatibleWeightsError(
-                f"version {self.version} does not fit the target {problem_listing(problems)}; "
-                "nothing was copied. Load into tensors of the published names, shapes and "
-                "dtypes (floating dtypes are cast)", problems)
-        return plan
-
-    def _check_shared(self, shared: list[tuple[Any, Any]]) -> None:
-        """Refuse a version whose tensors differ where the target has one tensor for both
-        (tied weights): the last copy would silently overwrite the first."""
-        import torch
-
-        ranges = self.manifest.ranges
-        differ: list[tuple[Any, Any]] = []
-        for a, b in shared:
-            ra, rb = ranges[a.range], ranges[b.range]
-            if a.dtype != b.dtype:
-                same = False
-            elif (ra.offset, ra.nbytes, rb.offset, rb.nbytes) == (a.offset, a.nbytes, b.offset,
-                                                                  b.nbytes):
-                same = ra.checksum == rb.checksum  # each alone in its checked range
-            else:
-                same = torch.equal(self._tensor(a).reshape(-1).view(torch.uint8),
-                                   self._tensor(b).reshape(-1).view(torch.uint8))
-            if not same:
-                differ.append((a, b))
-        if differ:
-            raise IncompatibleWeightsError(
-                f"version {self.version} does not fit the target: "
-                + "; ".join(f"{describe_name(a.name)} and {describe_name(b.name)}"
-                            for a, b in differ[:12])
-                + " are one tensor in the target (tied weights) but differ in the version; "
-                "nothing was copied. Publish them equal (tied in the trainer too) or load into "
-                "a target where they are separate tensors",
-                {a.name: f"tied to {b.name} in the target, different in the version"
-                 for a, b in differ})
-
-    def _copy_problems(self, dest: dict[str, Any], strict: bool) -> dict[str, str]:
-        """Every reason why ``dest`` cannot take this version (name -> why)."""
-        return fit_problems([(e.name, e.shape, e.torch_dtype) for e in self.manifest.tensors],
-                            dest, strict)
-
-    def _reopen(self, shards: list[int], keep_open: bool = True) -> dict[int, int]:
-        """Open these shards again (for scatter reads); each must be the file verified.
-        With ``keep_open=False``, only check them (one open file at a time)."""
-        fds: dict[int, int] = {}
-        try:
-            for shard in shards:
-                fd = fds[shard] = self.receiver.store.open_shard(self.manifest.slot, shard)
-                st = os.fstat(fd)
-                if (st.st_dev, st.st_ino) != self._shards[shard].file_id:
-                    raise LeaseExpiredError(
-                        f"shard {shard} of slot {self.manifest.slot} was replaced while "
-                        f"version {self.version} was held (this reader's lease expired?); "
-                        "the load stopped there, and what it applied cannot be trusted: "
-                        "load again")
-                if not keep_open:
-                    os.close(fds.pop(shard))
-        except BaseException:
-            for fd in fds.values():
-                os.close(fd)
-            raise
-        return fds
-
-    def check_unchanged(self) -> None:
-        """Raise ``LeaseExpiredError`` if the writer may have started reusing this slot. (A
-        leaseless snapshot's private copy, once every checksum of it matched, is the version
-        whatever the slot holds now: nothing to check.)"""
-        if not self.leased and self._verified:
-            return
-        stamp = self.receiver.store.read_stamp(self.manifest.slot)
-        if stamp != (self.version, self.run_id):
-            cls = _SlotReused if not self.leased else LeaseExpiredError
-            raise cls(
-                f"slot {self.manifest.slot} no longer holds version {self.version} (its stamp "
-                f"says {stamp[0]!r}): "
-                + ("a writer reused it while this reader held no lease" if not self.leased else
-                   "a writer reused it after this reader's lease expired (stalled longer than "
-                   "the lease timeout), or the stamp file was damaged")
-                + ". What was read cannot be trusted: load again"
-            )
-        keeper = self.receiver._keeper
-        if self.leased and not keeper.trusted():
-            why = (f"renewing it failed: {keeper.error}" if keeper.error is not None else
-                   "this process, or its lease thread, was stalled (stopped, or starved of "
-                   "CPU)")
-            raise _LeaseNotRenewed(
-                f"reader {self.receiver.reader_id} did not renew its lease in "
-                f"{self.receiver.store.root} within 0.9 x its lease timeout "
-                f"({keeper.timeout:g} s; {why}); the writer may reuse slot "
-                f"{self.manifest.slot}, so what was read cannot be trusted: load again"
-            )
-
-    def close(self) -> None:
-        """End the hold on the slot. Safe to call more than once."""
-        if self._closed:
-            return
-        self._closed = True
-        for shard in self._shards.values():
-            shard.close()
-        self._shards.clear()
-        self._dropped.detach()
-        self.receiver._keeper.release(self._token)
-
-    def __enter__(self) -> Snapshot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 _OVERLAY_CHECKED: set[str] = set()  # roots this process looked at (receivers come per swap)
@@ -775,65 +90,6 @@ def _warn_if_under_an_overlay(root: str) -> None:
             "damaged), and this reader's lease lands in the overlay's upper layer, where the "
             "trainer never sees it. Mount the store directory itself (a bind mount or a "
             "volume)", root, lower)
-
-
-def _drop_own(dest: dict[str, Any], drop: bool) -> None:
-    """Empty ``dest`` if ``drop`` (it was built for this copy from a module, whose parameters
-    and buffers own their memory): now, just after planning looked at every tensor in it,
-    rather than on return, after the copy has pushed them out of the caches (see
-    ``_bump_versions``). Other targets' flattened tensors are kept: a mapping may hand out
-    tensors nothing else holds (a lazily stacked TensorDict), and the copy writes into them."""
-    if drop:
-        dest.clear()
-
-
-def _owns_its_tensors(target: Any) -> bool:
-    """Whether ``target`` holds every tensor the copy writes (a plain dict, a module), so the
-    copy's own references may go before it ends."""
-    import torch
-
-    return type(target) is dict or isinstance(target, torch.nn.Module)
-
-
-def _bump_versions(tensors: list[Any], drop: bool) -> None:
-    """Bump the autograd version of ``tensors``, as an in-place copy does, ``_BUMP_CHUNK`` at
-    a time: each call holds the GIL (~0.15 us per tensor when the caches are cold), and the
-    copy threads need it between two reads.
-
-    ``drop`` (only where the target holds every tensor itself): empty ``tensors`` as it goes,
-    a chunk's references right after its bump, while its tensors are in the caches. Dropped
-    after the copy instead, when the bytes copied have pushed them out, they cost one more
-    cache miss per tensor on the caller's time."""
-    import torch
-
-    bump = torch.autograd.graph.increment_version
-    for lo in range(0, len(tensors), _BUMP_CHUNK):
-        chunk = tensors[lo:lo + _BUMP_CHUNK]
-        bump(chunk)
-        if drop:
-            tensors[lo:lo + len(chunk)] = itertools.repeat(None, len(chunk))
-        del chunk
-    if drop:
-        tensors.clear()
-
-
-def _mismatch(got: str, r: Any) -> str:
-    return (f"checksum {got} != {r.checksum} (its checked range: bytes [{r.offset}, "
-            f"{r.offset + r.nbytes}) of shard {r.shard})")
-
-
-def _task_bounds(sizes: list[int]) -> list[tuple[int, int]]:
-    """(start, stop) index ranges of about ``_TASK_BYTES`` each (a big item alone)."""
-    out: list[tuple[int, int]] = []
-    start = total = 0
-    for i, n in enumerate(sizes):
-        if total and total + n > _TASK_BYTES:
-            out.append((start, i))
-            start, total = i, 0
-        total += n
-    if start < len(sizes):
-        out.append((start, len(sizes)))
-    return out
 
 
 class Receiver:
@@ -872,7 +128,7 @@ class Receiver:
         #: published one ({name: published twin}; checked again at every load)
         self._tied_names: dict[str, str] = {}
         self._tokens = itertools.count(1)
-        self._keeper = _LeaseKeeper(self.store, self.reader_id, self.lease_timeout,
+        self._keeper = LeaseKeeper(self.store, self.reader_id, self.lease_timeout,
                                     report_loaded)
         _warn_if_under_an_overlay(self.store.root)
         self.read_only = self._decide_read_only(read_only)
@@ -972,7 +228,7 @@ class Receiver:
                 raise
             try:
                 snap.check_unchanged()
-            except _SlotReused:
+            except SlotReused:
                 snap.close()
                 if version is not None:
                     raise self._gone(version) from None
@@ -1048,13 +304,13 @@ class Receiver:
                         target(snap._views())
                     if snap.leased:  # (a private copy was verified before the apply: it stays
                         snap.check_unchanged()  # good; a leased slot must still hold it)
-                except _SlotReused:
+                except SlotReused:
                     if attempt + 1 < _LEASELESS_RETRIES:
                         log.info("version %d was replaced while %s read it without a lease; "
                                  "reading again", snap.version, self.reader_id)
                         continue
                     raise
-                except _LeaseNotRenewed as exc:
+                except LeaseNotRenewed as exc:
                     if attempt + 1 < _LEASELESS_RETRIES:
                         log.info("%s; reading version %d again", exc, snap.version)
                         continue
@@ -1187,11 +443,9 @@ class Receiver:
         self.close()
 
 
-def _close_parts(keeper: _LeaseKeeper, workers: WorkerPools) -> None:
+def _close_parts(keeper: LeaseKeeper, workers: WorkerPools) -> None:
     keeper.close()
     workers.close()
-
-
 
 
 def _is_tensor_container(target: Any) -> bool:

@@ -221,14 +221,14 @@ def test_load_into_odd_destinations_is_exact_and_visible_to_autograd(root, read_
 def test_every_destination_of_a_many_tensor_load_has_its_autograd_version_moved(root):
     """The versions are bumped in chunks while the reads run: a destination in every chunk
     (the first, a middle and the last tensor of 1,300) refuses backward afterwards."""
-    from dbsync import receiver
+    from dbsync import snapshot
 
     count = 1300
-    assert count > 2 * receiver._BUMP_CHUNK  # (several chunks, the last one partial)
+    assert count > 2 * snapshot._BUMP_CHUNK  # (several chunks, the last one partial)
     with dbsync.Sender(root) as sender:
         sender.push({f"p{i}": torch.full((4,), float(i)) for i in range(count)})
     params = {f"p{i}": torch.nn.Parameter(torch.zeros(4)) for i in range(count)}
-    watched = [0, receiver._BUMP_CHUNK + 7, count - 1]
+    watched = [0, snapshot._BUMP_CHUNK + 7, count - 1]
     graphs = [(params[f"p{i}"] * params[f"p{i}"]).sum() for i in watched]
     with dbsync.Receiver(root) as rx:
         assert rx.load(params) == 1

@@ -1,0 +1,170 @@
+"""LeaseKeeper: one reader's lease file, written on construction and refreshed from a heartbeat
+thread (a small file write every ``timeout / 4``), so the writer and ``dbsync status`` can tell
+the reader is alive and which slots it holds.
+
+Hazards, stated plainly:
+- The keeper holds no reference to its Receiver: a Receiver dropped without ``close()`` is
+  collected and stops it. Its holds then end, and the views of a snapshot still in use are
+  unprotected.
+- A lease that cannot be written (a read-only view, a full disk) is not an error: loads go on
+  without one (private verified copies), and the failure is logged once per kind of error.
+- A forked child never writes or releases its parent's lease.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from .errors import FormatError
+from .leases import IDLE, READING, host_identity, release_reader_id
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LeaseKeeper"]
+
+
+class LeaseKeeper:
+    """Writes and refreshes one reader's lease from a heartbeat thread. Holds no reference to
+    its Receiver, so a Receiver dropped without ``close()`` is collected and stops it."""
+
+    def __init__(self, store: Store, reader_id: str, timeout: float, report_loaded: bool):
+        self.store = store
+        self.reader_id = reader_id
+        self.timeout = timeout
+        self.report_loaded = report_loaded
+        self.held: dict[int, tuple[str, int]] = {}
+        self.loaded: dict[str, Any] = {}
+        self.refused: dict[str, Any] | None = None
+        self.lock = threading.Lock()
+        self.beat = 0
+        self.last_ok: float | None = None
+        self.error: OSError | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._ended = False
+        self._wake = threading.Event()  # wakes the heartbeat early (a release, the end)
+        self._released: collections.deque[int] = collections.deque()  # see release_later
+        self._pid = os.getpid()
+        #: this process's claim on the reader id (``leases.claim_reader_id``), if it made one
+        self.claim: tuple[Any, str] | None = None
+
+    def record(self) -> dict[str, Any]:
+        held = sorted(self.held.values())
+        slot, version = held[-1] if held else (None, None)
+        return {
+            "reader_id": self.reader_id, **host_identity(), "pid": os.getpid(),
+            "lease_timeout": self.timeout,
+            "state": READING if held else IDLE, "slot": slot, "version": version,
+            "held": [list(h) for h in held],
+            "loaded_version": self.loaded.get("version") if self.report_loaded else None,
+            "loaded_run_id": self.loaded.get("run_id") if self.report_loaded else None,
+            "loaded_at": self.loaded.get("at") if self.report_loaded else None,
+            "refused": self.refused,
+            "beat": self.beat, "updated_at": time.time(),
+        }
+
+    def write(self) -> bool:
+        """Write the lease now; False (logged once per kind of error) if it cannot be."""
+        if os.getpid() != self._pid:
+            return False  # a forked child: the lease is its parent's
+        with self.lock:
+            if self._ended:  # (a closed receiver's lease stays removed)
+                return False
+            self.beat += 1
+            started = time.monotonic()
+            try:
+                self.store.write_lease(self.reader_id, self.record())
+            except (OSError, FormatError) as exc:
+                err = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
+                if self.error is None or self.error.errno != err.errno:
+                    level = logging.INFO if err.errno in (errno.EROFS, errno.EACCES,
+                                                          errno.EPERM) else logging.WARNING
+                    log.log(level, "reader %s cannot write its lease in %s (%s): loads go on "
+                            "without a lease (private verified copies); the writer and `dbsync "
+                            "status` do not see this reader meanwhile", self.reader_id,
+                            self.store.root, err.strerror or err)
+                self.error = err
+                return False
+            if self.error is not None:
+                log.info("reader %s writes its lease in %s again", self.reader_id,
+                         self.store.root)
+                self.error = None
+            self.last_ok = started
+            return True
+
+    def trusted(self) -> bool:
+        """Whether the writer must still consider this lease live (renewed recently enough)."""
+        return self.last_ok is not None and time.monotonic() - self.last_ok < 0.9 * self.timeout
+
+    def hold(self, token: int, slot: str, version: int) -> bool:
+        """Add a hold and write the lease; False (no hold) once the keeper is closing."""
+        with self.lock:
+            if self._closing:
+                return False
+            self.held[token] = (slot, version)
+        return self.write()
+
+    def release(self, token: int) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child: the holds and the lease are its parent's
+        with self.lock:
+            if self.held.pop(token, None) is None:
+                return
+            last = self._closing and not self.held
+        if last:  # the receiver was closed while this hold lasted: end now
+            self._end()
+        else:
+            self.write()
+
+    def release_later(self, token: int) -> None:
+        """``release`` from the heartbeat thread, soon: for a snapshot's finalizer, which
+        garbage collection may run in any thread, this one included, even inside ``write``
+        (holding ``lock``)."""
+        self._released.append(token)
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dbsync-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.timeout / 4)
+            self._wake.clear()
+            while self._released and not self._ended:
+                self.release(self._released.popleft())
+            if self._ended:
+                return
+            self.write()
+
+    def close(self) -> None:
+        """Stop the heartbeat and remove the lease, or, while snapshots still hold slots,
+        once the last of them is released (their slots stay protected until then)."""
+        with self.lock:
+            self._closing = True
+            if self.held:
+                return
+        self._end()
+
+    def _end(self) -> None:
+        with self.lock:
+            if self._ended:
+                return
+            self._ended = True
+        self._wake.set()
+        if self._thread is None:
+            return  # never wrote a lease (read-only): the file, if any, is another reader's
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        try:
+            self.store.remove_lease(self.reader_id)
+        except (OSError, FormatError):
+            pass
+        release_reader_id(self.claim)

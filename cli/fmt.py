@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -21,8 +24,27 @@ def human_time(ts: float | None, now: float | None = None) -> str:
     """``2026-01-02 03:04:05 UTC (12 s ago)``; ``-`` for a missing timestamp."""
     if not isinstance(ts, int | float):
         return "-"
-    stamp = datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        stamp = datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):  # (a damaged record: any number at all)
+        return f"{str(ts)[:24]} (not a time)"
     return f"{stamp} ({human_age((now or time.time()) - ts)} ago)"
+
+
+def json_line(record: Any, **kwargs: Any) -> str:
+    """``record`` as strict JSON: a non-finite number (a damaged record may hold one) becomes
+    null, so every parser reads the output."""
+    return json.dumps(_finite(record), allow_nan=False, **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def human_age(seconds: float | None) -> str:

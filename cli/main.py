@@ -13,7 +13,6 @@ command imports what it needs when it runs (``--help`` never imports torch).
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 import threading
@@ -26,7 +25,7 @@ from dbsync import __version__
 from dbsync.errors import DBSyncError
 
 from . import pipes
-from .fmt import human_age, human_bytes, human_time, table
+from .fmt import human_age, human_bytes, human_time, json_line, table
 
 if TYPE_CHECKING:
     from dbsync.store import Store
@@ -286,13 +285,13 @@ def status(root: str, as_json: bool) -> None:
             manifest, problems = current_problems(store)  # published meanwhile: look again
     except (DBSyncError, OSError) as exc:
         if as_json:  # a monitoring script still gets one JSON object, saying what failed
-            click.echo(json.dumps({"root": store.root, "error": f"{type(exc).__name__}: {exc}"},
-                                  indent=1, sort_keys=True))
+            click.echo(json_line({"root": store.root, "error": f"{type(exc).__name__}: {exc}"},
+                                 indent=1, sort_keys=True))
         raise
     info["problems"] = problems
     info["receivers"] = with_reasons(info["receivers"])
     if as_json:
-        click.echo(json.dumps(info, indent=1, sort_keys=True))
+        click.echo(json_line(info, indent=1, sort_keys=True))
     else:
         for line in _status_lines(info):
             click.echo(printable(line))
@@ -407,7 +406,7 @@ def _version_line(store: Store, version: int, as_json: bool) -> str:
         record.update(slot=head.slot, tensors=head.tensor_count, bytes=head.total_bytes,
                       published_at=head.created_at, run_id=head.run_id)
     if as_json:
-        return json.dumps(record, sort_keys=True)
+        return json_line(record, sort_keys=True)
     if "slot" not in record:
         return f"version {version}"
     return (f"version {version}  slot {record['slot']}  {record['tensors']} tensors  "

@@ -385,9 +385,13 @@ class ShardView:
     The fd is closed on construction: a mapping keeps the file's pages, not a descriptor, so
     the open-file count does not grow with the number of shards held."""
 
-    def __init__(self, fd: int, nbytes: int, private_copy: bool):
+    def __init__(self, fd: int, nbytes: int, private_copy: bool, needed: int | None = None):
+        """``nbytes``: the file's size (checked); ``needed``: how many of its first bytes a
+        private copy holds (default all: the rest, covered by no checked range, is never
+        read)."""
         self.nbytes = nbytes
         self.private_copy = private_copy
+        copied = nbytes if needed is None else min(max(needed, 0), nbytes)
         self._bytes: Any = None
         try:
             st = os.fstat(fd)
@@ -397,16 +401,16 @@ class ShardView:
             if size != nbytes:
                 raise OSError(f"has {size} bytes, expected {nbytes}")
             self._buf: Any = b""
-            if nbytes and private_copy:
+            if copied and private_copy:
                 try:
-                    self._buf = bytearray(nbytes)
+                    self._buf = bytearray(copied)
                 except MemoryError:
                     raise OSError(
-                        f"a private copy of {nbytes} bytes does not fit in memory (readers "
+                        f"a private copy of {copied} bytes does not fit in memory (readers "
                         "without a lease copy each shard; give this receiver write access to "
                         "the store's readers/ so it can lease and map instead)") from None
                 view = memoryview(self._buf)
-                for start in range(0, nbytes, CHUNK_BYTES):
+                for start in range(0, copied, CHUNK_BYTES):
                     piece = view[start:start + CHUNK_BYTES]
                     if os.preadv(fd, [piece], start) != len(piece):
                         raise OSError("shrank while being read")
@@ -421,7 +425,7 @@ class ShardView:
 
     def address(self) -> int:
         """The address of the shard's first byte in memory (valid while this view is open)."""
-        return self._whole().data_ptr() if self.nbytes else 0
+        return self._whole().data_ptr() if len(self._buf) else 0
 
     def _whole(self) -> Any:
         if self._bytes is None:  # one tensor over the whole shard; each tensor is a slice

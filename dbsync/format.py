@@ -49,6 +49,8 @@ SHARD_BYTES = 512 << 20
 #: Every tensor starts at a multiple of this inside its shard (any dtype's view is aligned).
 ALIGN = 64
 _MAX_INT = 2**62  # any size or offset beyond this is garbage (and beyond what torch can hold)
+#: the highest version a head may name (readers refuse a head beyond it as garbage)
+MAX_VERSION = _MAX_INT
 _MAX_DIMS = 64
 
 DTYPE_SIZES: dict[str, int] = {
@@ -212,8 +214,8 @@ class Head:
         index = data.get("index")
         if not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
             problems.append("run_id must be 32 hex digits")
-        if not _is_int(version, 1):
-            problems.append("version must be an integer >= 1")
+        if not _is_int(version, 1, MAX_VERSION):
+            problems.append(f"version must be an integer in [1, {MAX_VERSION}]")
         if slot not in SLOTS:
             problems.append(f"slot must be one of {SLOTS}")
         if kind not in KINDS:
@@ -326,8 +328,8 @@ class Index:
         run_id, version = data.get("run_id"), data.get("version")
         if not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
             problems.append("run_id must be 32 hex digits")
-        if not _is_int(version, 1):
-            problems.append("version must be an integer >= 1")
+        if not _is_int(version, 1, MAX_VERSION):
+            problems.append(f"version must be an integer in [1, {MAX_VERSION}]")
         shards: list[int] = []
         raw_shards = data.get("shards")
         if not isinstance(raw_shards, list):

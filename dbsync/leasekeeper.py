@@ -39,7 +39,8 @@ class LeaseKeeper:
         self.reader_id = reader_id
         self.timeout = timeout
         self.report_loaded = report_loaded
-        self.held: dict[int, tuple[str, int]] = {}
+        #: token -> (slot, version, run id) of each hold
+        self.held: dict[int, tuple[str, int, str | None]] = {}
         self.loaded: dict[str, Any] = {}
         self.refused: dict[str, Any] | None = None
         self.lock = threading.Lock()
@@ -56,8 +57,8 @@ class LeaseKeeper:
         self.claim: tuple[Any, str] | None = None
 
     def record(self) -> dict[str, Any]:
-        held = sorted(self.held.values())
-        slot, version = held[-1] if held else (None, None)
+        held = sorted(self.held.values(), key=lambda h: (h[0], h[1]))
+        slot, version = held[-1][:2] if held else (None, None)
         return {
             "reader_id": self.reader_id, **host_identity(), "pid": os.getpid(),
             "lease_timeout": self.timeout,
@@ -103,12 +104,13 @@ class LeaseKeeper:
         """Whether the writer must still consider this lease live (renewed recently enough)."""
         return self.last_ok is not None and time.monotonic() - self.last_ok < 0.9 * self.timeout
 
-    def hold(self, token: int, slot: str, version: int) -> bool:
-        """Add a hold and write the lease; False (no hold) once the keeper is closing."""
+    def hold(self, token: int, slot: str, version: int, run_id: str | None = None) -> bool:
+        """Add a hold (of ``version`` of run ``run_id`` in ``slot``) and write the lease;
+        False (no hold) once the keeper is closing."""
         with self.lock:
             if self._closing:
                 return False
-            self.held[token] = (slot, version)
+            self.held[token] = (slot, version, run_id)
         return self.write()
 
     def release(self, token: int) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -117,31 +118,43 @@ def held_slots(lease: dict[str, Any]) -> set[str]:
     return set()
 
 
-def held_versions(lease: dict[str, Any], slot: str) -> list[Any]:
-    """The versions a lease says it holds in ``slot`` (None where a record names none)."""
+def held_versions(lease: dict[str, Any], slot: str) -> list[tuple[Any, Any]]:
+    """(version, run id) of each hold a lease says it has in ``slot`` (None where a record
+    names none: older records name no run)."""
     held = lease.get("held")
     if isinstance(held, list):
-        return [h[1] if len(h) > 1 else None for h in held
+        return [(h[1] if len(h) > 1 else None, h[2] if len(h) > 2 else None) for h in held
                 if isinstance(h, list) and h and h[0] == slot]
     if lease.get("state") == READING and lease.get("slot") == slot:
-        return [lease.get("version")]
+        return [(lease.get("version"), None)]
     return []
 
 
-def blocks(lease: dict[str, Any], slot: str, stamp_version: Any) -> bool:
-    """Whether a (live) lease keeps the writer out of ``slot``, whose stamp names
-    ``stamp_version``. A hold of another version than the slot holds is void: that version
-    was already overwritten (after its reader was judged dead), and its reader, if alive, finds
-    out from the stamp. Where the stamp is unreadable, every hold counts."""
-    versions = held_versions(lease, slot)
-    if not versions:
+#: what ``Store.read_stamp`` gives ``holders`` for a slot without a stamp file
+NO_STAMP = ("none", None)
+
+
+def blocks(lease: dict[str, Any], slot: str, stamp: tuple[Any, Any]) -> bool:
+    """Whether a (live) lease keeps the writer out of ``slot``, whose stamp names ``stamp``
+    (version, run id). A hold of another version (or run) than the slot holds is void: that
+    version was already overwritten (after its reader was judged dead), or belongs to an
+    earlier store at this path (a new run made it anew), and its reader, if alive, finds out
+    from the stamp. A slot without a stamp (``NO_STAMP``) or stamped "writing" holds no version
+    anyone could read; where the stamp is unreadable, every hold counts."""
+    holds = held_versions(lease, slot)
+    if not holds:
         return False
-    if stamp_version == "writing":
-        return False  # an interrupted write: the slot holds no version anyone could read
-    if isinstance(stamp_version, int) and not isinstance(stamp_version, bool):
-        return any(v == stamp_version or not isinstance(v, int) or isinstance(v, bool)
-                   for v in versions)
+    stamp_version, stamp_run = stamp
+    if stamp == NO_STAMP or stamp_version == "writing":
+        return False
+    if _is_version(stamp_version):
+        return any(not _is_version(v) or (v == stamp_version and run in (None, stamp_run))
+                   for v, run in holds)
     return True
+
+
+def _is_version(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def lease_problem(lease: dict[str, Any]) -> str | None:
@@ -150,7 +163,9 @@ def lease_problem(lease: dict[str, Any]) -> str | None:
     every receiver writes these fields, so it is no live reader's, and a garbled file must
     not stall pushes for up to an hour."""
     def number(value: Any) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+        if isinstance(value, float):
+            return math.isfinite(value)
+        return isinstance(value, int) and not isinstance(value, bool)
 
     pid, timeout = lease.get("pid"), lease.get("lease_timeout")
     if not isinstance(lease.get("host"), str) or not lease["host"]:
@@ -496,8 +511,8 @@ class LeaseMonitor:
         self._live = live
         if not any(slot in held_slots(lease) for lease in live.values()):
             return []
-        stamp_version, _ = self.store.read_stamp(slot)
-        return sorted(r for r, lease in live.items() if blocks(lease, slot, stamp_version))
+        stamp = self.store.read_stamp(slot, absent=NO_STAMP)
+        return sorted(r for r, lease in live.items() if blocks(lease, slot, stamp))
 
     def wait_until_free(self, slot: str, sleep: Callable[[float], Any] | None = None,
                         interval: float = 0.02, stop: threading.Event | None = None) -> float:

@@ -45,7 +45,7 @@ from .errors import (
     IncompatibleWeightsError,
     StoreRewoundError,
 )
-from .format import Head, Manifest, check_reader_id
+from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id
 from .leasekeeper import LeaseKeeper
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
@@ -206,7 +206,8 @@ class Receiver:
         for _ in range(100):
             head = self._target_head(version)
             token = next(self._tokens)
-            leased = not self.read_only and self._keeper.hold(token, head.slot, head.version)
+            leased = not self.read_only and self._keeper.hold(token, head.slot, head.version,
+                                                                  head.run_id)
             try:
                 if version is None and leased:
                     # If the head still names our version after our lease is visible, the
@@ -232,6 +233,7 @@ class Receiver:
                 snap.close()
                 if version is not None:
                     raise self._gone(version) from None
+                self._check_head_moved(head)
                 continue
             except BaseException:
                 snap.close()
@@ -240,6 +242,24 @@ class Receiver:
             return snap
         raise DBSyncError("the head changed 100 times while opening; is a writer publishing "
                           "in a tight loop?")
+
+    def _check_head_moved(self, head: Head) -> None:
+        """After a leaseless read found ``head``'s slot stamped otherwise: fine (read again)
+        if the head moved on, as it does before a writer reuses a slot; if it still names that
+        version, the slot's stamp is missing or damaged, and reading again cannot help."""
+        again = self.store.read_head()
+        if again is None or (again.run_id, again.version) != (head.run_id, head.version):
+            return
+        stamp = self.store.read_stamp(head.slot)
+        path = os.path.join(self.store.slot_dir(head.slot), SLOT_STAMP_FILE)
+        why = (f"its stamp ({path}) is missing or unreadable" if stamp == (None, None) else
+               f"its stamp ({path}) names version {str(stamp[0])[:40]} of run "
+               f"{str(stamp[1])[:40]}")
+        raise DamagedVersionError(
+            f"version {head.version} in {self.store.root}: the head names slot {head.slot}, but "
+            f"{why}, and the head did not move on (a writer reusing the slot would first have "
+            "flipped it away): the stamp is missing or damaged. Nothing was applied. Run "
+            "`dbsync verify ROOT` and publish again from the trainer", {"<slot stamp>": why})
 
     def _gone(self, version: int) -> DBSyncError:
         return DBSyncError(f"version {version} is no longer held in {self.store.root} (the "

@@ -47,6 +47,7 @@ from .format import (
     FORMAT_VERSION,
     INDEX_FILE,
     MANIFEST_FILE,
+    MAX_VERSION,
     SHARD_BYTES,
     SLOTS,
     Head,
@@ -177,6 +178,12 @@ def _index_columns(pairs: sources.Pairs, places: list[tuple[int, int]]) -> dict[
     }
 
 
+def _plausible_version(value: Any) -> bool:
+    """Whether a version read from a lease, stamp or older head can be numbered on from (a
+    damaged file may name anything)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_VERSION
+
+
 def _refuse_newer_format(root: str | os.PathLike[str]) -> None:
     """Raise ``UnsupportedFormatError`` if ``root`` holds a head written by a newer dbsync:
     rewriting it would hide its versions from newer readers. Reads only; an unreadable head
@@ -288,7 +295,7 @@ class Sender:
                             "at version 1", self.store.root, exc)
                 return uuid.uuid4().hex, 0, None
             raw = self.store.read_raw_head_json() or {}
-            version = raw.get("version") if isinstance(raw.get("version"), int) else 0
+            version = raw.get("version") if _plausible_version(raw.get("version")) else 0
             slot = raw.get("slot") if raw.get("slot") in SLOTS else None
             log.info("%s holds format %s; the next push rewrites it in this format and "
                      "continues from version %d", self.store.root, raw.get("format_version"),
@@ -306,11 +313,23 @@ class Sender:
         have. (The other slot stamped ``version + 1`` alone is a writer that died between its
         stamp and its flip: nobody saw that version.)"""
         seen: list[Any] = []
+        reported: dict[str, int] = {}  # reader id -> the version its lease reports loaded
         try:
-            seen += [lease.get("loaded_version") for lease in self.store.read_leases().values()
-                     if lease.get("loaded_run_id") == run_id]
+            leases = self.store.read_leases()
         except (OSError, FormatError):
-            pass
+            leases = {}
+        for reader, lease in leases.items():
+            loaded = lease.get("loaded_version")
+            if lease.get("loaded_run_id") != run_id or loaded is None:
+                continue
+            if not _plausible_version(loaded):
+                log.warning("%s: the lease of reader %s reports version %s loaded, which no "
+                            "store can hold: ignored (a damaged lease file? remove %s)",
+                            self.store.root, reader, str(loaded)[:40],
+                            self.store.lease_path(reader))
+                continue
+            reported[reader] = loaded
+        seen += reported.values()
         stamps = {}
         for name in SLOTS:
             try:
@@ -318,13 +337,22 @@ class Sender:
             except (OSError, FormatError):
                 stamps[name] = (None, None)
         if stamps[slot] != (version, run_id):
-            seen += [stamped for stamped, stamp_run in stamps.values() if stamp_run == run_id]
-        highest = max((v for v in seen if isinstance(v, int) and not isinstance(v, bool)),
-                      default=version)
+            for name, (stamped, stamp_run) in stamps.items():
+                if stamp_run != run_id or stamped == "writing":
+                    continue
+                if _plausible_version(stamped):
+                    seen.append(stamped)
+                else:
+                    log.warning("%s: the stamp of slot %s names version %s, which no store can "
+                                "hold: ignored (a damaged stamp; the next push into that slot "
+                                "rewrites it)", self.store.root, name, str(stamped)[:40])
+        highest = max(seen, default=version)
         if highest > version:
+            by = sorted(r for r, v in reported.items() if v == highest)
             log.warning("%s went back to version %d of run %s, but version %d of that run was "
-                        "written or loaded there (its head was restored from an older copy?): "
-                        "the next push is version %d", self.store.root, version, run_id, highest,
+                        "%s there (its head was restored from an older copy?): the next push "
+                        "is version %d", self.store.root, version, run_id, highest,
+                        f"loaded by reader(s) {', '.join(by[:5])}" if by else "written",
                         highest + 1)
             return highest
         return version
@@ -517,6 +545,10 @@ class Sender:
         self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
         lagged = self._wait_for_lag(abort)
         version = self._version + 1
+        if version > MAX_VERSION:
+            raise DBSyncError(f"{self.store.root} is at version {self._version}, the highest a "
+                              "store can name; nothing was published. Start a new run in a "
+                              "fresh directory")
         slot = SLOTS[0] if self._slot is None else SLOTS[1 - SLOTS.index(self._slot)]
         waited = self._leases.wait_until_free(slot, stop=abort)
         if abort.is_set():

@@ -81,10 +81,13 @@ class Snapshot:
         self._verified = False
         store = receiver.store
         bad_shards: dict[int, str] = {}
+        needed = [0] * len(manifest.shards)  # per shard, the end of its last checked range
+        for r in manifest.ranges:
+            needed[r.shard] = max(needed[r.shard], r.offset + r.nbytes)
         for i, size in enumerate(manifest.shards):
             try:
                 self._shards[i] = ShardView(store.open_shard(manifest.slot, i), size,
-                                            private_copy=not leased)
+                                            private_copy=not leased, needed=needed[i])
             except FileNotFoundError:
                 bad_shards[i] = "its shard file is missing"
             except PermissionError as exc:  # not damage: this user may not read it

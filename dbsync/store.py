@@ -321,17 +321,20 @@ class Store:
                                    sync_dir=False)
 
     # ---- slots -------------------------------------------------------------------------------
-    def read_stamp(self, slot: str) -> tuple[Any, Any]:
+    def read_stamp(self, slot: str, absent: tuple[Any, Any] = (None, None)) -> tuple[Any, Any]:
         """(version, run_id) the slot's stamp names; version is "writing" while a writer is
-        rewriting it, and (None, None) if the stamp is absent or cannot be read (an I/O
-        error). FormatError if something other than a stamp stands in its place (a symlink,
-        a FIFO, an oversized or garbled file): the store was tampered with, not reused."""
+        rewriting it; ``absent`` if the slot has no stamp file (a slot never written, a store
+        made anew), and (None, None) if it cannot be read (an I/O error). FormatError if
+        something other than a stamp stands in its place (a symlink, a FIFO, an oversized or
+        garbled file): the store was tampered with, not reused."""
         parts = (SLOTS_DIR, slot, SLOT_STAMP_FILE)
         try:
             raw = self.read_small(parts, MAX_STAMP_BYTES)
         except OSError:
             return None, None
-        data = None if raw is None else loads_json(raw, os.path.join(self.root, *parts))
+        if raw is None:
+            return absent
+        data = loads_json(raw, os.path.join(self.root, *parts))
         if not isinstance(data, dict):
             return None, None
         return data.get("version"), data.get("run_id")
@@ -355,15 +358,33 @@ class Store:
     def open_shard_for_write(self, slot: str, shard: int, size: int) -> int:
         """An fd to write one shard of ``size`` bytes, reusing the file in place when its size
         is unchanged (keeps its blocks), else resizing and preallocating it. Anything but a
-        regular file in its place (a symlink, a FIFO, a device) is removed, never opened."""
+        regular file in its place (a symlink, a FIFO, a device) is removed, never opened. A
+        file with other hard links (a deduplicating tool linked the two slots' identical
+        shards, or a ``cp -al`` backup shares it) is replaced by a new file, never written
+        into: the other names keep their bytes (a reader of the other slot among them)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        name = shard_file(shard)
         with self.dir_fd(SLOTS_DIR, slot) as dfd:
-            _remove_unless_regular(dfd, shard_file(shard), self.slot_dir(slot))
-            fd = os.open(shard_file(shard), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
-                         os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
+            _remove_unless_regular(dfd, name, self.slot_dir(slot))
+            fd = os.open(name, flags, FILE_MODE, dir_fd=dfd)
+            try:
+                links = os.fstat(fd).st_nlink
+                if links > 1:
+                    os.close(fd)
+                    fd = -1
+                    log.info("%s has %d hard links (a deduplicating tool, or a `cp -al` copy?): "
+                             "it is written as a new file, the other links keep their bytes",
+                             os.path.join(self.slot_dir(slot), name), links - 1)
+                    os.unlink(name, dir_fd=dfd)
+                    fd = os.open(name, flags | os.O_EXCL, FILE_MODE, dir_fd=dfd)
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise self._not_regular((SLOTS_DIR, slot, shard_file(shard)), _kind(st.st_mode))
+                raise self._not_regular((SLOTS_DIR, slot, name), _kind(st.st_mode))
             os.fchmod(fd, FILE_MODE)
             fileio.preallocate(fd, size, st.st_size)
         except BaseException:

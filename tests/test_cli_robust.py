@@ -358,3 +358,24 @@ def test_status_shows_a_stores_control_characters_escaped(store2, st_file):
     assert pushed.exit_code == 1
     assert "evil" in pushed.stderr and "\\x07\\nversion    999" in pushed.stderr
     assert "\x1b" not in pushed.stderr and "\x07" not in pushed.stderr
+
+
+def test_impossible_times_and_numbers_in_a_store_still_print(store2):
+    """A head whose ``created_at`` no calendar holds (1e20) and a reader file renewed at
+    ``Infinity``: ``status`` and ``watch`` print the version (the time said to be none), and
+    ``status --json`` stays strict JSON (the reader file is listed as no lease)."""
+    path = os.path.join(store2, MANIFEST_FILE)
+    with open(path) as f:
+        head = json.load(f)
+    head["created_at"] = 1e20
+    with open(path, "w") as f:
+        json.dump(head, f)
+    with open(os.path.join(store2, "readers", "odd.json"), "w") as f:
+        f.write('{"reader_id": "odd", "host": "h", "pid": 7, "updated_at": Infinity}')
+    human = run("status", store2)
+    assert human.exit_code == 0 and "1e+20 (not a time)" in human.stdout, human.output
+    strict = json.loads(run("status", store2, "--json").stdout,
+                        parse_constant=lambda c: pytest.fail(f"non-standard JSON: {c}"))
+    assert strict["version"] == 2 and "odd" in strict["malformed_reader_files"]
+    watched = run("watch", store2, "--count", "1")
+    assert watched.exit_code == 0 and watched.stdout.startswith("version 2"), watched.output

@@ -760,6 +760,39 @@ def test_new_run_is_followed_and_rewind_refused(root, caplog):
         receiver.close()
 
 
+def test_a_new_run_at_the_path_never_waits_for_holds_of_the_old_run(root, tmp_path):
+    """A reader (another process) holds version 1 of run 1 while the store is removed and made
+    anew by a new training run; its heartbeat writes its lease, still holding slot "a" version
+    1, into the new store. That hold names a version of another store: the new run's pushes
+    into slot "a" (empty, then its own version 1) do not wait for it, while the reader, alive,
+    keeps reading its old version's bytes."""
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+    ready, out = tmp_path / "ready.json", tmp_path / "out.json"
+    reader = spawn("hold", root, str(ready), str(out), "2.0", "forever")
+    sender = None
+    try:
+        assert wait_json(ready, reader)["version"] == 1
+        shutil.rmtree(root)  # a new training run at the same path
+        sender = dbsync.Sender(root, lease_timeout=2.0)
+        deadline = time.monotonic() + 20
+        while not Store(root).read_leases():  # the old reader's next heartbeat
+            assert time.monotonic() < deadline, "the reader's lease never came back"
+            time.sleep(0.05)
+        (lease,) = Store(root).read_leases().values()
+        assert lease["held"][0][:2] == ["a", 1]
+        for version in (1, 2, 3):  # slot a (empty), b, a (the new run's version 1)
+            assert bounded(lambda v=version: sender.push(weights_for(10 + v)), 20) == version
+            assert sender.last_push_seconds["wait_for_readers"] < 1.0
+        assert reader.poll() is None
+    finally:
+        kill(reader)  # (first: a push still waiting for its hold ends, and close() returns)
+        if sender is not None:
+            sender.close()
+    with dbsync.Receiver(root) as receiver:
+        assert load(receiver) == (3, [13.0])
+
+
 # ---- 7. transient errors -----------------------------------------------------------------------
 @pytest.mark.parametrize("code", [errno.ESTALE, errno.EIO])
 @pytest.mark.parametrize("target", ["dbsync.json", "index.json", "dbsync-slot.json", "shard"])

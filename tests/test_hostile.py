@@ -848,3 +848,106 @@ def test_range_problems_are_named_alone_and_no_tensor_may_name_an_unlisted_shard
     empty["name"] = ["\u00e9"]  # (a non-ASCII name takes the per-tensor path)
     with pytest.raises(FormatError, match=r"tensors\[0\]\.shard 0 is not a listed shard"):
         Index.loads(dump_index("0" * 32, 1, empty, no_ranges, [], None))
+
+
+def test_hard_linked_shards_are_never_written_through(root):
+    """A deduplicating tool (``hardlink``, ``rdfind -makehardlinks``, ``jdupes -L``) linked the
+    two slots' identical shards into one file. The next push into slot a writes a new file:
+    a reader holding version 2 in slot b keeps reading version 2's bytes, and the version
+    after loads whole."""
+    ones = {"w": torch.ones(1 << 18), "v": torch.ones(1 << 18)}
+    with dbsync.Sender(root) as sender:
+        sender.push(ones)
+        sender.push(ones)
+        a = os.path.join(root, "slots", "a", shard_file(0))
+        b = os.path.join(root, "slots", "b", shard_file(0))
+        os.unlink(b)
+        os.link(a, b)  # the dedup pass
+        with dbsync.Receiver(root) as receiver, receiver.open() as snap:
+            assert snap.version == 2
+            assert sender.push({k: torch.full_like(t, 7.0) for k, t in ones.items()}) == 3
+            held = {name: t.clone() for name, t in snap.tensors()}
+            snap.check_unchanged()
+        assert all(torch.equal(t, ones[name]) for name, t in held.items())
+        assert os.stat(b).st_nlink == 1 and os.stat(a).st_ino != os.stat(b).st_ino
+        dest = {k: torch.zeros_like(t) for k, t in ones.items()}
+        with dbsync.Receiver(root) as receiver:
+            assert receiver.load(dest) == 3
+        assert all(torch.equal(t, torch.full_like(t, 7.0)) for t in dest.values())
+
+
+@pytest.mark.parametrize("where", ["lease", "stamp", "older-format head"])
+def test_impossible_versions_in_damaged_files_never_number_a_push(root, where):
+    """A lease reporting version 2**100 loaded, a stamp naming it (the head's slot rewritten
+    since, as after a restore), or an older format's head naming version -5: the next push
+    publishes a version every reader accepts, after the store's own, and says which file it
+    ignored."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(4)})
+        run = sender.run_id
+    store = Store(root)
+    if where == "lease":
+        store.write_lease("damaged", {"reader_id": "damaged", "host": "elsewhere", "pid": 7,
+                                      "held": [], "loaded_version": 2**100,
+                                      "loaded_run_id": run, "beat": 1,
+                                      "updated_at": time.time()})
+    elif where == "stamp":
+        store.write_stamp("a", 2**100, run, durable=False)
+    else:
+        head = json.loads(open(os.path.join(root, MANIFEST_FILE), "rb").read())
+        head.update(format_version=2, version=-5)
+        write_bytes(os.path.join(root, MANIFEST_FILE), json.dumps(head).encode())
+    with dbsync.Sender(root) as sender:
+        pushed = sender.push({"w": torch.full((4,), 2.0)})
+    assert pushed == (1 if where == "older-format head" else 2)
+    with dbsync.Receiver(root) as receiver:
+        assert receiver.latest_version() == pushed
+        dest = {"w": torch.zeros(4)}
+        assert receiver.load(dest) == pushed and torch.equal(dest["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("stamp", ["missing", "another version", "writing"])
+def test_a_current_slot_stamped_otherwise_is_refused_by_leaseless_readers_at_once(root, stamp):
+    """The head names slot a, whose stamp is gone or names something else, and the head does
+    not move: a leaseless reader (a read-only view) refuses the version as damaged, naming the
+    stamp, instead of copying the version again and again as if a writer were reusing the slot;
+    nothing is applied."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(4)})
+        run = sender.run_id
+    path = os.path.join(root, "slots", "a", SLOT_STAMP_FILE)
+    if stamp == "missing":
+        os.unlink(path)
+    else:
+        Store(root).write_stamp("a", 7 if stamp == "another version" else "writing", run,
+                                durable=False)
+    applied: list[Any] = []
+    with dbsync.Receiver(root, read_only=True) as receiver:
+        with pytest.raises(DamagedVersionError, match="stamp") as raised:
+            receiver.load(applied.append)
+    assert applied == [] and "<slot stamp>" in raised.value.damaged
+    assert path in str(raised.value)
+
+
+def test_a_listed_shard_no_checked_range_covers_is_never_copied(root):
+    """A forged index lists one more shard, of 1 GiB (a sparse file: nothing on disk), that
+    no tensor or checked range uses: a leaseless reader copies only what its checked ranges
+    cover, not what the file claims."""
+    publish(root, {"w": torch.ones(4)})
+
+    def extra_shard(index: dict) -> None:
+        index["shards"].append({"file": shard_file(1), "nbytes": 1 << 30})
+
+    forge(root, index=extra_shard)
+    with open(os.path.join(current_slot_dir(root), shard_file(1)), "wb") as f:
+        f.truncate(1 << 30)
+    got: dict[str, torch.Tensor] = {}
+    with dbsync.Receiver(root, read_only=True) as receiver:
+        tracemalloc.start()
+        try:
+            assert receiver.load(lambda pairs: got.update((k, v.clone()) for k, v in pairs)) == 1
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert torch.equal(got["w"], torch.ones(4))
+    assert peak < 64 << 20, f"the load allocated {peak} bytes"

@@ -218,7 +218,7 @@ def test_failed_apply_rolls_back_to_the_held_previous_version(setup: Any) -> Non
     good = sender.push(weights(1))
     controller.apply_latest()
     held = Store(sender.root).read_leases()[controller.receiver.reader_id]["held"]
-    assert held == [["a", good]]  # the served version's slot stays leased
+    assert held == [["a", good, sender.run_id]]  # the served version's slot stays leased
     bad = sender.push(weights(2))
     ops.calls.clear()
     ops.failures = [f"{PARTIALLY_APPLIED} x"] * 2

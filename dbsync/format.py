@@ -135,6 +135,9 @@ def _check_header(data: Any, name: str, source: str) -> None:
     if data.get("format") != name:
         raise FormatError(f"{source}: not a dbsync file (format={str(data.get('format'))[:40]!r})")
     found = data.get("format_version")
+    if not _is_int(found, 1, 1 << 30):
+        raise FormatError(f"{source}: its format_version {str(found)[:20]!r} is no format "
+                          "version (the file is damaged); publish again from the trainer")
     if found != FORMAT_VERSION:
         raise UnsupportedFormatError(source, found)
 

@@ -287,6 +287,11 @@ class Sender:
 
     def _continue_from_store(self) -> tuple[str, int, str | None]:
         """(run id, current version, current slot) to continue from."""
+        head_path = os.path.join(self.store.root, MANIFEST_FILE)
+        if os.path.isdir(head_path) and not os.path.islink(head_path):
+            raise DBSyncError(f"{head_path} is a directory, where the store's head (a small "
+                              "file) must be written; nothing was published. Remove it "
+                              "(rm -r) and push again")
         try:
             head = self.store.read_head()
         except FormatError as exc:

@@ -167,7 +167,10 @@ class Store:
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
                     raise self._not_regular(parts, "a symlink") from None
-                raise
+                if exc.errno == errno.ENXIO:  # (what opening a socket gives)
+                    raise self._not_regular(parts, "a socket or device") from None
+                # the same error (and class), naming the whole path, not the name in its dir
+                raise OSError(exc.errno, exc.strerror, os.path.join(self.root, *parts)) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
@@ -443,8 +446,13 @@ class Store:
                 fd = os.open(WRITER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
                              os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
             except OSError as exc:
+                kind = {errno.ELOOP: "a symlink", errno.EISDIR: "a directory",
+                        errno.ENXIO: "a socket or device"}.get(exc.errno)
+                if kind is not None:
+                    raise self._not_regular((WRITER_LOCK_FILE,), kind) from None
                 if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                    raise
+                    raise OSError(exc.errno, exc.strerror,
+                                  os.path.join(self.root, WRITER_LOCK_FILE)) from None
                 why = (f"{self.root} is not writable here ({exc.strerror}): a Sender "
                        "publishes only where the store is writable (readers work on read-only "
                        "views); publish from the trainer's read-write mount")

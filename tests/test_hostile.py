@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 import dbsync
 from cli.main import cli
-from dbsync.errors import DamagedVersionError, FormatError, InvalidWeightsError
+from dbsync.errors import DamagedVersionError, DBSyncError, FormatError, InvalidWeightsError
 from dbsync.format import INDEX_FILE, MANIFEST_FILE, MAX_HEAD_BYTES, SLOT_STAMP_FILE, shard_file
 from dbsync.store import Store
 
@@ -951,3 +951,39 @@ def test_a_listed_shard_no_checked_range_covers_is_never_copied(root):
             tracemalloc.stop()
     assert torch.equal(got["w"], torch.ones(4))
     assert peak < 64 << 20, f"the load allocated {peak} bytes"
+
+
+@pytest.mark.parametrize("target", [MANIFEST_FILE, "writer.lock", "index"])
+def test_sockets_and_directories_in_place_of_records_are_named(root, target):
+    """A Unix socket in place of the head, the current index or the writer lock, and a
+    directory in place of the head or the lock: readers and the writer name the path and what
+    stands there (as for symlinks and FIFOs), and a refused push writes nothing."""
+    import socket
+
+    publish(root, {"w": torch.ones(4)})
+    path = (os.path.join(current_slot_dir(root), INDEX_FILE) if target == "index"
+            else os.path.join(root, target))
+
+    def files() -> dict[str, int]:
+        return {os.path.join(d, n): os.stat(os.path.join(d, n)).st_mtime_ns
+                for d, _, names in os.walk(os.path.join(root, "slots")) for n in names}
+
+    os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(path)
+        if target == "writer.lock":
+            error = refused(lambda: dbsync.Sender(root).close())
+        else:
+            error = refused(lambda: dbsync.Receiver(root, read_only=True).load(lambda p: None))
+        assert f"{path} is a socket or device, not a regular file" in str(error)
+    finally:
+        sock.close()
+    if target == "index":
+        return
+    os.unlink(path)
+    os.mkdir(path)
+    before = files()
+    error = refused(lambda: dbsync.Sender(root).close(), cls=DBSyncError)
+    assert f"{path} is a directory" in str(error)
+    assert files() == before

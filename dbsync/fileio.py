@@ -100,6 +100,21 @@ def read_exact(fd: int, size: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
+def read_to_end(fd: int, bound: int) -> bytes:
+    """Every byte of ``fd`` from its start until end of file, or the first ``bound`` bytes of a
+    longer one. The file's ``st_size`` is not trusted: through a mount that caches attributes
+    (FUSE: ``attr_timeout``) a file just replaced can show the size of the file it replaced."""
+    parts = []
+    offset = 0
+    while offset < bound:
+        chunk = os.pread(fd, min(bound - offset, CHUNK_BYTES), offset)
+        if not chunk:
+            break
+        parts.append(chunk)
+        offset += len(chunk)
+    return b"".join(parts)
+
+
 def write_atomic_at(dir_fd: int, name: str, data: bytes, durable: bool = True,
                     sync_dir: bool = True) -> None:
     """Replace ``name`` inside ``dir_fd`` with ``data`` atomically: a per-process temp file in

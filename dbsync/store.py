@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -69,6 +70,9 @@ from .format import (
 )
 
 log = logging.getLogger(__name__)
+
+#: pauses before a head read cut short is read again (see ``Store.read_head_bytes``)
+HEAD_REREAD_PAUSES = (0.05, 0.25, 1.0)
 
 WRITING = "writing"
 DIR_MODE = 0o755
@@ -186,22 +190,24 @@ class Store:
     def read_small(self, parts: tuple[str, ...], limit: int,
                    exact: int | None = None) -> bytes | None:
         """The bytes of a small record (None if absent); FormatError if larger than ``limit``.
-        With ``exact``, a file of any other size is not read at all and ``b""`` is returned
-        (memory and time stay bounded by what the caller expects, not by the file)."""
+        With ``exact``, a file of any other size gives ``b""`` (at most ``exact + 1`` bytes
+        are read: memory and time stay bounded by what the caller expects, not by the file).
+        Read until end of file, whatever size ``fstat`` reports (see ``fileio.read_to_end``)."""
         try:
             fd = self.open_regular(parts)
         except FileNotFoundError:
             return None
         try:
+            if exact is not None:
+                data = fileio.read_to_end(fd, min(exact, limit) + 1)
+                return data if len(data) == exact else b""
             size = os.fstat(fd).st_size
-            if exact is not None and size != exact:
-                return b""
-            if size > limit:
+            data = b"" if size > limit else fileio.read_to_end(fd, limit + 1)
+            if size > limit or len(data) > limit:
                 raise FormatError(
-                    f"{os.path.join(self.root, *parts)} is {size} bytes, more than the "
-                    f"{limit} a dbsync record may have; publish again from the trainer"
+                    f"{os.path.join(self.root, *parts)} is {max(size, len(data))} bytes, more "
+                    f"than the {limit} a dbsync record may have; publish again from the trainer"
                 )
-            data = fileio.read_exact(fd, size, 0)
             return data
         finally:
             os.close(fd)
@@ -221,8 +227,20 @@ class Store:
         return os.path.join(self.root, SLOTS_DIR, slot)
 
     def read_head_bytes(self) -> bytes | None:
-        """The raw head (bounded), for cheap change checks: compare before parsing."""
-        return self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES)
+        """The raw head (bounded), for cheap change checks: compare before parsing.
+
+        A head that is not valid JSON is read again after short pauses (1.3 s in all) before
+        it is handed on: through a mount that caches attributes (FUSE's ``attr_timeout``, 1 s
+        by default) a head just replaced by a longer one can read cut to the old one's size
+        until the cache expires. (A writer replaces the head atomically: anywhere else, a head
+        that is no JSON is damage, reported once these pauses are over.)"""
+        raw = self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES)
+        for pause in HEAD_REREAD_PAUSES:
+            if raw is None or _is_json(raw):
+                break
+            time.sleep(pause)
+            raw = self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES)
+        return raw
 
     def read_head(self) -> Head | None:
         """The current head (a fresh open: NFS close-to-open revalidates), None if nothing was
@@ -597,6 +615,14 @@ class Store:
         except OSError:
             return False
         return os.access(self.readers_dir, os.W_OK | os.X_OK)
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def root_problem(root: str) -> str | None:

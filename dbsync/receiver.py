@@ -313,17 +313,19 @@ class Receiver:
 
     def _load(self, target: LoadWeights | Any, verify: bool, threads: int) -> int:
         for attempt in range(_LEASELESS_RETRIES):
-            with self.open() as snap:
+            snap = self.open()  # (closed in the finally below, not by `with`: the checks
+            # after the apply are made here, a read again after a reused slot included)
+            try:
                 container = not callable(target) or _is_tensor_container(target)
                 try:
-                    if container:
+                    if container:  # (checks after the copy that the slot still holds it)
                         snap.copy_into(target, threads=threads, verify=verify)
                     else:
                         if verify or not snap.leased:
                             snap.verify()
                         target(snap._views())
-                    if snap.leased:  # (a private copy was verified before the apply: it stays
-                        snap.check_unchanged()  # good; a leased slot must still hold it)
+                        if snap.leased:  # (a private copy was verified before the apply: it
+                            snap.check_unchanged()  # stays good; a leased slot must hold it)
                 except SlotReused:
                     if attempt + 1 < _LEASELESS_RETRIES:
                         log.info("version %d was replaced while %s read it without a lease; "
@@ -340,6 +342,8 @@ class Receiver:
                     raise
                 self.mark_loaded(snap.version, snap.run_id)
                 return snap.version
+            finally:
+                snap.close()
         raise AssertionError("unreachable")
 
     def mark_loaded(self, version: int, run_id: str | None = None) -> None:

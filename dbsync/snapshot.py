@@ -64,8 +64,12 @@ class SlotReused(LeaseExpiredError):
 
 class Snapshot:
     """One opened version: leased (shards mapped) or leaseless (private verified copies).
-    Use as a context manager; the hold on the slot ends on exit (or, for a snapshot dropped
-    without ``close()``, once it is garbage-collected: its views are then unprotected)."""
+    Use as a context manager. The hold on the slot ends on exit (or, for a snapshot dropped
+    without ``close()``, once it is garbage-collected: its views are then unprotected). A
+    block that ends normally after tensors were handed out or copied (and not checked since
+    with ``check_unchanged()``) checks them on exit: ``LeaseExpiredError`` if the slot may have
+    been reused meanwhile (this process stalled past its lease timeout), since what was read
+    can then not be trusted. Without ``with``, call ``check_unchanged()`` after the apply."""
 
     def __init__(self, receiver: Receiver, manifest: Manifest, token: int, leased: bool):
         self.receiver = receiver
@@ -79,6 +83,8 @@ class Snapshot:
         self._missing: dict[str, str] = {}
         self._closed = False
         self._verified = False
+        #: views handed out or bytes copied since the last ``check_unchanged`` that passed
+        self._unchecked = False
         store = receiver.store
         bad_shards: dict[int, str] = {}
         needed = [0] * len(manifest.shards)  # per shard, the end of its last checked range
@@ -308,6 +314,7 @@ class Snapshot:
                 + ", ".join(sorted(set(self._missing.values()))), self._missing)
         if not self.leased and not self._verified:
             self.verify()  # a private copy is trusted only once its checksums match
+        self._unchecked = True
         return ((entry.name, self._tensor(entry)) for entry in self.manifest.tensors)
 
     def _check_open(self) -> None:
@@ -339,6 +346,10 @@ class Snapshot:
         Tensors of the same dtype land by scatter reads from the shard files (leased) or
         memory copies from the verified private copy (leaseless); the rest through torch.
         Either way each destination's autograd version is bumped, as by an in-place copy.
+
+        A leased snapshot checks after the copy that its slot still holds the version
+        (``check_unchanged``): ``LeaseExpiredError`` if this process stalled past its lease
+        timeout and the writer may have reused the slot meanwhile.
 
         Hazard: the raw copies write to the destinations' memory as it was when the copy was
         planned. Do not replace, resize or move the destination tensors (``p.data = ...``,
@@ -395,9 +406,12 @@ class Snapshot:
                     dst.detach().copy_(self._tensor(entry))
 
         shards = sorted(plan.raw)
+        self._unchecked = True
         if self.leased and len(shards) > fileio.SHARDS_OPEN_AT_ONCE:
             self._reopen(shards, keep_open=False)  # every file checked before any byte lands
         self._copy(plan, shards, by_torch, threads, drop=holds)
+        if self.leased:  # (a verified private copy stays good whatever the slot holds now)
+            self.check_unchanged()
         return self.manifest.total_bytes
 
     def _copy(self, plan: Any, shards: list[int], by_torch: Callable[[Any], None],
@@ -538,6 +552,7 @@ class Snapshot:
         leaseless snapshot's private copy, once every checksum of it matched, is the version
         whatever the slot holds now: nothing to check.)"""
         if not self.leased and self._verified:
+            self._unchecked = False
             return
         stamp = self.receiver.store.read_stamp(self.manifest.slot)
         if stamp != (self.version, self.run_id):
@@ -561,6 +576,7 @@ class Snapshot:
                 f"({keeper.timeout:g} s; {why}); the writer may reuse slot "
                 f"{self.manifest.slot}, so what was read cannot be trusted: load again"
             )
+        self._unchecked = False
 
     def close(self) -> None:
         """End the hold on the slot. Safe to call more than once."""
@@ -576,8 +592,12 @@ class Snapshot:
     def __enter__(self) -> Snapshot:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if exc_type is None and self._unchecked and not self._closed:
+                self.check_unchanged()  # (what was handed out: see the class docstring)
+        finally:
+            self.close()
 
 
 def _drop_own(dest: dict[str, Any], drop: bool) -> None:

@@ -277,6 +277,14 @@ class Watcher:
             return
         if raw is not None and raw == self._seen:
             return
+        if raw is None and self._head is not None:  # (it had a version: said, not ignored)
+            if self._seen is not None or not self._read_failing:
+                self._seen = None
+                self._read_failed(("gone",), DBSyncError(
+                    f"{self.root} no longer holds a published version (its {MANIFEST_FILE} is "
+                    "gone: the store was removed or unmounted, or a new run is starting there); "
+                    f"still watching, from version {self._head.version}"))
+            return
         head: RunVersion | None = None
         if raw is not None:
             self.parses += 1

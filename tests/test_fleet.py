@@ -1098,3 +1098,36 @@ def test_a_reader_through_an_overlay_over_a_live_store_is_warned(tmp_path, caplo
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
     finally:
         subprocess.run(["umount", str(merged)], check=False)
+
+
+def test_a_watched_store_that_vanishes_is_said_and_its_return_followed(root, caplog):
+    """The store a watcher follows is removed (unmounted, or a new run about to start): the
+    watcher says so once (a WARNING, and ``last_error`` for status pages) instead of going
+    quiet, and follows the new run's first version once it is published."""
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+        old_run = sender.run_id
+    seen: list[int] = []
+    arrived = threading.Event()
+    watcher = dbsync.Watcher(root, lambda v: (seen.append(v), arrived.set()),
+                             poll_interval=0.05, use_polling=True)
+    with caplog.at_level(logging.WARNING, logger="dbsync"):
+        watcher.start()
+        try:
+            assert arrived.wait(10) and seen == [1]
+            arrived.clear()
+            shutil.rmtree(root)
+            deadline = time.monotonic() + 10
+            while watcher.last_error is None:
+                assert time.monotonic() < deadline, "the store's removal was never said"
+                time.sleep(0.02)
+            assert "no longer holds a published version" in str(watcher.last_error)
+            with dbsync.Sender(root) as sender:
+                sender.push(weights_for(5))
+                assert sender.run_id != old_run
+            assert arrived.wait(10) and seen == [1, 1]
+        finally:
+            watcher.stop()
+    said = [r for r in caplog.records if "no longer holds" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert watcher.last_error is None

@@ -140,6 +140,28 @@ def test_stalled_reader_finds_out_its_lease_expired(root):
             receiver.load(stall)
 
 
+@pytest.mark.parametrize("use", ["with block", "copy_into"])
+def test_a_stalled_snapshot_says_its_views_cannot_be_trusted(root, use):
+    """A snapshot opened by hand (``with receiver.open() as snap``) whose reader froze past its
+    lease timeout while its views were in use: the writer reused the slot, and the views now
+    show the next version's bytes. The block's exit (or ``copy_into``, an apply of its own)
+    raises ``LeaseExpiredError`` instead of letting the mix pass."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(4)})
+        receiver = dbsync.Receiver(root, lease_timeout=0.5)
+        dest = {"w": torch.zeros(4)}
+        with pytest.raises(dbsync.LeaseExpiredError, match="cannot be trusted"):
+            with receiver.open() as snap:
+                views = dict(snap.tensors())
+                receiver._keeper._ended = True  # frozen: its heartbeat writes no more
+                sender.push({"w": torch.full((4,), 2.0)})
+                sender.push({"w": torch.full((4,), 3.0)})  # reuses the stalled reader's slot
+                assert torch.equal(views["w"], torch.full((4,), 3.0))  # (what it would apply)
+                if use == "copy_into":
+                    snap.copy_into(dest)
+        receiver.close()
+
+
 def test_a_load_whose_lease_went_unrenewed_reads_again_when_its_slot_is_intact(root, caplog):
     """A reader whose lease went unrenewed for a while (a process starved of CPU) while its
     slot still holds the version cannot trust what it read, but need not fail: the load

@@ -237,6 +237,29 @@ def test_failed_apply_rolls_back_to_the_held_previous_version(setup: Any) -> Non
     assert controller.apply_latest() == newer and ops.served == str(newer)
 
 
+def test_a_rollback_never_serves_a_held_version_damaged_meanwhile(setup: Any) -> None:
+    """The served version's slot, held for a rollback, is damaged while served (bit rot, a
+    stray writer); a new version then fails midway twice. The rollback checks the held version
+    again and refuses it: the engine stays paused and unhealthy (never resumed on garbled
+    weights labelled as that version) until a complete version applies."""
+    sender, controller, ops = setup
+    good = sender.push(weights(1))
+    controller.apply_latest()
+    flip_a_byte(sender.root, 2)  # the held slot, while version 1 is served
+    bad = sender.push(weights(2))
+    ops.calls.clear()
+    ops.failures = [f"{PARTIALLY_APPLIED} x"] * 2
+    with pytest.raises(SwapError):
+        controller.apply_latest()
+    assert f"update:{good}" not in ops.calls and "resume" not in ops.calls
+    status = controller.status()
+    assert not status["healthy"] and status["paused"]
+    assert "paused and unhealthy" in status["last_error"]
+    newer = sender.push(weights(3))
+    assert controller.apply_latest() == newer and ops.served == str(newer)
+    assert controller.status()["healthy"] and bad != newer
+
+
 def test_refusal_reaches_the_trainer_at_once(setup: Any) -> None:
     import time
 
@@ -325,15 +348,25 @@ def test_float_dtypes_are_cast_only_names_and_shapes_must_match(setup: Any) -> N
 
 def test_superseded_apply_logs_info_not_error(setup: Any,
                                               caplog: pytest.LogCaptureFixture) -> None:
+    from prometheus_client import REGISTRY  # (where the controller's default series live)
+
     from dbsync.vllm.plugin import SUPERSEDED
 
     sender, controller, ops = setup
+
+    def counted(outcome: str) -> float:
+        return REGISTRY.get_sample_value("dbsync_swaps_total", {"outcome": outcome}) or 0.0
+
+    before = {o: counted(o) for o in ("failed", "superseded", "applied")}
     v1 = sender.push(weights(1))
     ops.failures = [f"{NOTHING_APPLIED} {SUPERSEDED} the store now holds version {v1 + 1}"]
     with caplog.at_level(logging.INFO, logger="dbsync"):
         assert controller.apply_latest() == v1  # tried again at once, applied
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("superseded" in r.getMessage() for r in caplog.records)
+    # a normal race is no failure to alert on
+    assert {o: counted(o) - n for o, n in before.items()} == {"failed": 0.0, "superseded": 1.0,
+                                                              "applied": 1.0}
 
 
 def test_vllm_rpc_error_for_a_race_becomes_one_info_line() -> None:

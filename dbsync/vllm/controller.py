@@ -608,6 +608,10 @@ class SwapController:
         assert held is not None
         try:
             held.check_unchanged()
+            if self.verify:  # (held since it was served: damaged meanwhile, it would be
+                # served as that version; read with preadv: a shard cut short is an error,
+                # never a SIGBUS of this process)
+                held.verify(by_reading=True)
             self.ops.start()
             self.ops.update({"root": self.root, "version": held.version,
                              "head": held.manifest.head.dumps().decode()})
@@ -660,7 +664,9 @@ class SwapController:
             self._record(version, f"stopping; version {version} was not applied ({exc})")
             log.info("dbsync: stopping; version %d was not applied (%s)", version, exc)
             return
-        self.metrics.outcome("failed")
+        superseded = not partial and (SUPERSEDED in str(exc) or self._newer_than(version))
+        # (a normal race, the store moving on during the apply, is no failure to alert on)
+        self.metrics.outcome("superseded" if superseded else "failed")
         if partial:
             s.healthy = False
             self._record(version, f"applying version {version} failed midway; the engine is "
@@ -671,8 +677,7 @@ class SwapController:
             return
         self._record(version, f"applying version {version} failed, nothing applied; still "
                               f"serving version {s.version}: {exc}")
-        if SUPERSEDED in str(exc) or self._newer_than(version):
-            # a normal race: the store moved on while this version was being applied
+        if superseded:
             log.info("dbsync: version %d was superseded while it was applied; applying the "
                      "newest", version)
         else:

@@ -3,7 +3,8 @@
     dbsync_served_version              gauge    version served (0: the model's own checkpoint)
     dbsync_published_version           gauge    newest version seen in the store
     dbsync_version_lag                 gauge    published - served (versions behind)
-    dbsync_swaps_total{outcome}        counter  applied | refused | failed | rolled_back
+    dbsync_swaps_total{outcome}        counter  applied | refused | failed | superseded |
+                                                 rolled_back
     dbsync_pause_seconds               histogram generation paused per applied swap
     dbsync_read_verify_seconds         histogram fit check + checksum verification per swap
     dbsync_applied_bytes_total         counter  bytes of every version applied
@@ -25,7 +26,7 @@ import functools
 import weakref
 from typing import Any
 
-OUTCOMES = ("applied", "refused", "failed", "rolled_back")
+OUTCOMES = ("applied", "refused", "failed", "superseded", "rolled_back")
 SOURCES = ("broadcast", "filesystem", "mixed", "unknown")
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0, 300.0)

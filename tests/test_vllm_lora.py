@@ -379,6 +379,32 @@ def test_unfit_adapters_are_refused_and_the_previous_one_keeps_serving(stack: St
     assert stack.served() == stack.reference(fixed)
 
 
+def test_a_damaged_adapter_version_is_refused_at_once_not_retried(tmp_path: Path) -> None:
+    """An adapter version damaged in the store is refused like a full version (reading it
+    again cannot repair it): named as damaged, not prepared again, and the trainer's
+    ``wait_for_receivers`` fails at once naming the engine. (It was retried forever.)"""
+    from dbsync.store import Store
+    from dbsync.vllm.checkpoint import read_safetensors_header
+    from dbsync.vllm.lora import AdapterRefusedError, AdapterVersions
+
+    model = tiny_model("A")
+    expected = read_safetensors_header(str(model / "model.safetensors"))
+    root = tmp_path / "store"
+    with Sender(root) as sender:
+        version = sender.push(str(write_adapter(tmp_path / "adapter", 1, layer_shapes(model))))
+    flip_a_byte(root, 0)
+    versions = AdapterVersions(root, NAME, expected, MAX_RANK, workdir=str(tmp_path / "work"))
+    try:
+        with pytest.raises(AdapterRefusedError, match="is damaged"):
+            versions.prepare()
+        assert versions.prepare() is None  # refused: not read again
+        assert versions.refused["version"] == version and versions.refusals == 1
+        with pytest.raises(ReceiverRefusedError, match="damaged"):
+            wait_for_receivers(Store(str(root)), version, 1, timeout=5)
+    finally:
+        versions.close()
+
+
 def test_attach_lora_returns_the_newest_versions_request(stack: Stack, tmp_path: Path) -> None:
     from dbsync.errors import NothingPublishedError
     from dbsync.vllm import attach

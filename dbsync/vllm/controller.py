@@ -105,6 +105,13 @@ CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float6
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
 
+def _served(version: int | None) -> str:
+    """What the engine serves, said: a version of the store, or the model's own checkpoint."""
+    if version is None:
+        return "the model's own checkpoint (no version of the store applied yet)"
+    return f"version {version}"
+
+
 def check_pause_mode(mode: str) -> str:
     if mode not in PAUSE_MODES:
         raise DBSyncError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
@@ -293,7 +300,7 @@ class SwapController:
         """What keeps this server from following the store (``Receiver.store_problem``: its
         directory gone, its lease not written), or None. The served version stays served."""
         problem = self.receiver.store_problem()
-        return None if problem is None else f"{problem}; still serving version {self.version}"
+        return None if problem is None else f"{problem}; still serving {_served(self.version)}"
 
     def apply_latest(self) -> int | None:
         """Apply the store's current version unless it is already served. Returns the version
@@ -446,8 +453,8 @@ class SwapController:
         first = s.last_error_version != (version or 0) or not (s.last_error or "").startswith(
             "reading")
         self._record(version or 0, f"reading version {version} from {self.root} failed "
-                                   f"({type(exc).__name__}: {exc}); still serving version "
-                                   f"{s.version}, retrying")
+                                   f"({type(exc).__name__}: {exc}); still serving "
+                                   f"{_served(s.version)}, retrying")
         self.metrics.outcome("failed")
         if first:
             log.warning("dbsync: %s (first retry in %.1f s)", s.last_error, delay)
@@ -652,7 +659,7 @@ class SwapController:
         self._record(version, f"version {version} refused: {exc}")
         if first:
             self.metrics.outcome("refused")
-            log.error("dbsync: %s; still serving version %s", s.last_error, s.version)
+            log.error("dbsync: %s; still serving %s", s.last_error, _served(s.version))
         if s.paused and s.healthy:
             self._resume()
         self._report_refusal(version, str(exc))
@@ -676,7 +683,7 @@ class SwapController:
             log.error("dbsync: %s", s.last_error)
             return
         self._record(version, f"applying version {version} failed, nothing applied; still "
-                              f"serving version {s.version}: {exc}")
+                              f"serving {_served(s.version)}: {exc}")
         if superseded:
             log.info("dbsync: version %d was superseded while it was applied; applying the "
                      "newest", version)

@@ -57,7 +57,12 @@ from typing import Any
 
 import torch
 
-from ..errors import DBSyncError, IncompatibleWeightsError, NothingPublishedError
+from ..errors import (
+    DamagedVersionError,
+    DBSyncError,
+    IncompatibleWeightsError,
+    NothingPublishedError,
+)
 from ..receiver import Receiver, Snapshot
 from ..sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
@@ -296,7 +301,13 @@ class AdapterVersions:
             if problems:
                 raise self._refuse(snap, problems)
             if self.receiver.verify or not snap.leased:
-                snap.verify()
+                try:
+                    snap.verify()
+                except DamagedVersionError as exc:  # refused like a full version: reading
+                    # it again cannot repair it; the trainer hears of it at once
+                    raise self._refuse(snap, exc.damaged, AdapterRefusedError(
+                        f"adapter version {snap.version} is damaged: {exc}. The previous "
+                        "adapter keeps serving", exc.damaged)) from None
             problems = non_finite(snap.tensors())
             if problems:
                 raise self._refuse(snap, problems)
@@ -314,8 +325,9 @@ class AdapterVersions:
             return AdapterVersion(snap.version, snap.run_id, rank, snap.manifest.total_bytes,
                                   directory, request)
 
-    def _refuse(self, snap: Snapshot, problems: dict[str, str]) -> AdapterRefusedError:
-        error = _refusal(snap.version, problems)
+    def _refuse(self, snap: Snapshot, problems: dict[str, str],
+                error: AdapterRefusedError | None = None) -> AdapterRefusedError:
+        error = error or _refusal(snap.version, problems)
         with self._lock:
             self._refused_key = (snap.run_id, snap.version)
             self.refusals += 1

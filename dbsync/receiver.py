@@ -413,6 +413,9 @@ class Receiver:
             head = self._read_head_quietly()
             if head is not None and (head.version > floor or (
                     run is not None and head.run_id != run)):
+                # (kept: a next wait(newer_than=this version) waits within its run, even
+                # before anything of that run was loaded)
+                self._heads[head.version] = head
                 return head.version
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:

@@ -178,6 +178,16 @@ def _index_columns(pairs: sources.Pairs, places: list[tuple[int, int]]) -> dict[
     }
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the directory ``path`` names now (following symlinks), or None if
+    it is gone. Other errors (ESTALE, EIO) are raised: they say nothing about which it is."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _plausible_version(value: Any) -> bool:
     """Whether a version read from a lease, stamp or older head can be numbered on from (a
     damaged file may name anything)."""
@@ -244,6 +254,8 @@ class Sender:
         self.max_lag = max_lag
         self.max_lag_timeout = max_lag_timeout
         self._lock_fd: list[int | None] = [self.store.lock_writer()]
+        #: the directory locked: pushes refuse to go on once ROOT names another one
+        self._locked_root = _identity(self.store.root)  # (it exists: its lock was taken)
         self._pid = os.getpid()
         self._io = ThreadPoolExecutor(num_threads, thread_name_prefix="dbsync-write")
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dbsync-publish")
@@ -365,6 +377,22 @@ class Sender:
     @property
     def root(self) -> str:
         return self.store.root
+
+    def _check_root_unchanged(self) -> None:
+        """Refuse to publish once ROOT is no longer the directory this Sender locked (removed
+        and made anew by a new run, or a symlink re-pointed): another writer may hold the new
+        one's lock, and numbering on from this Sender's versions would mix two runs."""
+        try:
+            now = _identity(self.store.root)
+        except OSError:
+            return  # (the push meets the same error where it matters, and says it)
+        if now != self._locked_root:
+            where = "is gone" if now is None else "is another directory now"
+            raise DBSyncError(
+                f"{self.store.root} {where} (removed and made anew, or a symlink re-pointed) "
+                "since this Sender locked it; nothing was published. Its lock guards the old "
+                "directory, not this one: close this Sender and create a new one to publish "
+                "there")
 
     @property
     def run_id(self) -> str:
@@ -549,6 +577,7 @@ class Sender:
         t0 = time.perf_counter()
         self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
         lagged = self._wait_for_lag(abort)
+        self._check_root_unchanged()
         version = self._version + 1
         if version > MAX_VERSION:
             raise DBSyncError(f"{self.store.root} is at version {self._version}, the highest a "

@@ -1131,3 +1131,54 @@ def test_a_watched_store_that_vanishes_is_said_and_its_return_followed(root, cap
     said = [r for r in caplog.records if "no longer holds" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     assert watcher.last_error is None
+
+
+@pytest.mark.parametrize("how", ["made anew", "symlink re-pointed"])
+def test_a_sender_whose_root_was_replaced_refuses_to_push(tmp_path, how):
+    """A trainer still running (a zombie) after its store was removed and made anew by a new
+    run, or after the symlink it was given was re-pointed to another store: its lock guards
+    the old directory, so it refuses to push (naming why) instead of publishing into a store
+    another writer holds; the new store keeps its own versions."""
+    runs = [tmp_path / "run-a", tmp_path / "run-b"]
+    for run in runs:
+        run.mkdir()
+    current = tmp_path / "current"  # (a link to the current run's directory)
+    os.symlink(runs[0], current)
+    root = str(current / "store")
+    old = dbsync.Sender(root)
+    try:
+        assert old.push(weights_for(1)) == 1
+        if how == "made anew":
+            shutil.rmtree(root)
+            target = root
+        else:
+            os.unlink(current)
+            os.symlink(runs[1], current)
+            target = str(runs[1] / "store")
+        with dbsync.Sender(target) as new:
+            assert new.push(weights_for(7)) == 1
+            with pytest.raises(dbsync.DBSyncError, match="since this Sender locked it"):
+                old.push(weights_for(2))
+            assert new.push(weights_for(8)) == 2
+    finally:
+        old.close()
+    with dbsync.Receiver(target) as receiver:
+        assert load(receiver) == (2, [8.0])
+
+
+def test_waiting_across_a_new_run_returns_once_then_blocks(root):
+    """A receiver that loaded version 2 waits while a new run starts at the path and publishes
+    its version 1: ``wait(newer_than=2)`` returns 1 once, and ``wait(newer_than=1)`` then
+    waits for that run's version 2 (it returned 1 again at once, forever: a spinning loop)."""
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+        sender.push(weights_for(2))
+    with dbsync.Receiver(root, poll_interval=0.05) as receiver:
+        assert load(receiver) == (2, [2.0])
+        shutil.rmtree(root)
+        with dbsync.Sender(root) as sender:
+            sender.push(weights_for(11))
+            assert receiver.wait(newer_than=2, timeout=10) == 1
+            assert receiver.wait(newer_than=1, timeout=0.3) is None
+            sender.push(weights_for(12))
+            assert receiver.wait(newer_than=1, timeout=10) == 2

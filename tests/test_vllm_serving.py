@@ -50,11 +50,21 @@ def sender(store: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(store: Path, sender: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's apply test hook (``DBSYNC_TEST_APPLY_FAULTS``): empty until a test says."""
+    path = tmp_path_factory.mktemp("serving-faults") / "faults"
+    path.write_text("")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(store: Path, sender: Any, faults: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Any:
     # the sender creates the (empty) store: a reader given a missing ROOT fails at once
     reference("B", "bfloat16")  # started now: overlaps the server's start-up
     log = tmp_path_factory.mktemp("serving-log") / "server.log"
-    srv = Server(store, tiny_model("A-sharded"), log, plain=True)
+    srv = Server(store, tiny_model("A-sharded"), log, plain=True,
+                 env={"DBSYNC_TEST_APPLY_FAULTS": str(faults)})
     try:
         srv.wait_ready()
         yield srv
@@ -215,10 +225,36 @@ def test_metrics_follow_each_swap(server: Server, sender: Any) -> None:
     assert refused[applied] == after[applied]
 
 
-def test_sigterm_stops_cleanly(server: Server) -> None:
+def test_sigterm_during_a_swap_holding_a_stream_stops_cleanly(
+        server: Server, sender: Any, client: Any, faults: Path) -> None:
+    """SIGTERM while a swap holds generation paused (pause mode keep) with a stream in flight,
+    the apply ending soon after: the held stream is aborted rather than kept waiting on an
+    engine left paused, and the server exits 0 within its shutdown timeout, without
+    tracebacks. (It waited for the stream forever.)"""
+    version = sender.next_version
+    faults.write_text(f"{version} hold\n")  # the apply stays under way until the stop
+    first, result = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            result["chunks"] = stream(client, server, PROMPTS[2], LONG, first)
+        except Exception as exc:  # noqa: BLE001 - a stream cut short is an answer too
+            result["error"] = exc
+
+    reader = threading.Thread(target=run, daemon=True)
+    reader.start()
+    assert first.wait(60), "the stream never started"
+    assert sender.push(str(tiny_model("A"))) == version
+    wait_until(lambda: (s := server.status())["applying"] == version and s["paused"], 60,
+               0.05, "the swap to hold generation")
     start = len(server.tail(10_000_000))
     server.proc.send_signal(signal.SIGTERM)
+    faults.write_text("")  # the apply under way ends soon after the signal
     assert server.proc.wait(60) == 0
+    reader.join(30)
+    assert not reader.is_alive(), "the held stream was never ended"
+    ends = [c.choices[0].finish_reason for c in result.get("chunks", []) if c.choices]
+    assert "length" not in ends, "the held request ran to its end: it was never held"
     after = server.tail(10_000_000)[start:]
     for noise in ("Traceback", "EngineDeadError", "leaked", " ERROR "):
         assert noise not in after, after[-3000:]

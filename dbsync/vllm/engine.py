@@ -109,6 +109,12 @@ class EngineClosed(DBSyncError):
     """An engine call refused or abandoned because the server is shutting down."""
 
 
+def _log_abort_failure(future: concurrent.futures.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.info("dbsync: could not abort the requests held by the abandoned swap (%s); they "
+                 "end with the engine", future.exception())
+
+
 class AsyncEngineOps:
     """``EngineOps`` for an ``AsyncLLM`` (or any vLLM ``EngineClient``) running on ``loop``."""
 
@@ -120,16 +126,25 @@ class AsyncEngineOps:
         self._lock = threading.Lock()
         self._closed = False
         self._pending: set[concurrent.futures.Future[Any]] = set()
+        #: generation paused by ``pause`` and not resumed since (requests may be held)
+        self._paused = False
 
     def close(self) -> None:
         """Refuse engine calls from now on and abandon those under way (they raise
         ``EngineClosed`` at once): the server is shutting down, and a call waiting on the
-        engine's loop must not hold up the stop, nor the loop wait for the call."""
+        engine's loop must not hold up the stop, nor the loop wait for the call. Requests held
+        by a swap's pause are aborted (their clients get an answer that says so, and the
+        server's shutdown need not wait for them: a paused engine would never finish them);
+        generation is never resumed on weights a swap may have left half applied."""
         with self._lock:
+            held = self._paused and not self._closed  # (aborted once, by the first close)
             self._closed = True
             pending = list(self._pending)
         for future in pending:
             future.cancel()  # (and the coroutine on the loop is cancelled in turn)
+        if held and not self.loop.is_closed():
+            aborted = asyncio.run_coroutine_threadsafe(self._pause_coro("abort"), self.loop)
+            aborted.add_done_callback(_log_abort_failure)
 
     def _run(self, coro: Any) -> Any:
         if self.loop.is_closed():
@@ -166,6 +181,7 @@ class AsyncEngineOps:
     def pause(self, mode: str = "keep", drain_timeout: float = 30.0) -> str:
         """Pause in ``mode``; "wait" drains for at most ``drain_timeout`` seconds, then holds
         the rest ("keep"). Returns the mode that took effect."""
+        self._paused = True  # (from the call on: an abandoned pause may still take effect)
         if mode == "wait":
             try:
                 self._run(asyncio.wait_for(self._pause_coro("wait"), drain_timeout))
@@ -186,6 +202,7 @@ class AsyncEngineOps:
 
     def resume(self) -> None:
         self._run(self.engine.resume_generation())
+        self._paused = False
 
     def start(self) -> None:
         self._run(self.engine.start_weight_update())

@@ -60,6 +60,27 @@ def _usage_error(message: str, parser: Any, own_options: Sequence[str]) -> str:
             "'--': dbsync serve-vllm --help; vLLM's after it: vllm serve --help)")
 
 
+#: seconds the HTTP server waits, once the engine stopped, for requests still open before it
+#: cuts them short (their clients see the connection close)
+HTTP_GRACE_S = 5.0
+
+
+class _CutShortFilter(logging.Filter):
+    """uvicorn's ERROR line for requests cut short at shutdown, said as a WARNING: at a stop
+    during a swap, the requests the swap held are expected to end that way."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError) and "graceful shutdown" in str(exc):
+            return False  # (each such request's traceback: the WARNING below said it)
+        if "timeout graceful shutdown exceeded" in str(record.msg):
+            record.msg = ("dbsync: %s request(s) still open %.0f s after the engine stopped "
+                          "(held by a swap the shutdown abandoned?) were cut short")
+            record.args = (*(record.args or ("some",))[:1], HTTP_GRACE_S)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 async def serve_app(app: Any, sock: Any, args: Any) -> asyncio.Task:
     """Start serving ``app`` on ``sock`` with the options in ``args`` (vLLM's parsed server
     arguments). Returns vLLM's shutdown task: await it after the server stopped."""
@@ -67,9 +88,12 @@ async def serve_app(app: Any, sock: Any, args: Any) -> asyncio.Task:
     from vllm.entrypoints.launchers.launcher import serve_http
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
 
-    uvicorn_kwargs: dict[str, Any] = {}
+    # A request the engine can no longer finish (held by a swap abandoned at shutdown, on an
+    # engine that stopped) would keep the HTTP server waiting for its connection forever.
+    uvicorn_kwargs: dict[str, Any] = {"timeout_graceful_shutdown": HTTP_GRACE_S}
     if (log_config := get_uvicorn_log_config(args)) is not None:
         uvicorn_kwargs["log_config"] = log_config
+    logging.getLogger("uvicorn.error").addFilter(_CutShortFilter())
     return await serve_http(
         app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
         host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,9 @@ BACKEND = "dbsync"
 NOTHING_APPLIED = "[dbsync: nothing applied]"
 PARTIALLY_APPLIED = "[dbsync: partially applied]"
 #: Test hook: a file naming "VERSION N" lines; applying VERSION then fails after N tensors
-#: (a failure midway, on a real engine). Read at each update; unset in production.
+#: (a failure midway, on a real engine), or, for "VERSION hold", waits (up to 60 s) while that
+#: line stays in the file (an apply under way, for shutdown tests). Read at each update; unset
+#: in production.
 FAULTS_ENV = "DBSYNC_TEST_APPLY_FAULTS"
 
 
@@ -81,14 +84,19 @@ def _injected_failure(version: int) -> int | None:
     path = os.environ.get(FAULTS_ENV)
     if not path:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) == 2 and fields[0] == str(version):
-                    return int(fields[1])
-    except (OSError, ValueError):
-        return None
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.split() for line in f]
+        except OSError:
+            return None
+        if [str(version), "hold"] not in lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for fields in lines:
+        if len(fields) == 2 and fields[0] == str(version) and fields[1].isdigit():
+            return int(fields[1])
     return None
 #: In an apply error's message: the store moved on to a newer version (a normal race). vLLM's
 #: own ERROR lines for such an error are turned into one INFO line (``_RaceFilter``).

@@ -442,7 +442,9 @@ def test_attach_lora_returns_the_newest_versions_request(stack: Stack, tmp_path:
             damaged = sender.push(stack.adapter())
             flip_a_byte(sender.root)
             assert adapter.latest() is request  # damaged: the previous one keeps serving
-            assert "DamagedVersionError" in adapter.status()["last_error"]
+            status = adapter.status()  # refused (damaged), not retried as a read error
+            assert status["refused"]["version"] == damaged
+            assert "is damaged" in status["refused"]["reason"]
             assert adapter.version == version != damaged
             fixed = stack.adapter()
             sender.push(fixed)

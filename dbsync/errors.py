@@ -30,6 +30,8 @@ class DamagedVersionError(DBSyncError):
         super().__init__(message)
         #: tensor name -> what is wrong with it
         self.damaged: dict[str, str] = dict(damaged or {})
+        #: the damaged version, where the raiser knows it
+        self.version: int | None = None
 
 
 class IncompatibleWeightsError(DBSyncError):

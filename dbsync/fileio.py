@@ -429,7 +429,7 @@ class ShardView:
                     piece = view[start:start + CHUNK_BYTES]
                     if os.preadv(fd, [piece], start) != len(piece):
                         raise OSError("shrank while being read")
-            elif nbytes:
+            elif nbytes and not private_copy:
                 self._buf = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)

@@ -130,8 +130,9 @@ def held_versions(lease: dict[str, Any], slot: str) -> list[tuple[Any, Any]]:
     return []
 
 
-#: what ``Store.read_stamp`` gives ``holders`` for a slot without a stamp file
-NO_STAMP = ("none", None)
+#: what ``Store.read_stamp`` gives ``holders`` for a slot without a stamp file (no stamp's
+#: content can equal it)
+NO_STAMP = (object(), None)
 
 
 def blocks(lease: dict[str, Any], slot: str, stamp: tuple[Any, Any]) -> bool:

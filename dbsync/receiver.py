@@ -255,11 +255,13 @@ class Receiver:
         why = (f"its stamp ({path}) is missing or unreadable" if stamp == (None, None) else
                f"its stamp ({path}) names version {str(stamp[0])[:40]} of run "
                f"{str(stamp[1])[:40]}")
-        raise DamagedVersionError(
+        error = DamagedVersionError(
             f"version {head.version} in {self.store.root}: the head names slot {head.slot}, but "
             f"{why}, and the head did not move on (a writer reusing the slot would first have "
             "flipped it away): the stamp is missing or damaged. Nothing was applied. Run "
             "`dbsync verify ROOT` and publish again from the trainer", {"<slot stamp>": why})
+        error.version = head.version  # (refused by callers as a damaged version is)
+        raise error
 
     def _gone(self, version: int) -> DBSyncError:
         return DBSyncError(f"version {version} is no longer held in {self.store.root} (the "
@@ -313,7 +315,13 @@ class Receiver:
 
     def _load(self, target: LoadWeights | Any, verify: bool, threads: int) -> int:
         for attempt in range(_LEASELESS_RETRIES):
-            snap = self.open()  # (closed in the finally below, not by `with`: the checks
+            try:
+                snap = self.open()
+            except DamagedVersionError as exc:  # (its current slot's stamp is damaged)
+                if exc.version is not None:
+                    self._refused(exc.version, exc)
+                raise
+            # (snap is closed in the finally below, not by `with`: the checks
             # after the apply are made here, a read again after a reused slot included)
             try:
                 container = not callable(target) or _is_tensor_container(target)

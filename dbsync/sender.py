@@ -384,9 +384,13 @@ class Sender:
         one's lock, and numbering on from this Sender's versions would mix two runs."""
         try:
             now = _identity(self.store.root)
+            lock = _identity(self.store.lock_path)
+            fd = self._lock_fd[0]
+            held = None if fd is None else (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
         except OSError:
             return  # (the push meets the same error where it matters, and says it)
-        if now != self._locked_root:
+        if now != self._locked_root or lock != held:  # (the lock's inode cannot be reused
+            # while this Sender holds it open; a directory's can)
             where = "is gone" if now is None else "is another directory now"
             raise DBSyncError(
                 f"{self.store.root} {where} (removed and made anew, or a symlink re-pointed) "
@@ -587,6 +591,7 @@ class Sender:
         waited = self._leases.wait_until_free(slot, stop=abort)
         if abort.is_set():
             raise _Aborted("push interrupted while waiting for readers; nothing was published")
+        self._check_root_unchanged()  # (again: the wait may have been long)
         t1 = time.perf_counter()
 
         with gcpause.paused():
@@ -638,6 +643,7 @@ class Sender:
             created_at=time.time(), durable=self.durable, tensor_count=len(pairs),
             total_bytes=sum(sizes), writer={"host": socket.gethostname(), "pid": os.getpid()},
         )
+        self._check_root_unchanged()  # (last: the write may have been long)
         try:
             self.store.publish_head(head, durable=self.durable)
         except OSError as exc:

@@ -218,6 +218,10 @@ class Store:
         return os.path.join(self.root, MANIFEST_FILE)
 
     @property
+    def lock_path(self) -> str:
+        return os.path.join(self.root, WRITER_LOCK_FILE)
+
+    @property
     def readers_dir(self) -> str:
         return os.path.join(self.root, READERS_DIR)
 
@@ -226,17 +230,19 @@ class Store:
             raise FormatError(f"unknown slot {slot!r}")
         return os.path.join(self.root, SLOTS_DIR, slot)
 
-    def read_head_bytes(self) -> bytes | None:
+    def read_head_bytes(self, known: bytes | None = None) -> bytes | None:
         """The raw head (bounded), for cheap change checks: compare before parsing.
 
         A head that is not valid JSON is read again after short pauses (1.3 s in all) before
         it is handed on: through a mount that caches attributes (FUSE's ``attr_timeout``, 1 s
         by default) a head just replaced by a longer one can read cut to the old one's size
         until the cache expires. (A writer replaces the head atomically: anywhere else, a head
-        that is no JSON is damage, reported once these pauses are over.)"""
+        that is no JSON is damage, reported once these pauses are over.) ``known``: bytes
+        the caller already judged (a watcher's last look): the same bytes again come back at
+        once, without the pauses."""
         raw = self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES)
         for pause in HEAD_REREAD_PAUSES:
-            if raw is None or _is_json(raw):
+            if raw is None or raw == known or _is_json(raw):
                 break
             time.sleep(pause)
             raw = self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES)
@@ -353,6 +359,14 @@ class Store:
             raw = self.read_small(parts, MAX_STAMP_BYTES)
         except OSError:
             return None, None
+        for pause in HEAD_REREAD_PAUSES:  # (as for the head: see read_head_bytes)
+            if raw is None or _is_json(raw):
+                break
+            time.sleep(pause)
+            try:
+                raw = self.read_small(parts, MAX_STAMP_BYTES)
+            except OSError:
+                return None, None
         if raw is None:
             return absent
         data = loads_json(raw, os.path.join(self.root, *parts))

@@ -179,7 +179,7 @@ class Watcher:
         self.polling = needs_polling(self.root) if use_polling is None else use_polling
         self.skip_current = skip_current
         store = Store(self.root, create=False)
-        self._probe = probe or store.read_head_bytes
+        self._probe = probe or (lambda: store.read_head_bytes(known=self._seen))
         self._read_head = head or (lambda raw: read_head(store, raw))
         self.last_error: BaseException | None = None
         self.reads = 0

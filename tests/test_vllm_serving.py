@@ -244,6 +244,7 @@ def test_sigterm_during_a_swap_holding_a_stream_stops_cleanly(
     reader = threading.Thread(target=run, daemon=True)
     reader.start()
     assert first.wait(60), "the stream never started"
+    # (LONG tokens last seconds here: the swap pauses generation well before the end)
     assert sender.push(str(tiny_model("A"))) == version
     wait_until(lambda: (s := server.status())["applying"] == version and s["paused"], 60,
                0.05, "the swap to hold generation")

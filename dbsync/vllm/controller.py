@@ -470,7 +470,13 @@ class SwapController:
 
     def _attempt(self) -> bool:
         """One try at the current version. True when nothing is left to do."""
-        snap = self.receiver.open()
+        try:
+            snap = self.receiver.open()
+        except DamagedVersionError as exc:  # (its current slot's stamp is damaged)
+            if exc.version is not None:
+                self._published(exc.version, None)
+                self._refuse(exc.version, exc)
+            raise
         try:
             return self._attempt_on(snap)
         finally:

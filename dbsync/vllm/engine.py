@@ -181,16 +181,25 @@ class AsyncEngineOps:
     def pause(self, mode: str = "keep", drain_timeout: float = 30.0) -> str:
         """Pause in ``mode``; "wait" drains for at most ``drain_timeout`` seconds, then holds
         the rest ("keep"). Returns the mode that took effect."""
-        self._paused = True  # (from the call on: an abandoned pause may still take effect)
-        if mode == "wait":
-            try:
-                self._run(asyncio.wait_for(self._pause_coro("wait"), drain_timeout))
-                return "wait"
-            except TimeoutError:
-                log.info("dbsync: requests in flight did not finish within %.1f s; holding "
-                         "the rest for the swap (pause mode keep)", drain_timeout)
-        self._run(self._pause_coro("abort" if mode == "abort" else "keep"))
-        return "abort" if mode == "abort" else "keep"
+        with self._lock:
+            self._paused = True  # (from the call on: a pause the stop abandons may still
+            # take effect on the engine)
+        try:
+            if mode == "wait":
+                try:
+                    self._run(asyncio.wait_for(self._pause_coro("wait"), drain_timeout))
+                    return "wait"
+                except TimeoutError:
+                    log.info("dbsync: requests in flight did not finish within %.1f s; "
+                             "holding the rest for the swap (pause mode keep)", drain_timeout)
+            self._run(self._pause_coro("abort" if mode == "abort" else "keep"))
+            return "abort" if mode == "abort" else "keep"
+        except EngineClosed:
+            raise
+        except BaseException:
+            with self._lock:
+                self._paused = False  # (a pause the engine refused holds nothing)
+            raise
 
     def _pause_coro(self, mode: str) -> Any:
         # AsyncLLM.pause_generation is pause_scheduler_async plus a 20 ms settle sleep (vLLM
@@ -202,7 +211,8 @@ class AsyncEngineOps:
 
     def resume(self) -> None:
         self._run(self.engine.resume_generation())
-        self._paused = False
+        with self._lock:
+            self._paused = False
 
     def start(self) -> None:
         self._run(self.engine.start_weight_update())

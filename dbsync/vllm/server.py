@@ -235,9 +235,9 @@ def install_routes(app: Any, controller: SwapController) -> None:
 
 
 def _quiet_shutdown(engine_client: Any) -> None:
-    """A stop that the server asked for (SIGTERM, SIGINT) ends the engine's output loop with
-    ``EngineDeadError``, which vLLM logs as an ERROR traceback: log one INFO line instead,
-    only once the engine client is being shut down."""
+    """A stop that the server asked for (SIGTERM, SIGINT) ends the engine's output loop, and
+    any request still open, with ``EngineDeadError``, which vLLM logs as ERROR tracebacks: log
+    one INFO line each instead, only once the engine client is being shut down."""
     original = engine_client.shutdown
     stopping = False
 
@@ -256,7 +256,11 @@ def _quiet_shutdown(engine_client: Any) -> None:
             return True
 
     engine_client.shutdown = shutdown
-    logging.getLogger("vllm.v1.engine.async_llm").addFilter(_StoppedFilter())
+    # (and each request a stopped engine ends: a stream cut short by the shutdown, such as
+    # one held by a swap the stop abandoned, is said in one INFO line, not a traceback)
+    for name in ("vllm.v1.engine.async_llm", "vllm.entrypoints.openai.completion.serving",
+                 "vllm.entrypoints.openai.chat_completion.serving"):
+        logging.getLogger(name).addFilter(_StoppedFilter())
 
 
 class _UnhealthyGate:

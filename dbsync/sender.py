@@ -386,7 +386,8 @@ class Sender:
             now = _identity(self.store.root)
             lock = _identity(self.store.lock_path)
             fd = self._lock_fd[0]
-            held = None if fd is None else (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+            st = None if fd is None else os.fstat(fd)
+            held = None if st is None else (st.st_dev, st.st_ino)
         except OSError:
             return  # (the push meets the same error where it matters, and says it)
         if now != self._locked_root or lock != held:  # (the lock's inode cannot be reused

@@ -71,8 +71,8 @@ from .format import (
 
 log = logging.getLogger(__name__)
 
-#: pauses before a head read cut short is read again (see ``Store.read_head_bytes``)
-HEAD_REREAD_PAUSES = (0.05, 0.25, 1.0)
+#: pauses before a record (head, stamp) read cut short is read again (``Store.read_record``)
+REREAD_PAUSES = (0.05, 0.25, 1.0)
 
 WRITING = "writing"
 DIR_MODE = 0o755
@@ -231,21 +231,25 @@ class Store:
         return os.path.join(self.root, SLOTS_DIR, slot)
 
     def read_head_bytes(self, known: bytes | None = None) -> bytes | None:
-        """The raw head (bounded), for cheap change checks: compare before parsing.
+        """The raw head (bounded), for cheap change checks: compare before parsing. Read as
+        ``read_record`` reads (``known``: bytes the caller already judged, a watcher's last
+        look, come back at once)."""
+        return self.read_record((MANIFEST_FILE,), MAX_HEAD_BYTES, known)
 
-        A head that is not valid JSON is read again after short pauses (1.3 s in all) before
-        it is handed on: through a mount that caches attributes (FUSE's ``attr_timeout``, 1 s
-        by default) a head just replaced by a longer one can read cut to the old one's size
-        until the cache expires. (A writer replaces the head atomically: anywhere else, a head
-        that is no JSON is damage, reported once these pauses are over.) ``known``: bytes
-        the caller already judged (a watcher's last look): the same bytes again come back at
-        once, without the pauses."""
-        raw = self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES)
-        for pause in HEAD_REREAD_PAUSES:
+    def read_record(self, parts: tuple[str, ...], limit: int,
+                    known: bytes | None = None) -> bytes | None:
+        """A small JSON record (the head, a stamp), as ``read_small`` reads it; one that is
+        not valid JSON is read again after short pauses (1.3 s in all) before it is handed
+        on: through a mount that caches attributes (FUSE's ``attr_timeout``, 1 s by default)
+        a record just replaced by a longer one can read cut to the old one's size until the
+        cache expires. (Records are replaced atomically: anywhere else, one that is no JSON
+        is damage, reported once these pauses are over.) ``known`` comes back at once."""
+        raw = self.read_small(parts, limit)
+        for pause in REREAD_PAUSES:
             if raw is None or raw == known or _is_json(raw):
                 break
             time.sleep(pause)
-            raw = self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES)
+            raw = self.read_small(parts, limit)
         return raw
 
     def read_head(self) -> Head | None:
@@ -356,17 +360,9 @@ class Store:
         garbled file): the store was tampered with, not reused."""
         parts = (SLOTS_DIR, slot, SLOT_STAMP_FILE)
         try:
-            raw = self.read_small(parts, MAX_STAMP_BYTES)
+            raw = self.read_record(parts, MAX_STAMP_BYTES)
         except OSError:
             return None, None
-        for pause in HEAD_REREAD_PAUSES:  # (as for the head: see read_head_bytes)
-            if raw is None or _is_json(raw):
-                break
-            time.sleep(pause)
-            try:
-                raw = self.read_small(parts, MAX_STAMP_BYTES)
-            except OSError:
-                return None, None
         if raw is None:
             return absent
         data = loads_json(raw, os.path.join(self.root, *parts))

@@ -43,6 +43,7 @@ from .errors import (
     DBSyncError,
     FormatError,
     IncompatibleWeightsError,
+    LeaseExpiredError,
     StoreRewoundError,
 )
 from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id
@@ -229,7 +230,7 @@ class Receiver:
                 raise
             try:
                 snap.check_unchanged()
-            except SlotReused:
+            except LeaseExpiredError:  # (SlotReused too) the slot is stamped otherwise
                 snap.close()
                 if version is not None:
                     raise self._gone(version) from None
@@ -244,7 +245,7 @@ class Receiver:
                           "in a tight loop?")
 
     def _check_head_moved(self, head: Head) -> None:
-        """After a leaseless read found ``head``'s slot stamped otherwise: fine (read again)
+        """After a read found ``head``'s slot stamped otherwise: fine (read again)
         if the head moved on, as it does before a writer reuses a slot; if it still names that
         version, the slot's stamp is missing or damaged, and reading again cannot help."""
         again = self.store.read_head()

@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -230,25 +231,30 @@ class Store:
             raise FormatError(f"unknown slot {slot!r}")
         return os.path.join(self.root, SLOTS_DIR, slot)
 
-    def read_head_bytes(self, known: bytes | None = None) -> bytes | None:
+    def read_head_bytes(self, known: bytes | None = None,
+                        stop: threading.Event | None = None) -> bytes | None:
         """The raw head (bounded), for cheap change checks: compare before parsing. Read as
         ``read_record`` reads (``known``: bytes the caller already judged, a watcher's last
-        look, come back at once)."""
-        return self.read_record((MANIFEST_FILE,), MAX_HEAD_BYTES, known)
+        look, come back at once; ``stop`` set: the pauses end at once)."""
+        return self.read_record((MANIFEST_FILE,), MAX_HEAD_BYTES, known, stop)
 
-    def read_record(self, parts: tuple[str, ...], limit: int,
-                    known: bytes | None = None) -> bytes | None:
+    def read_record(self, parts: tuple[str, ...], limit: int, known: bytes | None = None,
+                    stop: threading.Event | None = None) -> bytes | None:
         """A small JSON record (the head, a stamp), as ``read_small`` reads it; one that is
         not valid JSON is read again after short pauses (1.3 s in all) before it is handed
         on: through a mount that caches attributes (FUSE's ``attr_timeout``, 1 s by default)
         a record just replaced by a longer one can read cut to the old one's size until the
         cache expires. (Records are replaced atomically: anywhere else, one that is no JSON
-        is damage, reported once these pauses are over.) ``known`` comes back at once."""
+        is damage, reported once these pauses are over.) ``known`` comes back at once; once
+        ``stop`` is set (a watcher stopping), what was read last comes back at once."""
         raw = self.read_small(parts, limit)
         for pause in REREAD_PAUSES:
             if raw is None or raw == known or _is_json(raw):
                 break
-            time.sleep(pause)
+            if stop is None:
+                time.sleep(pause)
+            elif stop.wait(pause):
+                break
             raw = self.read_small(parts, limit)
         return raw
 

@@ -179,7 +179,7 @@ class Watcher:
         self.polling = needs_polling(self.root) if use_polling is None else use_polling
         self.skip_current = skip_current
         store = Store(self.root, create=False)
-        self._probe = probe or (lambda: store.read_head_bytes(known=self._seen))
+        self._probe = probe or (lambda: store.read_head_bytes(known=self._seen, stop=self._stop))
         self._read_head = head or (lambda raw: read_head(store, raw))
         self.last_error: BaseException | None = None
         self.reads = 0
@@ -275,8 +275,8 @@ class Watcher:
         except Exception as exc:  # noqa: BLE001 - reported once, retried at the next look
             self._read_failed(("probe", type(exc).__name__, str(exc)), exc)
             return
-        if raw is not None and raw == self._seen:
-            return
+        if self._stop.is_set() or (raw is not None and raw == self._seen):
+            return  # (stopping: a read whose re-reads were cut short is not judged)
         if raw is None and self._head is not None:  # (it had a version: said, not ignored)
             if self._seen is not None or not self._read_failing:
                 self._seen = None

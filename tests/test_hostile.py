@@ -906,12 +906,14 @@ def test_impossible_versions_in_damaged_files_never_number_a_push(root, where):
         assert receiver.load(dest) == pushed and torch.equal(dest["w"], torch.full((4,), 2.0))
 
 
+@pytest.mark.parametrize("read_only", [True, False], ids=["leaseless", "leased"])
 @pytest.mark.parametrize("stamp", ["missing", "another version", "writing"])
-def test_a_current_slot_stamped_otherwise_is_refused_by_leaseless_readers_at_once(root, stamp):
+def test_a_current_slot_stamped_otherwise_is_refused_at_once(root, stamp, read_only):
     """The head names slot a, whose stamp is gone or names something else, and the head does
     not move: a leaseless reader (a read-only view) refuses the version as damaged, naming the
     stamp, instead of copying the version again and again as if a writer were reusing the slot;
-    nothing is applied."""
+    a leased reader refuses it the same way (it said "lease expired ... load again", and
+    serve-vllm retried it forever). Nothing is applied."""
     with dbsync.Sender(root) as sender:
         sender.push({"w": torch.ones(4)})
         run = sender.run_id
@@ -922,7 +924,7 @@ def test_a_current_slot_stamped_otherwise_is_refused_by_leaseless_readers_at_onc
         Store(root).write_stamp("a", 7 if stamp == "another version" else "writing", run,
                                 durable=False)
     applied: list[Any] = []
-    with dbsync.Receiver(root, read_only=True) as receiver:
+    with dbsync.Receiver(root, read_only=read_only) as receiver:
         with pytest.raises(DamagedVersionError, match="stamp") as raised:
             receiver.load(applied.append)
     assert applied == [] and "<slot stamp>" in raised.value.damaged

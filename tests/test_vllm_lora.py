@@ -405,6 +405,34 @@ def test_a_damaged_adapter_version_is_refused_at_once_not_retried(tmp_path: Path
         versions.close()
 
 
+def test_an_adapter_version_whose_stamp_is_damaged_is_refused_not_retried(
+        tmp_path: Path) -> None:
+    """The current adapter slot's stamp damaged (the head did not move): refused as a damaged
+    version, once, and the trainer hears of it. (It was retried as a read error forever.)"""
+    from dbsync.format import SLOT_STAMP_FILE
+    from dbsync.store import Store
+    from dbsync.vllm.checkpoint import read_safetensors_header
+    from dbsync.vllm.lora import AdapterRefusedError, AdapterVersions
+
+    model = tiny_model("A")
+    expected = read_safetensors_header(str(model / "model.safetensors"))
+    root = tmp_path / "store"
+    with Sender(root) as sender:
+        version = sender.push(str(write_adapter(tmp_path / "adapter", 1, layer_shapes(model))))
+    head = Store(str(root)).read_head()
+    (root / "slots" / head.slot / SLOT_STAMP_FILE).write_text('{"version": 77}')
+    versions = AdapterVersions(root, NAME, expected, MAX_RANK, workdir=str(tmp_path / "work"))
+    try:
+        with pytest.raises(AdapterRefusedError, match="stamp is missing or damaged"):
+            versions.prepare()
+        assert versions.prepare() is None  # refused: not read again
+        assert versions.refused["version"] == version and versions.refusals == 1
+        with pytest.raises(ReceiverRefusedError, match="damaged"):
+            wait_for_receivers(Store(str(root)), version, 1, timeout=5)
+    finally:
+        versions.close()
+
+
 def test_attach_lora_returns_the_newest_versions_request(stack: Stack, tmp_path: Path) -> None:
     from dbsync.errors import NothingPublishedError
     from dbsync.vllm import attach

@@ -132,6 +132,37 @@ def test_garbled_manifest_is_logged_once_and_never_spins(store, caplog):
     assert any("reads well again" in r.getMessage() for r in caplog.records)
 
 
+def test_stop_cuts_the_rereads_of_a_garbled_head_short(store, monkeypatch):
+    """A head that is no JSON is read again for 1.3 s (FUSE caches); a watcher stopped in the
+    middle of that stops at once and judges nothing."""
+    path = os.path.join(store, MANIFEST_FILE)
+    with open(path, "wb") as f:
+        f.write(b'{"format": "dbsync", "format_')
+    reads = 0
+    in_long_pause = threading.Event()
+    read_small = Store.read_small
+
+    def counting(self, parts, limit):
+        nonlocal reads
+        raw = read_small(self, parts, limit)
+        if parts == (MANIFEST_FILE,):
+            reads += 1
+            if reads == 3:  # the next pause is the 1 s one
+                in_long_pause.set()
+        return raw
+
+    monkeypatch.setattr(Store, "read_small", counting)
+    watcher = Watcher(store, Seen(), use_polling=True, poll_interval=0.02).start()
+    try:
+        assert in_long_pause.wait(10)
+    finally:
+        began = time.monotonic()
+        watcher.stop()
+        took = time.monotonic() - began
+    assert took < 0.5, f"stop() took {took:.2f} s"
+    assert reads == 3 and watcher.last_error is None
+
+
 def test_polling_is_bounded_and_stop_is_immediate(store):
     seen = Seen()
     with Watcher(store, seen, use_polling=True, poll_interval=0) as watcher:

@@ -294,7 +294,15 @@ class AdapterVersions:
             raise NothingPublishedError(f"no adapter has been published in {self.root} yet")
         if self.is_current(head) or head == self._refused_key:
             return None
-        with self.receiver.open() as snap:
+        try:
+            opened = self.receiver.open()
+        except DamagedVersionError as exc:  # its slot's stamp is damaged: as verification
+            if exc.version != head[1]:  # (the head moved meanwhile: the next look decides)
+                raise
+            raise self._refuse_key(head, AdapterRefusedError(
+                f"adapter version {exc.version} is damaged: {exc}. The previous adapter keeps "
+                "serving", exc.damaged)) from None
+        with opened as snap:
             problems = check_adapter(snap.manifest.adapter, [
                 (e.name, tuple(e.shape), e.torch_dtype) for e in snap.manifest.tensors],
                 self.expected, self.max_rank)
@@ -327,12 +335,18 @@ class AdapterVersions:
 
     def _refuse(self, snap: Snapshot, problems: dict[str, str],
                 error: AdapterRefusedError | None = None) -> AdapterRefusedError:
-        error = error or _refusal(snap.version, problems)
+        return self._refuse_key((snap.run_id, snap.version),
+                                error or _refusal(snap.version, problems))
+
+    def _refuse_key(self, key: tuple[str, int], error: AdapterRefusedError
+                    ) -> AdapterRefusedError:
+        """Record ``error`` as the refusal of version ``key`` (run id, version): reported in
+        the lease, logged once, not retried until the store names another version."""
         with self._lock:
-            self._refused_key = (snap.run_id, snap.version)
+            self._refused_key = key
             self.refusals += 1
-            self.refused = {"version": snap.version, "reason": str(error), "at": time.time()}
-        self.receiver.report_refusal(snap.version, str(error))
+            self.refused = {"version": key[1], "reason": str(error), "at": time.time()}
+        self.receiver.report_refusal(key[1], str(error))
         log.warning("dbsync: %s", error)
         return error
 

@@ -630,7 +630,9 @@ class Store:
                 return False
         except OSError:
             return False
-        return os.access(self.readers_dir, os.W_OK | os.X_OK)
+        # (no readers directory yet: the first receiver creates it in the root)
+        where = self.readers_dir if os.path.isdir(self.readers_dir) else self.root
+        return os.access(where, os.W_OK | os.X_OK)
 
 
 def _is_json(raw: bytes) -> bool:

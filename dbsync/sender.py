@@ -382,12 +382,19 @@ class Sender:
         """Refuse to publish once ROOT is no longer the directory this Sender locked (removed
         and made anew by a new run, or a symlink re-pointed): another writer may hold the new
         one's lock, and numbering on from this Sender's versions would mix two runs."""
+        fd = self._lock_fd[0]
+        try:
+            st = None if fd is None else os.fstat(fd)
+        except OSError as exc:  # (ENOTCONN: a FUSE daemon killed; ESTALE: the file removed)
+            raise DBSyncError(
+                f"the lock this Sender holds on {self.store.root} cannot be reached any more "
+                f"({exc.strerror or exc}: its mount was lost or remounted since it locked it); "
+                "nothing was published. Another writer may hold the store now: close this "
+                "Sender and create a new one to publish there") from None
+        held = None if st is None else (st.st_dev, st.st_ino)
         try:
             now = _identity(self.store.root)
             lock = _identity(self.store.lock_path)
-            fd = self._lock_fd[0]
-            st = None if fd is None else os.fstat(fd)
-            held = None if st is None else (st.st_dev, st.st_ino)
         except OSError:
             return  # (the push meets the same error where it matters, and says it)
         if now != self._locked_root or lock != held:  # (the lock's inode cannot be reused

@@ -90,3 +90,51 @@ def ext4_that_fails(path: Any, size: str = "64M") -> Iterator[Callable[[], None]
 
 def _bytes(size: str) -> int:
     return int(size[:-1]) << {"K": 10, "M": 20, "G": 30}[size[-1].upper()]
+
+
+class FuseView:
+    """A read-write bindfs (FUSE) view of ``base`` at ``view`` whose daemon can be killed
+    (``kill``: its connection dies, ENOTCONN, as when a FUSE daemon or NFS client crashes)
+    and mounted again (``remount``). ``options``: more bindfs/FUSE options (``-o``)."""
+
+    def __init__(self, base: Any, view: Any, options: str = ""):
+        if shutil.which("bindfs") is None or not os.path.exists("/dev/fuse"):
+            pytest.skip("bindfs/FUSE not available here (.ci/run installs it)")
+        self.base, self.view = str(base), str(view)
+        self.options = ["-o", options] if options else []
+        os.makedirs(self.view, exist_ok=True)
+        self._daemon: subprocess.Popen | None = None
+
+    def mount(self) -> str:
+        # -f: the daemon stays our child (killable); mounted once findmnt lists it
+        self._daemon = subprocess.Popen(["bindfs", "-f", *self.options, self.base,
+                                         self.view])
+        for _ in range(500):
+            if subprocess.run(["findmnt", "-n", self.view], capture_output=True).returncode == 0:
+                return self.view
+            if self._daemon.poll() is not None:
+                break
+            threading_wait(0.01)
+        raise RuntimeError(f"bindfs did not mount {self.view}")
+
+    def kill(self) -> None:
+        assert self._daemon is not None
+        self._daemon.kill()
+        self._daemon.wait()
+        subprocess.run(["umount", "-l", self.view], check=False)
+
+    def remount(self) -> str:
+        return self.mount()
+
+    def close(self) -> None:
+        if self._daemon is not None and self._daemon.poll() is None:
+            subprocess.run(["umount", "-l", self.view], check=False)
+            self._daemon.kill()
+            self._daemon.wait()
+
+
+def threading_wait(seconds: float) -> None:
+    """A bounded pause between looks at something another process does (a mount appearing)."""
+    import threading
+
+    threading.Event().wait(seconds)

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from _workers import expected_values, weights_for
-from fleet_mounts import ext4_that_fails, needs_root, read_only_view, tmpfs
+from fleet_mounts import FuseView, ext4_that_fails, needs_root, read_only_view, tmpfs
 
 import dbsync
 from dbsync.format import MANIFEST_FILE
@@ -1182,3 +1182,33 @@ def test_waiting_across_a_new_run_returns_once_then_blocks(root):
             assert receiver.wait(newer_than=1, timeout=0.3) is None
             sender.push(weights_for(12))
             assert receiver.wait(newer_than=1, timeout=10) == 2
+
+
+@needs_root
+def test_a_sender_whose_fuse_mount_died_and_came_back_refuses_to_publish(tmp_path):
+    """The FUSE daemon under a trainer's store is killed and the mount made again: the old
+    Sender's lock now guards nothing (another writer can take the new mount's lock), so its
+    next push is refused, naming the lost lock, and publishes nothing; a new Sender publishes.
+    (It went on publishing beside the new writer: the store was damaged over and over.)"""
+    base = tmp_path / "base"
+    base.mkdir()
+    # (no attribute cache: the old lock's fstat asks the dead daemon at once, as it does
+    # once the cache expired, after 1 s by default)
+    fuse = FuseView(base, tmp_path / "view", options="attr_timeout=0")
+    root = os.path.join(fuse.mount(), "store")
+    try:
+        sender = dbsync.Sender(root, durable=False)
+        assert sender.push({"w": torch.ones(4)}) == 1
+        fuse.kill()
+        fuse.remount()
+        with pytest.raises(dbsync.DBSyncError, match="cannot be reached any more") as raised:
+            sender.push({"w": torch.full((4,), 2.0)})
+        assert "close this Sender and create a new one" in str(raised.value)
+        sender.close()
+        with dbsync.Receiver(root) as receiver:
+            dest = {"w": torch.zeros(4)}
+            assert receiver.load(dest) == 1 and torch.equal(dest["w"], torch.ones(4))
+        with dbsync.Sender(root, durable=False) as again:
+            assert again.push({"w": torch.full((4,), 3.0)}) == 2
+    finally:
+        fuse.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 import threading
 import time
@@ -158,6 +159,9 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
         raise click.UsageError("--max-lag-timeout only applies with --max-lag K")
     from .interrupt import SigintFlag
 
+    problem = _root_unfit_for_push(root)  # (before SRC is read: that may take minutes)
+    if problem is not None:
+        fail(problem)
     started = time.monotonic()
     reading = SigintFlag(None)
     try:  # (Ctrl-C while torch loads or SRC is read: ROOT was not touched)
@@ -209,6 +213,32 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
         _interrupted(f"\ninterrupted; version {version} is published in {store.root}")
     if wait_for is not None:
         _wait_for(store, root, version, wait_for, timeout)
+
+
+def _root_unfit_for_push(root: str) -> str | None:
+    """What makes ``root`` no place for a store, where it is cheap to tell (empty, or a
+    file or device where a directory must be): None if nothing does."""
+    if not root:
+        return ("the store path ROOT is empty (an unset variable?); give the path of the "
+                "store directory")
+    path = os.path.abspath(root)
+    while True:  # the first part of the path that exists must be a directory
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+            continue
+        except OSError:
+            return None  # (said by the push itself, with the whole story)
+        if stat.S_ISDIR(st.st_mode):
+            return None
+        where = "ROOT" if path == os.path.abspath(root) else f"a part of ROOT's path ({path})"
+        return (f"{root}: {where} is not a directory; give the path of a store directory "
+                "(an existing store, an empty directory, or a path where one can be "
+                "created). Nothing was read or published")
 
 
 def _torch_dtype(name: str | None) -> Any:
@@ -309,6 +339,7 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
         by = f" by {writer.get('host', '?')} pid {writer.get('pid', '?')}" if writer else ""
         lines += [
             f"version    {info['version']} (slot {info['slot']})",
+            f"run        {info.get('run_id') or '-'}",
             f"tensors    {info['tensors']} ({human_bytes(info['bytes'])})",
             f"published  {human_time(info['published_at'])}{by}",
         ]
@@ -330,6 +361,8 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
         lines += [f"  {r['id']} {r['state']}: {r['reason']}" for r in rx if r.get("reason")]
     for reader_id, problem in info.get("malformed_reader_files", {}).items():
         lines.append(f"ignored    readers/{reader_id}.json: not a reader's lease ({problem})")
+    if info.get("note"):
+        lines.append(f"note       {info['note']}")
     return lines
 
 
@@ -437,7 +470,7 @@ def verify(root: str, want: int | None, threads: int) -> None:
     with Receiver(store.root) as receiver:
         try:
             snap = receiver.open()
-        except LeaseExpiredError:
+        except (LeaseExpiredError, DamagedVersionError):  # (open refuses only a bad stamp)
             _stamp_failure(store, root)
         with snap:
             manifest = snap.manifest
@@ -454,7 +487,9 @@ def verify(root: str, want: int | None, threads: int) -> None:
                 lines = []
                 for why, names in by_reason.items():
                     lines.append(f"  {why}:")
-                    lines += [f"    {describe_name(name)}" for name in names]
+                    lines += [f"    {describe_name(name)}" for name in names[:VERIFY_NAMES]]
+                    if len(names) > VERIFY_NAMES:  # (a lost shard of an MoE version: 90,000)
+                        lines.append(f"    ... and {len(names) - VERIFY_NAMES} more tensor(s)")
                 tensors = sum(1 for t in manifest.tensors if t.name in exc.damaged)
                 fail(f"version {manifest.version} in {store.root} is damaged: "
                      f"{tensors} of {len(manifest.tensors)} tensor(s) fail "
@@ -466,6 +501,10 @@ def verify(root: str, want: int | None, threads: int) -> None:
     click.echo(f"version {manifest.version} OK: {len(manifest.tensors)} tensors, "
                f"{human_bytes(manifest.total_bytes)} verified in "
                f"{time.monotonic() - started:.2f} s")
+
+
+#: damaged tensors `dbsync verify` names per reason (the count says how many more)
+VERIFY_NAMES = 20
 
 
 def _stamp_failure(store: Store, root: str) -> NoReturn:

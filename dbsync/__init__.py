@@ -28,6 +28,7 @@ _LAZY = {
     "StoreReadOnlyError": "errors",
     "StoreNotFoundError": "errors",
     "StoreRewoundError": "errors",
+    "StoreUnreachableError": "errors",
     "UnsupportedFormatError": "errors",
     "PushInterrupted": "sender",
     "FORMAT_VERSION": "format",
@@ -57,6 +58,7 @@ __all__ = [
     "StoreReadOnlyError",
     "StoreNotFoundError",
     "StoreRewoundError",
+    "StoreUnreachableError",
     "UnsupportedFormatError",
     "Watcher",
     "__version__",
@@ -78,6 +80,7 @@ if TYPE_CHECKING:
         StoreNotFoundError,
         StoreReadOnlyError,
         StoreRewoundError,
+        StoreUnreachableError,
         UnsupportedFormatError,
     )
     from .format import FORMAT_VERSION

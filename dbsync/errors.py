@@ -87,6 +87,13 @@ class _StoreOSError(DBSyncError, OSError):
         return type(self), (str(self), self.errno)
 
 
+class StoreUnreachableError(StoreNotFoundError, _StoreOSError):
+    """The store's directory cannot be opened by this process: no permission (``EACCES``),
+    or its mount is dead or hung (``ENOTCONN``: a FUSE daemon gone; ``ESTALE``, ``EIO``: an
+    NFS server). Also an ``OSError`` with that ``errno``; often transient: a remounted store
+    is read again by the next call."""
+
+
 class StoreFullError(_StoreOSError):
     """A push did not fit on the store's filesystem (also an ``OSError``: ``errno`` is
     ENOSPC or EDQUOT). Nothing was published; the partial files were removed where the

@@ -44,6 +44,7 @@ from .errors import (
     FormatError,
     IncompatibleWeightsError,
     LeaseExpiredError,
+    StoreNotFoundError,
     StoreRewoundError,
 )
 from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id
@@ -284,7 +285,14 @@ class Receiver:
             return head
         head = self.store.read_head()
         if head is None:
-            raise self.store.nothing_published()
+            error = self.store.nothing_published()
+            if self.loaded_version is not None and not isinstance(error, StoreNotFoundError):
+                error = StoreNotFoundError(
+                    f"{self.store.root} no longer holds a published version (this receiver "
+                    f"loaded version {self.loaded_version} from it): the store was removed, "
+                    "its volume unmounted (the path now shows the directory under the mount), "
+                    "or a new run is starting there. Check the mount before pushing there")
+            raise error
         if head.run_id == self.loaded_run_id and self.loaded_version is not None and (
                 head.version < self.loaded_version):
             raise StoreRewoundError(

@@ -52,7 +52,9 @@ def check_model(model: str) -> None:
                  or expanded.count(os.sep) > 1 or (parent != "" and os.path.isdir(parent))
                  or os.path.exists(expanded))
     if path_like:
-        raise DBSyncError(f"--model {model}: no such directory on this host; pass the "
+        what = "is a file, not a directory" if os.path.exists(expanded) else (
+            "no such directory on this host")
+        raise DBSyncError(f"--model {model}: {what}; pass the "
                           "directory of a Hugging Face checkpoint (config.json, tokenizer, "
                           "*.safetensors)")
     if importlib.util.find_spec("huggingface_hub") is None:

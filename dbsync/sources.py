@@ -250,6 +250,9 @@ def adapter_config_of(weights: Any) -> dict[str, Any] | None:
 
 # ---- paths ---------------------------------------------------------------------------------
 def load_path(path: str) -> Pairs:
+    if not path:
+        raise InvalidWeightsError("the source path is empty (an unset variable?); give a "
+                                  "checkpoint file or directory")
     if not os.path.exists(path):
         raise InvalidWeightsError(f"{path} does not exist; check the path")
     if os.path.isdir(path):

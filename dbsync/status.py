@@ -7,10 +7,12 @@ Receivers on a read-only view of the store cannot write leases: they are invisib
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 from .errors import DBSyncError, ReceiverRefusedError
+from .format import SLOTS_DIR
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
     READING,
@@ -164,6 +166,11 @@ def store_status(store: Store) -> dict[str, Any]:
         base["note"] = ("this view of the store is read-only: receivers reading through "
                         "read-only views cannot register and are not listed")
     if head is None:
+        if not os.path.isdir(os.path.join(store.root, SLOTS_DIR)):
+            empty = (f"{store.root} holds no store files: nothing was ever published here. "
+                     "If the store lives on another volume, check that it is mounted (a "
+                     "Sender would start a new store in this directory)")
+            base["note"] = f"{base['note']}. {empty}" if "note" in base else empty
         return {**base, "version": None}
     return {
         **base,

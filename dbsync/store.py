@@ -49,6 +49,7 @@ from .errors import (
     StoreBusyError,
     StoreNotFoundError,
     StoreReadOnlyError,
+    StoreUnreachableError,
 )
 from .format import (
     INDEX_FILE,
@@ -95,9 +96,9 @@ class Store:
             self._refuse_foreign_directory()
             self._create_layout()
         else:
-            problem = root_problem(self.root)
-            if problem is not None:
-                raise StoreNotFoundError(problem)
+            error = root_error(self.root)
+            if error is not None:
+                raise error
 
     def _refuse_foreign_directory(self) -> None:
         """Refuse to make a store of a directory that holds other files (a checkpoint
@@ -142,8 +143,15 @@ class Store:
     # ---- safe opening ----------------------------------------------------------------------
     @contextmanager
     def dir_fd(self, *parts: str) -> Iterator[int]:
-        """An fd of the directory ROOT/parts, every component opened without following links."""
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        """An fd of the directory ROOT/parts, every component opened without following links.
+        ROOT missing: FileNotFoundError (what is absent reads as nothing published); ROOT there
+        but not to be opened (no permission, a dead mount): ``StoreUnreachableError``."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise
+        except OSError as exc:
+            raise _unreachable(self.root, exc) from None
         try:
             for part in parts:
                 try:
@@ -330,9 +338,11 @@ class Store:
     def nothing_published(self) -> NothingPublishedError:
         """The error for a head not found: nothing published yet, or the store itself gone
         since (removed, or its volume unmounted)."""
-        problem = root_problem(self.root)
-        if problem is not None:  # (it was there when this Store was made)
-            return StoreNotFoundError(f"{problem}; it was there before: was it removed, or its "
+        error = root_error(self.root)
+        if isinstance(error, StoreUnreachableError):
+            return error
+        if error is not None:  # (it was there when this Store was made)
+            return StoreNotFoundError(f"{error}; it was there before: was it removed, or its "
                                       "volume unmounted?")
         return NothingPublishedError(
             f"no version has been published in {self.root} yet; push one first "
@@ -645,27 +655,50 @@ def _is_json(raw: bytes) -> bool:
 
 def root_problem(root: str) -> str | None:
     """Why this process cannot use ``root`` as an existing store directory (None if it can):
-    missing, not a directory, or a directory along the path it may not search."""
+    missing, not a directory, a directory along the path it may not search, or a dead
+    mount."""
+    error = root_error(root)
+    return None if error is None else str(error)
+
+
+def root_error(root: str) -> StoreNotFoundError | None:
+    """``root_problem`` as the error to raise: ``StoreUnreachableError`` (with its errno)
+    where the directory is there but cannot be opened, ``StoreNotFoundError`` where it is
+    missing or not a directory."""
     root = os.path.abspath(root)
     try:
         st = os.stat(root)
-    except PermissionError:
-        return (f"{root}: permission denied to this process (uid {os.getuid()}) at "
-                f"{_first_unsearchable(root)}; every directory above the store must be "
-                "searchable by this user (chmod o+x), and the store readable (chmod o+rx)")
     except (FileNotFoundError, NotADirectoryError):
-        return (f"{root} does not exist or is not a directory; check the path and that the "
-                "volume is mounted (only a Sender creates a store)")
+        return StoreNotFoundError(
+            f"{root} does not exist or is not a directory; check the path and that the "
+            "volume is mounted (only a Sender creates a store)")
     except OSError as exc:
-        return f"{root} cannot be reached ({exc.strerror or exc}); check the path and the mount"
+        return _unreachable(root, exc)
     if not stat.S_ISDIR(st.st_mode):
-        return (f"{root} does not exist or is not a directory (it is {_kind(st.st_mode)}); "
-                "give the path of the store directory")
+        return StoreNotFoundError(
+            f"{root} does not exist or is not a directory (it is {_kind(st.st_mode)}); give "
+            "the path of the store directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        return _unreachable(root, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
     return None
 
 
-def _first_unsearchable(path: str) -> str:
-    """The first directory from ``/`` down to ``path`` that this process may not search."""
+def _unreachable(root: str, exc: OSError) -> StoreUnreachableError:
+    """The error for a store directory there but not to be opened (``exc`` says why)."""
+    if isinstance(exc, PermissionError):
+        return StoreUnreachableError(
+            f"{root}: permission denied to this process (uid {os.getuid()}) at "
+            f"{_first_unreadable(root)}; every directory above the store must be searchable "
+            "by this user (chmod o+x), and the store readable (chmod o+rx)", exc.errno)
+    return StoreUnreachableError(
+        f"{root} cannot be reached ({exc.strerror or exc}): its mount is dead or hung (a FUSE "
+        "daemon or NFS server gone?); check the mount, then try again (a remounted store is "
+        "read again)", exc.errno)
+
+
+def _first_unreadable(path: str) -> str:
+    """The first directory from ``/`` down to ``path`` that this process may not search (or,
+    for ``path`` itself, read)."""
     here = os.sep
     for part in [p for p in path.split(os.sep) if p]:
         if not os.access(here, os.X_OK):

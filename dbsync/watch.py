@@ -282,8 +282,8 @@ class Watcher:
                 self._seen = None
                 self._read_failed(("gone",), DBSyncError(
                     f"{self.root} no longer holds a published version (its {MANIFEST_FILE} is "
-                    "gone: the store was removed or unmounted, or a new run is starting there); "
-                    f"still watching, from version {self._head.version}"))
+                    "gone: the store was removed or unmounted, or a new run is starting there; "
+                    f"the last version seen was {self._head.version})"))
             return
         head: RunVersion | None = None
         if raw is not None:

@@ -410,11 +410,12 @@ def test_status_of_empty_and_missing_stores(tmp_path):
     assert result.exit_code == 0
     assert json.loads(result.stdout)["version"] is None
     assert "none published yet" in run("status", str(empty)).stdout
-    bare = tmp_path / "bare"  # a plain writable directory: not called a read-only view
-    bare.mkdir()
+    bare = tmp_path / "bare"  # a plain writable directory (a volume not mounted there?):
+    bare.mkdir()  # not called a read-only view; said to hold no store files
     info = json.loads(run("status", str(bare), "--json").stdout)
-    assert info["leases_writable"] is True and "note" not in info
-    assert "read-only" not in run("status", str(bare)).stdout
+    assert info["leases_writable"] is True and "read-only" not in info["note"]
+    text = run("status", str(bare)).stdout
+    assert "holds no store files" in text and "check that it is mounted" in text
     missing = str(tmp_path / "missing")
     gone = run("status", missing)
     assert gone.exit_code == 1 and missing in gone.stderr

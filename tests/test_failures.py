@@ -458,6 +458,15 @@ def test_a_trainer_with_umask_077_leaves_the_store_reachable_and_a_blocked_path_
         assert (f"permission denied to this process (uid 65534) at {root.parent.parent};"
                 in out.stderr), out.stderr
         assert "does not exist" not in out.stderr
+        os.chmod(root.parent.parent, 0o755)
+        os.chmod(root, 0o700)  # the store itself shut: one error class, with its errno
+        out = subprocess.run(reader[:-2] + [
+            "import errno, sys, dbsync\ntry:\n    dbsync.Receiver(sys.argv[1])\n"
+            "except dbsync.StoreUnreachableError as exc:\n"
+            "    print(isinstance(exc, OSError), errno.errorcode[exc.errno], exc)",
+            str(root)], capture_output=True, text=True, timeout=120)
+        assert out.stdout.startswith("True EACCES "), (out.stdout, out.stderr)
+        assert f"permission denied to this process (uid 65534) at {root};" in out.stdout
     finally:
         shutil.rmtree(base)
 

@@ -1212,3 +1212,46 @@ def test_a_sender_whose_fuse_mount_died_and_came_back_refuses_to_publish(tmp_pat
             assert again.push({"w": torch.full((4,), 3.0)}) == 2
     finally:
         fuse.close()
+
+
+@needs_root
+def test_readers_of_a_dead_fuse_mount_get_one_error_class_and_recover_after_a_remount(
+        tmp_path):
+    """The FUSE daemon under a store is killed (ENOTCONN): a receiver that had loaded from it
+    gets ``StoreUnreachableError`` (a ``DBSyncError`` and an ``OSError`` with its errno, saying
+    to check the mount) from ``load`` and ``latest_version``, not a bare ``OSError``; once
+    remounted, the same receiver loads again. A lazy unmount (the path now shows the empty
+    directory under it) is not "nothing published yet, push one"."""
+    base = tmp_path / "store"  # mounted as the store's root itself
+    with dbsync.Sender(base, durable=False) as sender:
+        sender.push({"w": torch.ones(4)})
+    fuse = FuseView(base, tmp_path / "view", options="attr_timeout=0,entry_timeout=0")
+    root = fuse.mount()
+    try:
+        with dbsync.Receiver(root) as receiver:
+            dest = {"w": torch.zeros(4)}
+            assert receiver.load(dest) == 1
+            fuse.kill()  # (and lazily unmounted: the path shows the empty directory below)
+            with pytest.raises(dbsync.StoreNotFoundError) as raised:
+                receiver.load(dest)
+            assert "no longer holds a published version" in str(raised.value)
+            assert "push one first" not in str(raised.value)
+            fuse.remount()
+            assert receiver.load(dest) == 1 and torch.equal(dest["w"], torch.ones(4))
+        with dbsync.Receiver(root) as receiver:
+            receiver.load(dest)
+            dead = FuseView(base, tmp_path / "view", options="attr_timeout=0,entry_timeout=0")
+            fuse._daemon.kill()  # dead, still mounted: ENOTCONN
+            fuse._daemon.wait()
+            for call in (lambda: receiver.load(dest), receiver.latest_version):
+                with pytest.raises(dbsync.StoreUnreachableError) as raised:
+                    call()
+                assert isinstance(raised.value, OSError)
+                assert raised.value.errno == errno.ENOTCONN
+                assert "check the mount" in str(raised.value)
+            subprocess.run(["umount", "-l", str(tmp_path / "view")], check=False)
+            dead.mount()
+            assert receiver.load(dest) == 1
+            dead.close()
+    finally:
+        fuse.close()

@@ -37,7 +37,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ..errors import DBSyncError, NothingPublishedError
+from ..errors import DBSyncError, NothingPublishedError, StoreNotFoundError
 from ..store import Store
 from ..watch import Watcher
 from .http import parse_server_args, run_until_stopped, serve_app
@@ -108,7 +108,7 @@ class LoRAServing:
                 self.metrics.outcome("refused")
                 raise
             except (DBSyncError, OSError) as exc:
-                if not isinstance(exc, NothingPublishedError):
+                if not _nothing_yet(exc):
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     self.metrics.outcome("failed")
                 raise
@@ -183,9 +183,10 @@ class LoRAServing:
             try:
                 self.apply_latest()
                 failing, delay = False, _RETRY_MIN
-            except (AdapterRefusedError, NothingPublishedError):
-                failing = False  # refused versions are not retried; a new one wakes us
             except Exception as exc:  # noqa: BLE001 - recorded in status, retried
+                if isinstance(exc, AdapterRefusedError) or _nothing_yet(exc):
+                    failing = False  # refused versions are not retried; a new one wakes us
+                    continue
                 if not failing:
                     log.warning("dbsync: could not apply adapter version (%s); retrying", exc)
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -352,3 +353,9 @@ async def _serve(args: Any, root: str, name: str, max_loras: int,
         if serving is not None:
             serving.stop()
         sock.close()
+
+
+def _nothing_yet(exc: BaseException) -> bool:
+    """Nothing published yet (waited for quietly), as opposed to a store gone or unreachable
+    (an error, recorded and retried)."""
+    return isinstance(exc, NothingPublishedError) and not isinstance(exc, StoreNotFoundError)

@@ -509,10 +509,23 @@ class Sender:
             return future
         try:
             return future.result()
-        except KeyboardInterrupt:
+        except BaseException as raised:
+            if future.done() and not future.cancelled() and future.exception() is raised:
+                raise  # the push's own failure
+            # The caller's own exception while it waited: Ctrl-C, or one a signal handler
+            # raised (preemption). The push stops before its flip, as for Ctrl-C: publishing
+            # later, from tensors the caller may change once it has the exception, would
+            # publish a mix.
             abort.set()
             exc = future.exception()
-            raise PushInterrupted(None if exc is not None else future.result()) from None
+            published = None if exc is not None else future.result()
+            if isinstance(raised, KeyboardInterrupt):
+                raise PushInterrupted(published) from None
+            raised.add_note(
+                f"dbsync: this exception stopped a push into {self.store.root}: " + (
+                    "nothing was published" if published is None else
+                    f"version {published} had been published already"))
+            raise
 
     def _gate(self, abort: threading.Event) -> None:
         """Called by writer threads before each write: waits while a snapshot runs, and

@@ -146,6 +146,50 @@ def test_ctrl_c_during_a_push_stops_its_writes(root, monkeypatch):
     assert len(written) < 10  # (all 400 were written before the push gave up)
 
 
+def test_an_exception_from_a_signal_handler_stops_a_push_like_ctrl_c(root, monkeypatch):
+    """A preemption handler (SIGTERM -> raise) fires during a blocking push: the push stops
+    before its flip, the caller gets its own exception saying nothing was published, and the
+    store still serves the previous version intact. (The push went on and published later,
+    mixing values the trainer changed once it had the exception.)"""
+    import signal
+    import threading
+
+    from dbsync import fileio
+
+    class Preempted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Preempted("SIGTERM")
+
+    monkeypatch.setattr(fileio, "GROUP_BYTES", 16)  # one write task per tensor
+    previous = signal.signal(signal.SIGUSR1, handler)
+    weights = {f"t{i}": torch.full((8,), float(i)) for i in range(400)}
+    written = []
+    main = threading.main_thread().ident
+
+    def progress(done: int, total: int) -> None:  # (from writer threads)
+        written.append(done)
+        if len(written) == 3:
+            signal.pthread_kill(main, signal.SIGUSR1)
+        if len(written) >= 3:  # (the handshake: writers go on once the push saw it)
+            assert sender._abort.wait(30)
+
+    try:
+        with dbsync.Sender(root, num_threads=2) as sender:
+            sender.push({f"t{i}": torch.zeros(8) for i in range(400)})
+            with pytest.raises(Preempted) as raised:
+                sender.push(weights, progress=progress)
+            assert any("nothing was published" in note for note in raised.value.__notes__)
+            assert sender.latest_version() == 1
+            for tensor in weights.values():
+                tensor.fill_(-1.0)  # what a trainer restoring a checkpoint does next
+            assert sender.push({"t0": torch.ones(8)}) == 2  # the next push is fine
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert len(written) < 10
+
+
 def test_ctrl_c_on_one_push_leaves_an_earlier_background_push_alone(root):
     """Interrupting a blocking push stops that push only: a background push still writing
     ahead of it publishes (it used to be stopped too, and silently)."""

@@ -18,6 +18,7 @@ garbage-collected (in CPython, as soon as the last reference goes).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -145,6 +146,25 @@ class _HostBuffer:
         return out
 
 
+#: every Sender alive in this process (see ``_drop_inherited_locks``)
+_LIVE_SENDERS: weakref.WeakSet[Sender] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker, a multiprocessing process): close the child's
+    copies of its parent's writer-lock descriptors at once. A ``flock`` lasts while any copy
+    of the descriptor is open: a child that outlived a killed trainer kept the store locked,
+    and the restarted trainer was refused for as long as the child lived."""
+    for sender in list(_LIVE_SENDERS):
+        fd, sender._lock_fd[0] = sender._lock_fd[0], None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor], pid: int) -> None:
     """Finalizer shared by ``close()`` and garbage collection (holds no Sender reference).
     It may run in a pool's own thread (the publisher dropping the last reference after a
@@ -261,6 +281,7 @@ class Sender:
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dbsync-publish")
         self._finalizer = weakref.finalize(self, _release, self._lock_fd,
                                            [self._publisher, self._io], self._pid)
+        _LIVE_SENDERS.add(self)
         try:
             self.store.remove_temp_files()
             self._run_id, self._version, self._slot = self._continue_from_store()

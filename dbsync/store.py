@@ -522,11 +522,20 @@ class Store:
                     "sure the lock service (NLM/lockd, or NFSv4) is running"
                 ) from None
         except BlockingIOError:
-            os.close(fd)
+            try:
+                holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+            except OSError:
+                holder = ""
+            finally:
+                os.close(fd)
+            path = f"{self.root}/{WRITER_LOCK_FILE}"
+            recorded = f" (it records {holder[:120]!r})" if holder else ""
             raise StoreBusyError(
-                f"another writer holds {self.root}/{WRITER_LOCK_FILE}; only one Sender may "
-                "publish into a store at a time (close the other one — in a notebook, the "
-                "Sender of an earlier cell: sender.close() — or use another root)"
+                f"another writer holds {path}{recorded}; only one Sender may publish into a "
+                "store at a time (close the other one — in a notebook, the Sender of an "
+                "earlier cell: sender.close() — or use another root). If that process has "
+                "exited, a process it started before dbsync could release the lock still "
+                f"holds it (on its host: `fuser -v {path}` names it); stop it"
             ) from None
         except BaseException:
             os.close(fd)

@@ -1,5 +1,6 @@
 """Bad input, damaged stores, and what is never allowed to happen because of them."""
 
+import contextlib
 import errno
 import json
 import os
@@ -228,6 +229,37 @@ def test_ctrl_c_on_one_push_leaves_an_earlier_background_push_alone(root):
     got = {}
     dbsync.Receiver(root).load(lambda pairs: got.update({n: t.clone() for n, t in pairs}))
     assert torch.equal(got["w"], torch.ones(4))
+
+
+def test_a_child_the_trainer_forked_does_not_keep_the_store_locked(root):
+    """A trainer forks (DataLoader workers, multiprocessing) after creating its Sender, then is
+    killed: the restarted trainer takes the store while the child still lives. (The child's
+    copy of the lock's descriptor kept the store locked for as long as it lived.)"""
+    import signal
+    import subprocess
+    import sys
+
+    trainer = subprocess.Popen([sys.executable, "-c", (
+        "import multiprocessing, sys, time, torch, dbsync\n"
+        "sender = dbsync.Sender(sys.argv[1], durable=False)\n"
+        "sender.push({'w': torch.ones(4)})\n"
+        "child = multiprocessing.get_context('fork').Process(target=time.sleep, args=(600,))\n"
+        "child.start()\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"), str(root)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(trainer.stdout.readline())
+        trainer.kill()
+        trainer.wait()
+        os.kill(child, 0)  # the forked child lives on
+        with dbsync.Sender(root, durable=False) as again:
+            assert again.push({"w": torch.full((4,), 2.0)}) == 2
+    finally:
+        trainer.kill()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def test_second_writer_is_refused(root):

@@ -263,6 +263,8 @@ def main() -> None:
                            os.path.abspath(dbsync.__file__)))},
             "tensor_count": tensor_count_section(base, total, counts),
             "async_push": async_section(base, total, counts[0]),
+            # (at the largest count too: the snapshot's per-tensor Python work shows there)
+            "async_push_many": async_section(base, total, counts[-1]),
             "load_module": module_section(base, total, counts[0]),
         }
     finally:

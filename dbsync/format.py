@@ -774,3 +774,13 @@ def dtype_from_name(name: str) -> Any:
 
 def nbytes_of(dtype: Any, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * dtype.itemsize
+
+
+def unwrap_compiled(module: Any) -> Any:
+    """The module ``torch.compile`` wrapped, for ``module`` returned by it (its state_dict
+    names every tensor ``_orig_mod.<name>``: published so, they would fit only other compiled
+    modules); anything else as it is."""
+    inner = getattr(module, "_orig_mod", None)
+    if inner is not None and type(module).__name__ == "OptimizedModule":
+        return inner
+    return module

@@ -20,18 +20,12 @@ from contextlib import AbstractContextManager
 from .processwide import CountedSetting
 
 
-def _disable() -> bool:
-    was_enabled = gc.isenabled()
-    gc.disable()
-    return was_enabled
-
-
 def _restore(was_enabled: bool) -> None:
     if was_enabled:
         gc.enable()
 
 
-_PAUSE = CountedSetting(_disable, _restore)
+_PAUSE = CountedSetting(gc.isenabled, gc.disable, _restore)
 
 
 def paused() -> AbstractContextManager[None]:

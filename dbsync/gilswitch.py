@@ -29,13 +29,11 @@ from .processwide import CountedSetting
 FAST_INTERVAL = 0.0001
 
 
-def _shorten() -> float:
-    was = sys.getswitchinterval()
-    sys.setswitchinterval(min(was, FAST_INTERVAL))
-    return was
+def _shorten() -> None:
+    sys.setswitchinterval(min(sys.getswitchinterval(), FAST_INTERVAL))
 
 
-_FAST = CountedSetting(_shorten, sys.setswitchinterval)
+_FAST = CountedSetting(sys.getswitchinterval, _shorten, sys.setswitchinterval)
 
 
 def fast_switching() -> AbstractContextManager[None]:

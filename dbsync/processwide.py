@@ -12,44 +12,118 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 
-class CountedSetting:
-    """``change()`` (returns what to restore) when the first block enters, ``restore(saved)``
-    when the last one leaves."""
+class _Block:
+    """One block of a ``CountedSetting`` (a class, not a generator: an interrupt that lands
+    inside a generator-based context manager's entry leaves the generator suspended, and its
+    ``finally`` waits for the garbage collector, which the setting may have disabled)."""
 
-    def __init__(self, change: Callable[[], Any], restore: Callable[[Any], None]):
-        self._change = change
+    __slots__ = ("_setting", "_generation")
+
+    def __init__(self, setting: CountedSetting):
+        self._setting = setting
+        self._generation: int | None = None
+
+    def __enter__(self) -> None:
+        try:
+            self._setting._enter(self)
+        except BaseException:  # (an interrupt on the way in: the block never starts)
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        generation, self._generation = self._generation, None  # (one owner of the leave)
+        if generation is not None:
+            self._setting._leave(generation)
+
+    def __del__(self) -> None:
+        # An interrupt can land as ``__exit__`` is entered, before its first line: the block
+        # is then left when the ``with`` statement drops it (reference counting, at once),
+        # or, where this runs while the setting's lock is taken, by its next block.
+        generation, self._generation = getattr(self, "_generation", None), None
+        if generation is not None:
+            self._setting._leave_soon(generation)
+
+
+class CountedSetting:
+    """``apply()`` when the first block enters, ``restore(saved)`` when the last one leaves,
+    where ``saved = save()`` was read just before ``apply``. Interrupt-safe: an exception
+    (Ctrl-C) anywhere in ``held`` never leaves the setting applied with no block left to
+    restore it."""
+
+    def __init__(self, save: Callable[[], Any], apply: Callable[[], None],
+                 restore: Callable[[Any], None]):
+        self._save = save
+        self._apply = apply
         self._restore = restore
         self._lock = threading.Lock()
         self._depth = 0
-        self._saved: Any = None
+        self._saved: Any = None  # (None: nothing to restore)
+        self._unfinished: list[int] = []  # blocks left by finalizers while the lock was taken
         #: bumped in a forked child: blocks entered before the fork do not count there
         self._generation = 0
         # (the lock is held across the fork, so the child never sees a half-made change)
         os.register_at_fork(before=self._lock_for_fork, after_in_parent=self._unlock_after_fork,
                             after_in_child=self._after_fork_in_child)
 
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        generation = None
+    def held(self) -> AbstractContextManager[None]:
+        """A block during which the setting is applied (``with setting.held(): ...``)."""
+        return _Block(self)
+
+    def _enter(self, block: _Block) -> None:
+        """Count ``block`` in (applying the setting for the first block); ``block`` records
+        its generation in the same step, so its ``__exit__`` undoes exactly what was done."""
+        with self._lock:
+            self._finish_unfinished()
+            self._depth += 1
+            block._generation = self._generation  # (no call between: no interrupt either)
+            if self._depth == 1:
+                # (``_saved`` still set: the last restore was cut short by an interrupt,
+                # and it holds what to restore; reading the setting now would read ours)
+                if self._saved is None:
+                    self._saved = self._save()
+                self._apply()
+
+    def _leave(self, generation: int) -> None:
+        with self._lock:
+            self._count_out(generation)
+
+    def _count_out(self, generation: int) -> None:  # (under the lock)
+        if generation == self._generation:
+            self._depth -= 1
+            if self._depth == 0:
+                self._put_back()
+
+    def _leave_soon(self, generation: int) -> None:
+        """``_leave`` from a finalizer, which may run anywhere, this setting's own locked
+        code included: now if the lock is free, else by the next block to take it."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._count_out(generation)
+            finally:
+                self._lock.release()
+        else:
+            self._unfinished.append(generation)
+
+    def _finish_unfinished(self) -> None:  # (under the lock)
+        while self._unfinished:
+            self._count_out(self._unfinished.pop())
+
+    def _put_back(self) -> None:
+        saved = self._saved
+        if saved is None:
+            return
         try:
-            with self._lock:
-                if self._depth == 0:
-                    self._saved = self._change()
-                self._depth += 1
-                generation = self._generation
-            yield
+            self._restore(saved)
+        except BaseException:  # an interrupt may land before the restore took effect: again
+            self._restore(saved)  # (restoring is idempotent)
+            raise
         finally:
-            if generation is not None:
-                with self._lock:
-                    if generation == self._generation:
-                        self._depth -= 1
-                        if self._depth == 0:
-                            self._restore(self._saved)
+            self._saved = None
 
     def _lock_for_fork(self) -> None:
         self._lock.acquire()
@@ -60,6 +134,6 @@ class CountedSetting:
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
         if self._depth:
-            self._restore(self._saved)
+            self._put_back()
         self._depth = 0
         self._generation += 1

@@ -130,6 +130,11 @@ class Receiver:
         #: published one ({name: published twin}; checked again at every load)
         self._tied_names: dict[str, str] = {}
         self._tokens = itertools.count(1)
+        #: token -> the open snapshot holding it, and the tokens of opens under way (holds
+        #: in neither are orphans: see ``_release_orphans``)
+        self._snapshots: weakref.WeakValueDictionary[int, Snapshot] = (
+            weakref.WeakValueDictionary())
+        self._opening: set[int] = set()
         self._keeper = LeaseKeeper(self.store, self.reader_id, self.lease_timeout,
                                     report_loaded)
         _warn_if_under_an_overlay(self.store.root)
@@ -202,15 +207,17 @@ class Receiver:
         Raises ``StoreRewoundError`` if the head went backwards within one run (a restored
         older copy); a new run id is followed (logged) instead."""
         self._check_open()
+        self._release_orphans()
         if head is not None:
             version = head.version
             self._heads[head.version] = head
         for _ in range(100):
             head = self._target_head(version)
             token = next(self._tokens)
-            leased = not self.read_only and self._keeper.hold(token, head.slot, head.version,
-                                                                  head.run_id)
-            try:
+            self._opening.add(token)
+            try:  # (the hold inside: an interrupt while its lease is written leaks nothing)
+                leased = not self.read_only and self._keeper.hold(token, head.slot,
+                                                                  head.version, head.run_id)
                 if version is None and leased:
                     # If the head still names our version after our lease is visible, the
                     # writer cannot start on this slot without first seeing the lease.
@@ -226,9 +233,12 @@ class Receiver:
                         raise self._gone(version)
                     continue
                 snap = Snapshot(self, manifest, token, leased)
+                self._snapshots[token] = snap
             except BaseException:
                 self._keeper.release(token)
                 raise
+            finally:
+                self._opening.discard(token)
             try:
                 snap.check_unchanged()
             except LeaseExpiredError:  # (SlotReused too) the slot is stamped otherwise
@@ -474,7 +484,17 @@ class Receiver:
             event.set()
         for watcher in watchers:  # (only the first close joins them: two callbacks that
             watcher.stop()  # close at once must not wait for each other)
+        self._release_orphans()
         self._finalizer()
+
+    def _release_orphans(self) -> None:
+        """End holds that no snapshot owns and no ``open`` is making: an open cut short by
+        an interrupt (Ctrl-C) at the wrong moment, which would keep the slot from the writer
+        for as long as this receiver lives."""
+        orphans = [t for t in list(self._keeper.held)  # (an open adds its token first)
+                   if t not in self._snapshots and t not in self._opening]
+        for token in orphans:
+            self._keeper.release(token)
 
     def _check_open(self) -> None:
         if self._closed.is_set():

@@ -113,6 +113,8 @@ class _HostBuffer:
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
+        #: (dtypes and shapes, views of ``_buf`` for them) of the last snapshot
+        self._views: tuple[list, list[torch.Tensor]] | None = None
         #: the publish that reads this buffer (reuse waits for it)
         self.user: Future[int] | None = None
 
@@ -124,20 +126,22 @@ class _HostBuffer:
         total = sum(fileio.aligned(n) for n in sizes)
         if self._buf is None or self._buf.numel() < total:
             pin = torch.cuda.is_available()
-            self._buf = None
+            self._buf = self._views = None
             self._buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-        out: sources.Pairs = []
-        targets: list[torch.Tensor] = []
-        origins: list[torch.Tensor] = []
-        offset = 0
-        for (name, t), size, dt in zip(pairs, sizes, dtypes, strict=True):
-            dst = self._buf[offset : offset + size].view(dt).view(t.shape) if size else (
-                torch.empty(t.shape, dtype=dt))
-            if size:
-                targets.append(dst)
-                origins.append(t)
-            out.append((name, dst))
-            offset += fileio.aligned(size)
+        # The buffer's views are kept while the tensors keep their dtypes and shapes: making
+        # them is most of a snapshot's Python work at tens of thousands of small tensors.
+        layout = [(dt, t.shape) for (_, t), dt in zip(pairs, dtypes, strict=True)]
+        if self._views is None or self._views[0] != layout:
+            views, offset = [], 0
+            for (dt, shape), size in zip(layout, sizes, strict=True):
+                views.append(self._buf[offset : offset + size].view(dt).view(shape) if size
+                             else torch.empty(shape, dtype=dt))
+                offset += fileio.aligned(size)
+            self._views = (layout, views)
+        views = self._views[1]
+        out: sources.Pairs = [(name, v) for (name, _), v in zip(pairs, views, strict=True)]
+        targets = [v for v, size in zip(views, sizes, strict=True) if size]
+        origins = [t for (_, t), size in zip(pairs, sizes, strict=True) if size]
         devices = {t.device for t in origins if t.is_cuda}
         # (one call: a background push's Python work runs beside it, see ``copy_all``)
         sources.copy_all(targets, origins, non_blocking=bool(devices))

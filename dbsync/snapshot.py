@@ -35,7 +35,7 @@ from .errors import (
     LeaseExpiredError,
 )
 from .fileio import ShardView, checksum, settle, wait_all
-from .format import Manifest, describe_name, shard_file
+from .format import Manifest, describe_name, shard_file, unwrap_compiled
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -362,7 +362,7 @@ class Snapshot:
         holds = _owns_its_tensors(target)  # (the copy's references may go before it ends)
         tensordict = sys.modules.get("tensordict")  # (no TensorDict unless it was imported)
         if isinstance(target, torch.nn.Module):
-            dest = target.state_dict(keep_vars=True)
+            dest = unwrap_compiled(target).state_dict(keep_vars=True)
             for name in [k for k in dest if k == _EXTRA_STATE or k.endswith("." + _EXTRA_STATE)]:
                 if not isinstance(dest[name], torch.Tensor):
                     del dest[name]  # a module's extra state (get_extra_state): not weights

@@ -29,6 +29,7 @@ from .format import (
     READERS_DIR,
     is_supported_dtype,
     name_problem,
+    unwrap_compiled,
 )
 
 Pairs = list[tuple[str, torch.Tensor]]
@@ -96,6 +97,7 @@ def pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
     if isinstance(weights, str | os.PathLike):
         return load_path(os.fspath(weights))
     if isinstance(weights, torch.nn.Module):
+        weights = unwrap_compiled(weights)  # (its own names, not "_orig_mod.<name>")
         if strategy == "tensordict":
             from tensordict import TensorDict
 

@@ -35,8 +35,6 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import xxhash
@@ -81,6 +79,25 @@ DIR_MODE = 0o755
 FILE_MODE = 0o644
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class _DirFd:
+    """``Store.dir_fd``'s context manager (a class, not a generator: an interrupt inside a
+    generator-based one's entry leaves its descriptor open until the garbage collector runs)."""
+
+    __slots__ = ("_store", "_parts", "_fd")
+
+    def __init__(self, store: Store, parts: tuple[str, ...]):
+        self._store, self._parts, self._fd = store, parts, -1
+
+    def __enter__(self) -> int:
+        self._fd = self._store._open_dir(self._parts)
+        return self._fd
+
+    def __exit__(self, *exc: object) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class Store:
@@ -141,11 +158,14 @@ class Store:
         _mkdir(self.readers_dir)
 
     # ---- safe opening ----------------------------------------------------------------------
-    @contextmanager
-    def dir_fd(self, *parts: str) -> Iterator[int]:
-        """An fd of the directory ROOT/parts, every component opened without following links.
-        ROOT missing: FileNotFoundError (what is absent reads as nothing published); ROOT there
+    def dir_fd(self, *parts: str) -> _DirFd:
+        """An fd of the directory ROOT/parts, every component opened without following links
+        (``with store.dir_fd("slots", "a") as dfd:``; closed when the block ends). ROOT
+        missing: FileNotFoundError (what is absent reads as nothing published); ROOT there
         but not to be opened (no permission, a dead mount): ``StoreUnreachableError``."""
+        return _DirFd(self, parts)
+
+    def _open_dir(self, parts: tuple[str, ...]) -> int:
         try:
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
@@ -164,30 +184,40 @@ class Store:
                             "inside a store: remove it and publish again"
                         ) from None
                     raise
-                os.close(fd)
-                fd = child
-            yield fd
-        finally:
+                # (one assignment, then the close: an interrupt (Ctrl-C) between the two
+                # may leak the parent's fd, but never makes the ``except`` below close a
+                # number twice, which another thread may have been given meanwhile)
+                fd, parent = child, fd
+                os.close(parent)
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
 
     def open_regular(self, parts: tuple[str, ...]) -> int:
         """Open ROOT/parts read-only: no symlink followed, no FIFO blocking, regular files only.
         Raises FileNotFoundError if absent, FormatError if it is anything but a regular file."""
         *dirs, name = parts
-        with self.dir_fd(*dirs) as dfd:
-            try:
-                fd = os.open(name, _READ, dir_fd=dfd)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise self._not_regular(parts, "a symlink") from None
-                if exc.errno == errno.ENXIO:  # (what opening a socket gives)
-                    raise self._not_regular(parts, "a socket or device") from None
-                # the same error (and class), naming the whole path, not the name in its dir
-                raise OSError(exc.errno, exc.strerror, os.path.join(self.root, *parts)) from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise self._not_regular(parts, _kind(st.st_mode))
+        fd = -1
+        try:  # (closed on any exception, an interrupt included)
+            with self.dir_fd(*dirs) as dfd:
+                try:
+                    fd = os.open(name, _READ, dir_fd=dfd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise self._not_regular(parts, "a symlink") from None
+                    if exc.errno == errno.ENXIO:  # (what opening a socket gives)
+                        raise self._not_regular(parts, "a socket or device") from None
+                    # the same error (and class), naming the whole path, not the name alone
+                    raise OSError(exc.errno, exc.strerror,
+                                  os.path.join(self.root, *parts)) from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._not_regular(parts, _kind(st.st_mode))
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
         return fd
 
     def _not_regular(self, parts: tuple[str, ...], what: str) -> FormatError:
@@ -202,11 +232,12 @@ class Store:
         With ``exact``, a file of any other size gives ``b""`` (at most ``exact + 1`` bytes
         are read: memory and time stay bounded by what the caller expects, not by the file).
         Read until end of file, whatever size ``fstat`` reports (see ``fileio.read_to_end``)."""
+        fd = -1
         try:
-            fd = self.open_regular(parts)
-        except FileNotFoundError:
-            return None
-        try:
+            try:
+                fd = self.open_regular(parts)
+            except FileNotFoundError:
+                return None
             if exact is not None:
                 data = fileio.read_to_end(fd, min(exact, limit) + 1)
                 return data if len(data) == exact else b""
@@ -219,7 +250,8 @@ class Store:
                 )
             return data
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     # ---- head, index, manifest ---------------------------------------------------------------
     @property

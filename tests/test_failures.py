@@ -262,6 +262,58 @@ def test_a_child_the_trainer_forked_does_not_keep_the_store_locked(root):
                 os.kill(child, signal.SIGKILL)
 
 
+def test_loads_cut_short_by_ctrl_c_leave_nothing_behind(root):
+    """Ctrl-C lands at random points of loads and version checks (a notebook user
+    interrupting a cell, again and again): afterwards the receiver loads the version exactly,
+    the garbage collector runs again, and once the receiver is closed the trainer reuses
+    both slots. (Interrupted opens leaked holds that kept the trainer waiting even after
+    ``close()``, and the collector could stay disabled for good.)"""
+    import gc
+    import random
+    import signal
+    import threading
+    import time
+
+    def ctrl_c(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, ctrl_c)
+    weights = {f"t{i}": torch.full((1 << 12,), float(i)) for i in range(64)}
+    sender = dbsync.Sender(root, durable=False)
+    try:
+        sender.push(weights)
+        receiver = dbsync.Receiver(root)
+        dest = {name: torch.zeros_like(t) for name, t in weights.items()}
+        began = time.perf_counter()
+        receiver.load(dest)
+        took = time.perf_counter() - began
+        rng = random.Random(7)
+        for i in range(200):
+            try:
+                try:
+                    signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-5, took))
+                    receiver.load(dest) if i % 2 else receiver.latest_version()
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                pass
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        dest = {name: torch.zeros_like(t) for name, t in weights.items()}
+        assert receiver.load(dest) == 1
+        assert all(torch.equal(dest[name], t) for name, t in weights.items())
+        assert gc.isenabled()
+        receiver.close()
+        done = threading.Event()
+        pushes = threading.Thread(target=lambda: (sender.push(weights), sender.push(weights),
+                                                  done.set()), daemon=True)
+        pushes.start()
+        assert done.wait(30), "the trainer still waits for the closed receiver"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        sender.close()
+
+
 def test_second_writer_is_refused(root):
     with dbsync.Sender(root), pytest.raises(dbsync.StoreBusyError, match="one Sender"):
         dbsync.Sender(root)

@@ -273,3 +273,26 @@ def test_a_nested_tensordict_loads_in_place(tmp_path):
         assert rx.load(target) == 1
     assert (target == source).all()
     assert target["a", "b"] is leaf  # copied into the tensors the caller holds
+
+
+def test_a_compiled_module_publishes_and_loads_under_its_own_names(tmp_path):
+    """``torch.compile(model)`` names every tensor ``_orig_mod.<name>`` in its state_dict:
+    pushed as is, it fitted no plain model. It publishes the model's own names, and a compiled
+    receiver model loads them too."""
+    import dbsync
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+
+    trained = model()
+    root = tmp_path / "store"
+    with dbsync.Sender(root, durable=False) as sender:
+        sender.push(torch.compile(trained))
+    plain, compiled = model(), torch.compile(model())
+    with dbsync.Receiver(root) as receiver:
+        with receiver.open() as snap:
+            assert [t.name for t in snap.manifest.tensors] == list(trained.state_dict())
+        assert receiver.load(plain) == 1 and receiver.load(compiled) == 1
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(plain.state_dict()[name], tensor)
+        assert torch.equal(compiled._orig_mod.state_dict()[name], tensor)

@@ -247,9 +247,12 @@ class Sender:
     ``max_lag_timeout`` seconds, then raises ``StalenessError``) while any live receiver that
     reports loads is more than ``max_lag`` versions behind the current version.
 
-    Hazards: a Sender belongs to the process that created it; a forked child's push raises.
-    The child still shares the writer lock's open file: while a child of a killed parent
-    lives, the store stays locked for other writers."""
+    Hazards: a Sender belongs to the process that created it; a forked child's push raises,
+    and the child drops its copy of the writer lock at once (a child outliving the trainer
+    does not keep the store locked). An exception raised in the caller while a blocking push
+    waits (Ctrl-C, a signal handler's) stops that push before its flip. A process started
+    some other way that inherited the lock's descriptor (``subprocess`` with ``close_fds=False``
+    and ``pass_fds``) keeps the store locked while it lives."""
 
     def __init__(
         self,

@@ -36,17 +36,15 @@ class _Block:
             raise
 
     def __exit__(self, *exc: object) -> None:
-        generation, self._generation = self._generation, None  # (one owner of the leave)
-        if generation is not None:
-            self._setting._leave(generation)
+        self._setting._leave(self)
 
     def __del__(self) -> None:
-        # An interrupt can land as ``__exit__`` is entered, before its first line: the block
-        # is then left when the ``with`` statement drops it (reference counting, at once),
-        # or, where this runs while the setting's lock is taken, by its next block.
-        generation, self._generation = getattr(self, "_generation", None), None
-        if generation is not None:
-            self._setting._leave_soon(generation)
+        # An interrupt can land as ``__exit__`` or ``_leave`` is entered, before the block
+        # was counted out: it is then counted out when the ``with`` statement drops it
+        # (reference counting, at once), or, where this runs while the setting's lock is
+        # taken, by the next block to enter or leave.
+        if getattr(self, "_generation", None) is not None:
+            self._setting._leave_soon(self)
 
 
 class CountedSetting:
@@ -63,7 +61,8 @@ class CountedSetting:
         self._lock = threading.Lock()
         self._depth = 0
         self._saved: Any = None  # (None: nothing to restore)
-        self._unfinished: list[int] = []  # blocks left by finalizers while the lock was taken
+        #: blocks finalized while the lock was taken, to be counted out by the next block
+        self._unfinished: list[_Block] = []
         #: bumped in a forked child: blocks entered before the fork do not count there
         self._generation = 0
         # (the lock is held across the fork, so the child never sees a half-made change)
@@ -88,26 +87,35 @@ class CountedSetting:
                     self._saved = self._save()
                 self._apply()
 
-    def _leave(self, generation: int) -> None:
+    def _leave(self, block: _Block) -> None:
         with self._lock:
-            self._count_out(generation)
+            self._finish_unfinished()
+            self._count_out(block)
 
-    def _count_out(self, generation: int) -> None:  # (under the lock)
+    def _count_out(self, block: _Block) -> None:  # (under the lock)
+        generation = block._generation
+        if generation is None:
+            return  # (never counted in, or counted out already)
+        block._generation = None  # (no call from here to the count: no interrupt either)
         if generation == self._generation:
             self._depth -= 1
             if self._depth == 0:
-                self._put_back()
+                try:
+                    self._put_back()
+                except BaseException:  # (cut short as it was entered: once more)
+                    self._put_back()
+                    raise
 
-    def _leave_soon(self, generation: int) -> None:
+    def _leave_soon(self, block: _Block) -> None:
         """``_leave`` from a finalizer, which may run anywhere, this setting's own locked
-        code included: now if the lock is free, else by the next block to take it."""
+        code included: now if the lock is free, else by the next block to enter or leave."""
         if self._lock.acquire(blocking=False):
             try:
-                self._count_out(generation)
+                self._count_out(block)
             finally:
                 self._lock.release()
         else:
-            self._unfinished.append(generation)
+            self._unfinished.append(block)  # (kept alive here until counted out)
 
     def _finish_unfinished(self) -> None:  # (under the lock)
         while self._unfinished:
@@ -120,10 +128,10 @@ class CountedSetting:
         try:
             self._restore(saved)
         except BaseException:  # an interrupt may land before the restore took effect: again
-            self._restore(saved)  # (restoring is idempotent)
+            self._restore(saved)  # (restoring is idempotent; if this one is cut short too,
+            self._saved = None  # ``_saved`` stays set and the next block restores it)
             raise
-        finally:
-            self._saved = None
+        self._saved = None
 
     def _lock_for_fork(self) -> None:
         self._lock.acquire()
@@ -133,7 +141,8 @@ class CountedSetting:
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
-        if self._depth:
+        if self._depth or self._saved is not None:  # (or a restore cut short)
             self._put_back()
         self._depth = 0
+        self._unfinished = []
         self._generation += 1

@@ -51,6 +51,7 @@ from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id
 from .leasekeeper import LeaseKeeper
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
+    NO_STAMP,
     ReaderIdInUse,
     check_lease_timeout,
     claim_reader_id,
@@ -241,6 +242,9 @@ class Receiver:
                 self._opening.discard(token)
             try:
                 snap.check_unchanged()
+            except LeaseNotRenewed:  # (this process stalled: not the slot's doing)
+                snap.close()
+                raise
             except LeaseExpiredError:  # (SlotReused too) the slot is stamped otherwise
                 snap.close()
                 if version is not None:
@@ -262,7 +266,11 @@ class Receiver:
         again = self.store.read_head()
         if again is None or (again.run_id, again.version) != (head.run_id, head.version):
             return
-        stamp = self.store.read_stamp(head.slot)
+        stamp = self.store.read_stamp(head.slot, absent=NO_STAMP)
+        if stamp == (head.version, head.run_id) or stamp == (None, None):
+            return  # stamped right after all, or not readable now (an I/O error): again
+        if stamp is NO_STAMP:
+            stamp = (None, None)
         path = os.path.join(self.store.slot_dir(head.slot), SLOT_STAMP_FILE)
         why = (f"its stamp ({path}) is missing or unreadable" if stamp == (None, None) else
                f"its stamp ({path}) names version {str(stamp[0])[:40]} of run "
@@ -491,8 +499,10 @@ class Receiver:
         """End holds that no snapshot owns and no ``open`` is making: an open cut short by
         an interrupt (Ctrl-C) at the wrong moment, which would keep the slot from the writer
         for as long as this receiver lives."""
-        orphans = [t for t in list(self._keeper.held)  # (an open adds its token first)
-                   if t not in self._snapshots and t not in self._opening]
+        # (``_opening`` first: an open registers its snapshot before it leaves ``_opening``,
+        # so a token seen in neither, in this order, has no snapshot at all)
+        orphans = [t for t in list(self._keeper.held)
+                   if t not in self._opening and t not in self._snapshots]
         for token in orphans:
             self._keeper.release(token)
 

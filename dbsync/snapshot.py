@@ -33,6 +33,7 @@ from .errors import (
     FormatError,
     IncompatibleWeightsError,
     LeaseExpiredError,
+    StoreUnreachableError,
 )
 from .fileio import ShardView, checksum, settle, wait_all
 from .format import Manifest, describe_name, shard_file, unwrap_compiled
@@ -96,6 +97,9 @@ class Snapshot:
                                             private_copy=not leased, needed=needed[i])
             except FileNotFoundError:
                 bad_shards[i] = "its shard file is missing"
+            except StoreUnreachableError:  # not damage: the store's mount went away
+                self.close()
+                raise
             except PermissionError as exc:  # not damage: this user may not read it
                 self.close()
                 raise DBSyncError(
@@ -362,7 +366,11 @@ class Snapshot:
         holds = _owns_its_tensors(target)  # (the copy's references may go before it ends)
         tensordict = sys.modules.get("tensordict")  # (no TensorDict unless it was imported)
         if isinstance(target, torch.nn.Module):
-            dest = unwrap_compiled(target).state_dict(keep_vars=True)
+            inner = unwrap_compiled(target)  # (a compiled module: its own names, unless the
+            tensors = self.manifest.tensors  # version was published under the wrapper's)
+            if inner is not target and tensors and tensors[0].name.startswith("_orig_mod."):
+                inner = target
+            dest = inner.state_dict(keep_vars=True)
             for name in [k for k in dest if k == _EXTRA_STATE or k.endswith("." + _EXTRA_STATE)]:
                 if not isinstance(dest[name], torch.Tensor):
                     del dest[name]  # a module's extra state (get_extra_state): not weights

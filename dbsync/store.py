@@ -168,9 +168,9 @@ class Store:
     def _open_dir(self, parts: tuple[str, ...]) -> int:
         try:
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            raise
         except OSError as exc:
+            if exc.errno not in UNREACHABLE_ERRNOS:
+                raise  # (missing: read as nothing published; EMFILE and such: as they are)
             raise _unreachable(self.root, exc) from None
         try:
             for part in parts:
@@ -714,7 +714,10 @@ def root_error(root: str) -> StoreNotFoundError | None:
             f"{root} does not exist or is not a directory; check the path and that the "
             "volume is mounted (only a Sender creates a store)")
     except OSError as exc:
-        return _unreachable(root, exc)
+        if exc.errno in UNREACHABLE_ERRNOS:
+            return _unreachable(root, exc)
+        return StoreNotFoundError(f"{root} cannot be reached ({exc.strerror or exc}); check "
+                                  "the path and the mount")
     if not stat.S_ISDIR(st.st_mode):
         return StoreNotFoundError(
             f"{root} does not exist or is not a directory (it is {_kind(st.st_mode)}); give "
@@ -722,6 +725,13 @@ def root_error(root: str) -> StoreNotFoundError | None:
     if not os.access(root, os.R_OK | os.X_OK):
         return _unreachable(root, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
     return None
+
+
+#: errors opening ROOT that make it ``StoreUnreachableError``: no permission, a dead or hung
+#: mount (others, such as EMFILE, are raised as they are)
+UNREACHABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENOTCONN, errno.ESTALE,
+                                errno.EIO, errno.ETIMEDOUT, errno.EHOSTDOWN,
+                                errno.EHOSTUNREACH})
 
 
 def _unreachable(root: str, exc: OSError) -> StoreUnreachableError:

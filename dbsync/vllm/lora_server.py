@@ -337,11 +337,13 @@ async def _serve(args: Any, root: str, name: str, max_loras: int,
             serving.list_by_name(app.state.openai_serving_models)
             try:
                 await asyncio.to_thread(serving.apply_latest)
-            except NothingPublishedError:
-                log.info("dbsync: no adapter published in %s yet; model %s is served from "
-                         "the first one", root, name)
-            except (DBSyncError, OSError):
-                pass  # recorded and logged; the follower retries what is not a refusal
+            except (DBSyncError, OSError) as exc:  # (recorded; the follower retries
+                if _nothing_yet(exc):  # what is not a refusal)
+                    log.info("dbsync: no adapter published in %s yet; model %s is served "
+                             "from the first one", root, name)
+                elif not isinstance(exc, AdapterRefusedError):  # (a refusal is logged)
+                    log.warning("dbsync: could not apply an adapter version at start (%s); "
+                                "retrying", exc)
             serving.start_watching()
             log.info("dbsync: serving %s with adapter %s on %s (store %s, version %s)",
                      args.model, name, listen_address, root, serving.version)

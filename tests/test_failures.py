@@ -121,30 +121,44 @@ def test_a_failed_write_stops_the_writes_still_queued(root, monkeypatch):
     assert len(calls) <= 5 + 2  # the failed one, and at most one started per thread after it
 
 
+class SignalMidPush:
+    """A push's progress callback that sends ``signum`` to the main thread at its third
+    write, then lets the writers go on only once the push has seen it (its stop event is
+    set): ``written`` counts the writes made. One write task per tensor."""
+
+    def __init__(self, monkeypatch, signum: int):
+        import threading
+
+        from dbsync import fileio
+
+        monkeypatch.setattr(fileio, "GROUP_BYTES", 16)
+        self.signum = signum
+        self.main = threading.main_thread().ident
+        self.written: list[int] = []
+        self.sender: dbsync.Sender | None = None
+
+    def __call__(self, done: int, total: int) -> None:  # (from writer threads)
+        import signal
+
+        self.written.append(done)
+        if len(self.written) == 3:
+            signal.pthread_kill(self.main, self.signum)
+        if len(self.written) >= 3:
+            assert self.sender is not None and self.sender._abort.wait(30)
+
+
 def test_ctrl_c_during_a_push_stops_its_writes(root, monkeypatch):
     import signal
-    import threading
 
-    from dbsync import fileio
-
-    monkeypatch.setattr(fileio, "GROUP_BYTES", 16)  # one write task per tensor
+    progress = SignalMidPush(monkeypatch, signal.SIGINT)  # Ctrl-C, as a terminal sends it
     weights = {f"t{i}": torch.full((8,), float(i)) for i in range(400)}
-    written = []
-    main = threading.main_thread().ident
-
-    def progress(done: int, total: int) -> None:  # (from writer threads)
-        written.append(done)
-        if len(written) == 3:
-            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, as a terminal sends it
-        if len(written) >= 3:  # (the handshake: writers go on once the push saw it)
-            assert sender._abort.wait(30)
-
     with dbsync.Sender(root, num_threads=2) as sender:
+        progress.sender = sender
         with pytest.raises(dbsync.PushInterrupted) as interrupted:
             sender.push(weights, progress=progress)
         assert interrupted.value.published_version is None
         assert sender.latest_version() is None
-    assert len(written) < 10  # (all 400 were written before the push gave up)
+    assert len(progress.written) < 10  # (all 400 were written before the push gave up)
 
 
 def test_an_exception_from_a_signal_handler_stops_a_push_like_ctrl_c(root, monkeypatch):
@@ -153,9 +167,6 @@ def test_an_exception_from_a_signal_handler_stops_a_push_like_ctrl_c(root, monke
     store still serves the previous version intact. (The push went on and published later,
     mixing values the trainer changed once it had the exception.)"""
     import signal
-    import threading
-
-    from dbsync import fileio
 
     class Preempted(Exception):
         pass
@@ -163,21 +174,12 @@ def test_an_exception_from_a_signal_handler_stops_a_push_like_ctrl_c(root, monke
     def handler(signum, frame):
         raise Preempted("SIGTERM")
 
-    monkeypatch.setattr(fileio, "GROUP_BYTES", 16)  # one write task per tensor
+    progress = SignalMidPush(monkeypatch, signal.SIGUSR1)
     previous = signal.signal(signal.SIGUSR1, handler)
     weights = {f"t{i}": torch.full((8,), float(i)) for i in range(400)}
-    written = []
-    main = threading.main_thread().ident
-
-    def progress(done: int, total: int) -> None:  # (from writer threads)
-        written.append(done)
-        if len(written) == 3:
-            signal.pthread_kill(main, signal.SIGUSR1)
-        if len(written) >= 3:  # (the handshake: writers go on once the push saw it)
-            assert sender._abort.wait(30)
-
     try:
         with dbsync.Sender(root, num_threads=2) as sender:
+            progress.sender = sender
             sender.push({f"t{i}": torch.zeros(8) for i in range(400)})
             with pytest.raises(Preempted) as raised:
                 sender.push(weights, progress=progress)
@@ -188,7 +190,7 @@ def test_an_exception_from_a_signal_handler_stops_a_push_like_ctrl_c(root, monke
             assert sender.push({"t0": torch.ones(8)}) == 2  # the next push is fine
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    assert len(written) < 10
+    assert len(progress.written) < 10
 
 
 def test_ctrl_c_on_one_push_leaves_an_earlier_background_push_alone(root):

@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,7 +96,7 @@ def _bytes(size: str) -> int:
 class FuseView:
     """A read-write bindfs (FUSE) view of ``base`` at ``view`` whose daemon can be killed
     (``kill``: its connection dies, ENOTCONN, as when a FUSE daemon or NFS client crashes)
-    and mounted again (``remount``). ``options``: more bindfs/FUSE options (``-o``)."""
+    and mounted again (``mount`` once more). ``options``: more bindfs/FUSE options (``-o``)."""
 
     def __init__(self, base: Any, view: Any, options: str = ""):
         if shutil.which("bindfs") is None or not os.path.exists("/dev/fuse"):
@@ -114,7 +115,7 @@ class FuseView:
                 return self.view
             if self._daemon.poll() is not None:
                 break
-            threading_wait(0.01)
+            threading.Event().wait(0.01)  # (a bounded pause between looks)
         raise RuntimeError(f"bindfs did not mount {self.view}")
 
     def kill(self) -> None:
@@ -123,18 +124,8 @@ class FuseView:
         self._daemon.wait()
         subprocess.run(["umount", "-l", self.view], check=False)
 
-    def remount(self) -> str:
-        return self.mount()
-
     def close(self) -> None:
         if self._daemon is not None and self._daemon.poll() is None:
             subprocess.run(["umount", "-l", self.view], check=False)
             self._daemon.kill()
             self._daemon.wait()
-
-
-def threading_wait(seconds: float) -> None:
-    """A bounded pause between looks at something another process does (a mount appearing)."""
-    import threading
-
-    threading.Event().wait(seconds)

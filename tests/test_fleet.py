@@ -1200,7 +1200,7 @@ def test_a_sender_whose_fuse_mount_died_and_came_back_refuses_to_publish(tmp_pat
         sender = dbsync.Sender(root, durable=False)
         assert sender.push({"w": torch.ones(4)}) == 1
         fuse.kill()
-        fuse.remount()
+        fuse.mount()
         with pytest.raises(dbsync.DBSyncError, match="cannot be reached any more") as raised:
             sender.push({"w": torch.full((4,), 2.0)})
         assert "close this Sender and create a new one" in str(raised.value)
@@ -1236,7 +1236,7 @@ def test_readers_of_a_dead_fuse_mount_get_one_error_class_and_recover_after_a_re
                 receiver.load(dest)
             assert "no longer holds a published version" in str(raised.value)
             assert "push one first" not in str(raised.value)
-            fuse.remount()
+            fuse.mount()
             assert receiver.load(dest) == 1 and torch.equal(dest["w"], torch.ones(4))
         with dbsync.Receiver(root) as receiver:
             receiver.load(dest)

@@ -307,6 +307,13 @@ def status(root: str, as_json: bool) -> None:
     from .checks import current_problems
     from .fleet import with_reasons
 
+    if as_json:  # a monitoring script gets one JSON object even for a root that is not there
+        from dbsync.store import root_problem
+
+        if (problem := root_problem(root)) is not None:
+            click.echo(json_line({"root": os.path.abspath(root), "error": problem}, indent=1,
+                                 sort_keys=True))
+            fail(problem)
     store = _existing_store(root)
     try:
         manifest, problems = current_problems(store)

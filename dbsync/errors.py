@@ -13,6 +13,11 @@ class InvalidWeightsError(DBSyncError, ValueError):
     source). Raised before any byte is written: nothing is published."""
 
 
+class InvalidArgumentError(DBSyncError, ValueError):
+    """An argument given to dbsync is malformed or out of range (a reader id, a timeout, a
+    thread count). Raised before anything is read, written or started."""
+
+
 class NothingPublishedError(DBSyncError):
     """The store holds no published version yet."""
 

@@ -80,9 +80,11 @@ def is_reader_id(name: Any) -> bool:
     return isinstance(name, str) and _SAFE_READER_ID.fullmatch(name) is not None
 
 
-def check_reader_id(reader_id: str) -> str:
+def check_reader_id(reader_id: str, error: type[Exception] = FormatError) -> str:
+    """``reader_id`` if a receiver may have it; else raises ``error`` (``FormatError`` for a
+    name read from a store, an argument error for one a caller gave)."""
     if not isinstance(reader_id, str) or not _SAFE_READER_ID.fullmatch(reader_id):
-        raise FormatError(
+        raise error(
             f"reader id {reader_id!r} is not allowed: use letters, digits, '_', '.', '-' "
             "(at most 101 characters, not starting with '.' or '-')"
         )

@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .errors import DBSyncError
+from .errors import InvalidArgumentError
 from .format import READERS_DIR, FormatError, is_reader_id
 from .store import Store
 
@@ -334,7 +334,7 @@ def check_lease_timeout(value: Any) -> float:
     in [MIN_LEASE_TIMEOUT, MAX_LEASE_TIMEOUT]."""
     if not (isinstance(value, int | float) and not isinstance(value, bool)
             and MIN_LEASE_TIMEOUT <= value <= MAX_LEASE_TIMEOUT):
-        raise DBSyncError(f"lease_timeout must be between {MIN_LEASE_TIMEOUT:g} and "
+        raise InvalidArgumentError(f"lease_timeout must be between {MIN_LEASE_TIMEOUT:g} and "
                           f"{MAX_LEASE_TIMEOUT:g} seconds, not {value!r}")
     return float(value)
 

@@ -43,6 +43,7 @@ from .errors import (
     DBSyncError,
     FormatError,
     IncompatibleWeightsError,
+    InvalidArgumentError,
     LeaseExpiredError,
     StoreNotFoundError,
     StoreRewoundError,
@@ -112,9 +113,8 @@ class Receiver:
         read_only: bool | None = None,
     ):
         self.store = Store(root, create=False)
-        self.reader_id = check_reader_id(
-            reader_id or default_reader_id()
-        )
+        self.reader_id = check_reader_id(reader_id or default_reader_id(),
+                                         InvalidArgumentError)
         self.lease_timeout = check_lease_timeout(lease_timeout)
         self.verify = verify
         self.poll_interval = poll_interval

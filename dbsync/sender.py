@@ -38,6 +38,7 @@ from . import fileio, gcpause, sources, tensorstate
 from .errors import (
     DBSyncError,
     FormatError,
+    InvalidArgumentError,
     InvalidWeightsError,
     StalenessError,
     StoreFullError,
@@ -267,11 +268,22 @@ class Sender:
     ):
         sources.check_target_dtype(dtype, DBSyncError)
         if strategy not in sources.STRATEGIES:
-            raise DBSyncError(f"strategy must be one of {sources.STRATEGIES}, not {strategy!r}")
-        if num_threads < 1:
-            raise DBSyncError("num_threads must be at least 1")
-        if max_lag is not None and max_lag < 0:
-            raise DBSyncError("max_lag must be >= 0 (or None for no bound)")
+            raise InvalidArgumentError(f"strategy must be one of {sources.STRATEGIES}, not "
+                                       f"{strategy!r}")
+        if isinstance(num_threads, bool) or not hasattr(num_threads, "__index__") or (
+                num_threads.__index__() < 1):
+            raise InvalidArgumentError(f"num_threads must be an int of at least 1, not "
+                                       f"{num_threads!r}")
+        if max_lag is not None and not (isinstance(max_lag, int | float)
+                                        and not isinstance(max_lag, bool) and max_lag >= 0):
+            raise InvalidArgumentError(f"max_lag must be a number >= 0 (or None for no bound), "
+                                       f"not {max_lag!r}")
+        if max_lag_timeout is not None and not (
+                isinstance(max_lag_timeout, int | float) and not isinstance(max_lag_timeout, bool)
+                and max_lag_timeout >= 0):
+            raise InvalidArgumentError(f"max_lag_timeout must be a number of seconds >= 0 (or "
+                                       f"None: wait as long as it takes), not "
+                                       f"{max_lag_timeout!r}")
         check_lease_timeout(lease_timeout)
         _refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)
@@ -284,7 +296,7 @@ class Sender:
         #: the directory locked: pushes refuse to go on once ROOT names another one
         self._locked_root = _identity(self.store.root)  # (it exists: its lock was taken)
         self._pid = os.getpid()
-        self._io = ThreadPoolExecutor(num_threads, thread_name_prefix="dbsync-write")
+        self._io = ThreadPoolExecutor(num_threads.__index__(), thread_name_prefix="dbsync-write")
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dbsync-publish")
         self._finalizer = weakref.finalize(self, _release, self._lock_fd,
                                            [self._publisher, self._io], self._pid)

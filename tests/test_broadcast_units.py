@@ -224,8 +224,11 @@ def test_argument_errors_say_what_to_do(tmp_path: Any) -> None:
     with Sender(tmp_path, durable=False) as sender:
         with pytest.raises(DBSyncError, match="multiple of 64"):
             BroadcastSender(sender, device="cpu", bucket_bytes=100)
-        with pytest.raises(DBSyncError, match="join_timeout must be positive"):
+        with pytest.raises(DBSyncError, match="join_timeout must be a positive number"):
             BroadcastSender(sender, device="cpu", join_timeout=-1)
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds, "
+                           "not nan"):
+            BroadcastSender(sender, device="cpu", timeout=float("nan"))
         with pytest.raises(DBSyncError, match="port must be 0"):
             BroadcastSender(sender, device="cpu", port=99999)
         closed = BroadcastSender(sender, device="cpu", address="127.0.0.1")

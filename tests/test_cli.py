@@ -419,6 +419,8 @@ def test_status_of_empty_and_missing_stores(tmp_path):
     missing = str(tmp_path / "missing")
     gone = run("status", missing)
     assert gone.exit_code == 1 and missing in gone.stderr
+    gone_json = run("status", missing, "--json")  # a monitoring script still gets JSON
+    assert gone_json.exit_code == 1 and "does not exist" in json.loads(gone_json.stdout)["error"]
     assert not os.path.exists(missing)
 
 

@@ -818,6 +818,16 @@ def test_a_snapshot_hands_out_nothing_of_a_damaged_version_when_its_receiver_ver
 def test_settings_and_versions_that_cannot_be_are_refused_clearly(root, tmp_path):
     with pytest.raises(dbsync.DBSyncError, match="lease_timeout must be between"):
         dbsync.Sender(root, lease_timeout=-1)
+    # Arguments are ValueErrors naming what was given, raised before the store is touched.
+    for bad, what in [(dict(num_threads="8"), "num_threads must be an int of at least 1, not '8'"),
+                      (dict(num_threads=0), "num_threads must be"),
+                      (dict(max_lag=-1), "max_lag must be a number >= 0"),
+                      (dict(max_lag_timeout=float("nan")), "max_lag_timeout must be"),
+                      (dict(lease_timeout=float("nan")), "lease_timeout must be")]:
+        with pytest.raises(dbsync.InvalidArgumentError, match=what) as raised:
+            dbsync.Sender(os.path.join(root, "never-made"), **bad)
+        assert isinstance(raised.value, ValueError)
+    assert not os.path.exists(os.path.join(root, "never-made"))
     for dtype in (torch.int8, torch.float8_e4m3fn):  # (float8: saturated values, no scales)
         with pytest.raises(dbsync.DBSyncError, match="16 bits or more"):
             dbsync.Sender(root, dtype=dtype)
@@ -826,6 +836,8 @@ def test_settings_and_versions_that_cannot_be_are_refused_clearly(root, tmp_path
     with pytest.raises(dbsync.FormatError, match="a part of its path is a file"):
         dbsync.Sender(str(blocker / "store" / "x"))
     publish(root, {"w": torch.ones(2)})
+    with pytest.raises(dbsync.InvalidArgumentError, match="reader id '../x' is not allowed"):
+        dbsync.Receiver(root, reader_id="../x")
     with dbsync.Receiver(root) as rx:
         with pytest.raises(dbsync.DBSyncError, match="version 99 is not published.*latest is 1"):
             rx.open(version=99)

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from .. import sources
-from ..errors import DBSyncError
+from ..errors import DBSyncError, InvalidArgumentError
 from ..sender import Sender
 from . import checksum
 from . import rendezvous as rv
@@ -59,6 +59,12 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 30.0
 
 __all__ = ["DEFAULT_TIMEOUT", "BroadcastSender", "wait_for_keys"]
+
+
+def _positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a finite positive number (of seconds)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and 0 < value < float("inf"))
 
 
 class BroadcastSender:
@@ -87,18 +93,21 @@ class BroadcastSender:
         join_timeout: float | None = None,
         checksums: bool | None = True,
     ):
-        if bucket_bytes <= 0 or bucket_bytes % ALIGN:
-            raise DBSyncError(f"bucket_bytes must be a positive multiple of {ALIGN}")
-        if timeout <= 0:
-            raise DBSyncError("timeout must be positive (seconds)")
-        if join_timeout is not None and join_timeout <= 0:
-            raise DBSyncError("join_timeout must be positive (seconds), or None for timeout")
+        if not (isinstance(bucket_bytes, int) and bucket_bytes > 0 and not bucket_bytes % ALIGN):
+            raise InvalidArgumentError(f"bucket_bytes must be a positive multiple of {ALIGN}, "
+                                       f"not {bucket_bytes!r}")
+        if not _positive_seconds(timeout):
+            raise InvalidArgumentError(f"timeout must be a positive number of seconds, not "
+                                       f"{timeout!r}")
+        if join_timeout is not None and not _positive_seconds(join_timeout):
+            raise InvalidArgumentError(f"join_timeout must be a positive number of seconds, or "
+                                       f"None for timeout; not {join_timeout!r}")
         try:
             port = operator.index(port)
         except TypeError:
             port = -1
         if not 0 <= port < 65536:
-            raise DBSyncError("port must be 0 (any free port) or a TCP port below 65536")
+            raise InvalidArgumentError("port must be 0 (any free port) or a TCP port below 65536")
         self._closed = False
         self._owns_sender = not isinstance(sender, Sender)
         self.sender = Sender(sender) if self._owns_sender else sender  # type: ignore[arg-type]

@@ -92,16 +92,42 @@ class PushInterrupted(KeyboardInterrupt):
         self.published_version = published_version
 
 
-def _uncount_if_cancelled(lock: threading.Lock, pending: list[int]
-                          ) -> Callable[[Future[int]], None]:
-    """The callback that stops counting a push cancelled while it waited its turn (it never
-    ran). It holds the counter, not the Sender: a staging buffer keeps the future, and the
-    Sender must still go by reference counting alone once dropped."""
-    def uncount(future: Future[int]) -> None:
+class _Ticket:
+    """One submitted push's place in the count of pending pushes. Until the push starts,
+    whoever withdraws it (its caller, interrupted while submitting; a cancellation) takes it
+    out of the count, exactly once; once started, the push counts itself out. It holds the
+    counter, not the Sender: a staging buffer keeps the future, and the Sender must still go
+    by reference counting alone once dropped."""
+
+    __slots__ = ("_lock", "_pending", "_state")
+
+    def __init__(self, lock: threading.Lock, pending: list[int]):
+        self._lock, self._pending, self._state = lock, pending, "new"
+
+    def enter(self) -> None:
+        """Count the push in (before it is submitted)."""
+        with self._lock:
+            self._pending[0] += 1
+            self._state = "queued"
+
+    def start(self) -> bool:
+        """Called by the push as it starts: False if it was withdrawn (it must not run)."""
+        with self._lock:
+            if self._state == "withdrawn":
+                return False
+            self._state = "started"
+            return True
+
+    def withdraw(self) -> None:
+        """Take a push that has not started out of the count (a started one counts itself)."""
+        with self._lock:
+            if self._state == "queued":
+                self._state = "withdrawn"
+                self._pending[0] -= 1
+
+    def withdraw_if_cancelled(self, future: Future[int]) -> None:
         if future.cancelled():
-            with lock:
-                pending[0] -= 1
-    return uncount
+            self.withdraw()
 
 
 class _Aborted(DBSyncError):
@@ -492,64 +518,69 @@ class Sender:
                 "pushes (the parent's must be closed first: one writer per store)")
         if self._lock_fd[0] is None:
             raise DBSyncError("this Sender is closed; create a new one")
-        with self._push_lock:
-            with gcpause.paused():
-                # The same tensors as a recent push (names, addresses, dtypes, shapes...):
-                # already validated and planned; else validated here, before any I/O.
-                # (A background push writes the snapshot's tensors: looked up by the writer.)
-                pairs = sources.pairs_of(weights, self.strategy)  # dtype is applied below
-                if not pairs:
-                    sources.validate(pairs)  # raises: nothing to publish
-                layout = None
-                if blocking:
-                    layout = self._layouts.find([name for name, _ in pairs],
-                                                [t for _, t in pairs], self._layout_settings())
-                if layout is None:
-                    sources.validate(pairs)
-            adapter = adapter_config if adapter_config is not None else (
-                sources.adapter_config_of(weights))
-            self._check_kind("adapter" if adapter is not None else "weights")
-            on_cpu = layout is not None or all(t.is_cpu for _, t in pairs)  # (kept: on CPU)
-            needs_copy = not blocking or not on_cpu
-            if needs_copy:
-                buffer = self._buffers[self._next_buffer]
-                self._next_buffer ^= 1
-                if buffer.user is not None:
-                    # The push before the previous one may still read this buffer. Its error
-                    # (if any) belongs to its own future, and was logged.
-                    buffer.user.exception()
-                # The trainer waits for this copy: background writes of earlier versions
-                # pause meanwhile (after their current chunk) instead of competing with it.
-                self._writes_allowed.clear()
-                try:
-                    with gcpause.paused():
-                        pairs = buffer.snapshot(pairs, self.dtype)
-                finally:
-                    self._writes_allowed.set()
-                layout = None  # the snapshot's own tensors, found by the writer
-            else:
-                buffer = None
-                if layout is None:  # (a kept layout's tensors needed nothing)
-                    with gcpause.paused():
-                        pairs = sources.materialize_all(pairs, self.dtype)
-            abort = self._abort = threading.Event()
-            with self._numbering:
-                self._pending[0] += 1
-            try:
-                future = self._publisher.submit(self._publish_and_report, not blocking, pairs,
-                                                progress, adapter, layout, abort)
-            except BaseException:
-                with self._numbering:
-                    self._pending[0] -= 1
-                raise
-            future.add_done_callback(_uncount_if_cancelled(self._numbering, self._pending))
-            if buffer is not None:
-                buffer.user = future
-        if not blocking:
-            return future
+        future: Future[int] | None = None
         try:
+            with self._push_lock:
+                with gcpause.paused():
+                    # The same tensors as a recent push (names, addresses, dtypes, shapes...):
+                    # already validated and planned; else validated here, before any I/O.
+                    # (A background push writes the snapshot's tensors: looked up by the writer.)
+                    pairs = sources.pairs_of(weights, self.strategy)  # dtype is applied below
+                    if not pairs:
+                        sources.validate(pairs)  # raises: nothing to publish
+                    layout = None
+                    if blocking:
+                        layout = self._layouts.find([name for name, _ in pairs],
+                                                    [t for _, t in pairs], self._layout_settings())
+                    if layout is None:
+                        sources.validate(pairs)
+                adapter = adapter_config if adapter_config is not None else (
+                    sources.adapter_config_of(weights))
+                self._check_kind("adapter" if adapter is not None else "weights")
+                on_cpu = layout is not None or all(t.is_cpu for _, t in pairs)  # (kept: on CPU)
+                needs_copy = not blocking or not on_cpu
+                if needs_copy:
+                    buffer = self._buffers[self._next_buffer]
+                    self._next_buffer ^= 1
+                    if buffer.user is not None:
+                        # The push before the previous one may still read this buffer. Its error
+                        # (if any) belongs to its own future, and was logged.
+                        buffer.user.exception()
+                    # The trainer waits for this copy: background writes of earlier versions
+                    # pause meanwhile (after their current chunk) instead of competing with it.
+                    self._writes_allowed.clear()
+                    try:
+                        with gcpause.paused():
+                            pairs = buffer.snapshot(pairs, self.dtype)
+                    finally:
+                        self._writes_allowed.set()
+                    layout = None  # the snapshot's own tensors, found by the writer
+                else:
+                    buffer = None
+                    if layout is None:  # (a kept layout's tensors needed nothing)
+                        with gcpause.paused():
+                            pairs = sources.materialize_all(pairs, self.dtype)
+                abort = self._abort = threading.Event()
+                ticket = _Ticket(self._numbering, self._pending)
+                try:
+                    ticket.enter()
+                    future = self._publisher.submit(self._publish_and_report, not blocking, ticket,
+                                                    pairs, progress, adapter, layout, abort)
+                    future.add_done_callback(ticket.withdraw_if_cancelled)
+                    if buffer is not None:
+                        buffer.user = future
+                except BaseException:
+                    # Ctrl-C (or a signal handler's exception) inside the submit may land after
+                    # the push was queued: it stops before its flip, and is counted out once.
+                    abort.set()
+                    ticket.withdraw()
+                    raise
+            if not blocking:
+                return future
             return future.result()
         except BaseException as raised:
+            if future is None:
+                raise  # (nothing submitted; or withdrawn while submitting, above)
             if future.done() and not future.cancelled() and future.exception() is raised:
                 raise  # the push's own failure
             # The caller's own exception while it waited: Ctrl-C, or one a signal handler
@@ -574,10 +605,12 @@ class Sender:
         if abort.is_set():
             raise _Aborted("push interrupted while writing; nothing was published")
 
-    def _publish_and_report(self, background: bool, *args: Any) -> int:
+    def _publish_and_report(self, background: bool, ticket: _Ticket, *args: Any) -> int:
         """``_publish``, recording its outcome in ``last_error`` and, for a background push
         (whose future nobody may ever read), logging its failure: both before the future
         completes, so its caller sees them as soon as it sees the result."""
+        if not ticket.start():
+            raise _Aborted("push interrupted while it was submitted; nothing was published")
         try:
             version = self._publish(*args)
         except BaseException as exc:

@@ -193,6 +193,51 @@ def test_an_exception_from_a_signal_handler_stops_a_push_like_ctrl_c(root, monke
     assert len(progress.written) < 10
 
 
+@pytest.mark.parametrize("where", ["_adjust_thread_count", "add_done_callback", "result"])
+def test_ctrl_c_as_a_push_is_submitted_publishes_nothing(root, where):
+    """Ctrl-C lands as a blocking push is handed to its publishing thread (inside the
+    submit, just after it, or as the wait starts): the push stops before its flip, the
+    caller hears nothing was published, and the next push takes the next number. (Landing
+    inside or just after the submit, the push published anyway, after ``push()`` had raised.)
+    The writers hold each write until the push has seen the interrupt (a handshake, not a
+    race)."""
+    import sys
+    import threading
+
+    sender = dbsync.Sender(root, num_threads=2)
+    fired = []
+
+    def tracer(frame, event, arg):  # (in the calling thread only: settrace is per thread)
+        module = frame.f_globals.get("__name__", "")
+        if (event == "call" and not fired and frame.f_code.co_name == where
+                and module.startswith("concurrent.futures")):
+            fired.append(where)
+            raise KeyboardInterrupt
+        return None
+
+    def progress(done, total):  # (from writer threads)
+        assert sender._abort.wait(30)
+
+    weights = {f"t{i}": torch.full((8,), float(i)) for i in range(4)}
+    try:
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            sys.settrace(tracer)
+            try:
+                sender.push(weights, progress=progress)
+            finally:
+                sys.settrace(None)
+        assert fired == [where]
+        if isinstance(interrupted.value, dbsync.PushInterrupted):
+            assert interrupted.value.published_version is None
+        sender._publisher.submit(threading.Event().set).result(30)  # (the push has ended)
+        assert sender.latest_version() is None and sender.next_version == 1
+        assert sender.push({"w": torch.ones(2)}) == 1
+    finally:
+        sender.close()
+    with dbsync.Receiver(root) as rx:
+        assert rx.latest_version() == 1
+
+
 def test_ctrl_c_on_one_push_leaves_an_earlier_background_push_alone(root):
     """Interrupting a blocking push stops that push only: a background push still writing
     ahead of it publishes (it used to be stopped too, and silently)."""

@@ -216,12 +216,16 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
 
 
 def _root_unfit_for_push(root: str) -> str | None:
-    """What makes ``root`` no place for a store, where it is cheap to tell (empty, or a
-    file or device where a directory must be): None if nothing does."""
+    """What makes ``root`` no place for a store, where it is cheap to tell (empty; a file or
+    device where a directory must be; a dead mount or no permission; a read-only directory
+    where the store is or would be created): None if nothing does."""
+    from dbsync.store import UNREACHABLE_ERRNOS, root_problem
+
     if not root:
         return ("the store path ROOT is empty (an unset variable?); give the path of the "
                 "store directory")
     path = os.path.abspath(root)
+    nothing_done = ". Nothing was read or published"
     while True:  # the first part of the path that exists must be a directory
         try:
             st = os.stat(path)
@@ -231,14 +235,25 @@ def _root_unfit_for_push(root: str) -> str | None:
                 return None
             path = parent
             continue
-        except OSError:
+        except OSError as exc:
+            if exc.errno in UNREACHABLE_ERRNOS:
+                return f"{root_problem(path)}{nothing_done}"
             return None  # (said by the push itself, with the whole story)
-        if stat.S_ISDIR(st.st_mode):
+        is_root = path == os.path.abspath(root)
+        if not stat.S_ISDIR(st.st_mode):
+            where = "ROOT" if is_root else f"a part of ROOT's path ({path})"
+            return (f"{root}: {where} is not a directory; give the path of a store directory "
+                    "(an existing store, an empty directory, or a path where one can be "
+                    f"created){nothing_done}")
+        if not os.access(path, os.R_OK | os.X_OK):
+            return f"{root_problem(path)}{nothing_done}"
+        if os.access(path, os.W_OK):
             return None
-        where = "ROOT" if path == os.path.abspath(root) else f"a part of ROOT's path ({path})"
-        return (f"{root}: {where} is not a directory; give the path of a store directory "
-                "(an existing store, an empty directory, or a path where one can be "
-                "created). Nothing was read or published")
+        where = "ROOT" if is_root else f"{path} (where ROOT would be created)"
+        why = ("is on a read-only mount" if os.statvfs(path).f_flag & os.ST_RDONLY
+               else f"is not writable by this user (uid {os.geteuid()})")
+        return (f"{root}: {where} {why}; a push needs a writable store (readers work on "
+                f"read-only views): push from the trainer's read-write mount{nothing_done}")
 
 
 def _torch_dtype(name: str | None) -> Any:

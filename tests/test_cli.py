@@ -22,6 +22,7 @@ import dbsync
 from cli.main import cli
 from dbsync.format import MANIFEST_FILE
 from dbsync.store import Store
+from tests.fleet_mounts import needs_root, read_only_view
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -326,6 +327,22 @@ def test_push_into_a_file_fails_plainly(tmp_path, st_file):
     result = run("push", st_file, str(target))
     assert result.exit_code == 2  # click refuses a file where a directory is expected
     assert target.read_text() == "x"
+
+
+@needs_root
+def test_push_into_a_read_only_mount_says_so_before_reading_src(store_v1, tmp_path):
+    """ROOT (or where it would be created) on a read-only mount: refused at once, saying so
+    and where to push from, before SRC is read (here SRC does not even exist: the answer is
+    about ROOT)."""
+    with read_only_view(os.path.dirname(store_v1), tmp_path / "ro") as view:
+        for target in (os.path.join(view, os.path.basename(store_v1)),
+                       os.path.join(view, "new", "store")):
+            result = run("push", str(tmp_path / "never-read.safetensors"), target)
+            assert result.exit_code == 1
+            assert "is on a read-only mount" in result.stderr
+            assert "push from the trainer's read-write mount" in result.stderr
+            assert "Nothing was read or published" in result.stderr
+    assert current_version(store_v1) == 1
 
 
 def test_push_while_another_writer_holds_the_store(store_v1, st_file, weights):

@@ -72,6 +72,8 @@ __all__ = ["LoadWeights", "Receiver", "Snapshot"]
 
 LoadWeights = Callable[[Iterable[tuple[str, Any]]], Any]
 _LEASELESS_RETRIES = 5
+#: head records a receiver keeps of versions it opened or waited for (the newest)
+KEPT_HEADS = 4
 
 
 _OVERLAY_CHECKED: set[str] = set()  # roots this process looked at (receivers come per swap)
@@ -211,7 +213,7 @@ class Receiver:
         self._release_orphans()
         if head is not None:
             version = head.version
-            self._heads[head.version] = head
+            self._remember(head)
         for _ in range(100):
             head = self._target_head(version)
             token = next(self._tokens)
@@ -254,10 +256,18 @@ class Receiver:
             except BaseException:
                 snap.close()
                 raise
-            self._heads[head.version] = head
+            self._remember(head)
             return snap
         raise DBSyncError("the head changed 100 times while opening; is a writer publishing "
                           "in a tight loop?")
+
+    def _remember(self, head: Head) -> None:
+        """Keep ``head`` for a later ``open(version)``/``wait(newer_than)`` of its version:
+        the few newest only (two slots hold two versions; a receiver lives for days)."""
+        self._heads.pop(head.version, None)
+        self._heads[head.version] = head
+        while len(self._heads) > KEPT_HEADS:
+            del self._heads[next(iter(self._heads))]
 
     def _check_head_moved(self, head: Head) -> None:
         """After a read found ``head``'s slot stamped otherwise: fine (read again)
@@ -450,7 +460,7 @@ class Receiver:
                     run is not None and head.run_id != run)):
                 # (kept: a next wait(newer_than=this version) waits within its run, even
                 # before anything of that run was loaded)
-                self._heads[head.version] = head
+                self._remember(head)
                 return head.version
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:

@@ -22,6 +22,7 @@ import contextlib
 import errno
 import functools
 import logging
+import math
 import os
 import socket
 import threading
@@ -71,6 +72,10 @@ from .store import WRITING, Store
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
+#: a running Sender looks for abandoned reader files (``prune_abandoned``) at most every
+#: PRUNE_EVERY lease timeouts, and at most once per PRUNE_MIN_S seconds
+PRUNE_EVERY = 4
+PRUNE_MIN_S = 60.0
 #: ``push`` accepts: an ``nn.Module``, a mapping of names to tensors, a ``TensorDict``, or a
 #: path (``.safetensors`` file, checkpoint directory, ``.pt``/``.bin`` state dict, tensordict
 #: memmap directory, PEFT adapter directory).
@@ -336,11 +341,9 @@ class Sender:
             self._finalizer()
             raise
         self._kind: str | None = None
-        try:
-            prune_abandoned(self.store, lease_timeout)
-        except (OSError, FormatError) as exc:
-            log.info("could not look for abandoned reader files in %s: %s", self.store.root,
-                     exc)
+        self._lease_timeout = lease_timeout
+        self._pruned_at = -math.inf
+        self._prune_abandoned()
         self._leases = LeaseMonitor(self.store, lease_timeout)
         #: target shard size (bytes); the same weights always get the same layout
         self.shard_bytes = SHARD_BYTES
@@ -757,7 +760,23 @@ class Sender:
         t3 = time.perf_counter()
         self.last_push_seconds = {"wait_for_lag": lagged, "wait_for_readers": waited,
                                   "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}
+        self._prune_abandoned()  # (after the flip: never delays a version)
         return version
+
+    def _prune_abandoned(self) -> None:
+        """Remove the files of readers gone for good (``prune_abandoned``: leases and temp
+        files of readers killed mid-write), at start and then at most every
+        ``PRUNE_EVERY`` lease timeouts (a long-lived trainer would otherwise list them at
+        every push for as long as it lives)."""
+        now = time.monotonic()
+        if now - self._pruned_at < max(PRUNE_MIN_S, PRUNE_EVERY * self._lease_timeout):
+            return
+        self._pruned_at = now
+        try:
+            prune_abandoned(self.store, self._lease_timeout)
+        except (OSError, FormatError) as exc:
+            log.info("could not look for abandoned reader files in %s: %s", self.store.root,
+                     exc)
 
     def _flipped(self, head: Head) -> bool:
         """Whether the store's head is ``head`` (read back after a failed head write)."""

@@ -324,7 +324,9 @@ class Watcher:
             self.last_error = exc
             log.warning("dbsync watcher: callback failed for version %s: %s", head.version,
                         exc)
-        except Exception as exc:  # anything else may be a bug in the callback: where it failed
+        except BaseException as exc:  # anything else may be a bug in the callback: where it
+            # failed. (SystemExit or asyncio's CancelledError too: raised in this thread they
+            # would end it unheard, and no later version would ever be delivered.)
             self.last_error = exc
             log.exception("dbsync watcher: callback failed for version %s", head.version)
         else:

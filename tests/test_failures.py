@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -1080,3 +1081,39 @@ def test_a_head_whose_flip_landed_but_not_durably_counts_as_published(root, capl
     with dbsync.Receiver(root) as rx:
         assert rx.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 3
     assert torch.equal(got["w"], torch.full((4,), 3.0))
+
+
+def test_a_long_lived_trainer_removes_the_temp_files_of_killed_readers(root, monkeypatch):
+    """A reader killed while writing its lease leaves ``readers/.tmp-*``: a running Sender
+    removes it once it is old (only a newly started Sender did, so a trainer living for
+    days listed them at every push)."""
+    from dbsync import sender as sender_module
+
+    with dbsync.Sender(root, durable=False) as sender:
+        sender.push({"w": torch.ones(4)})
+        leftover = os.path.join(sender.store.readers_dir, ".tmp-host-1234.json-1234-abcdef01")
+        with open(leftover, "w") as f:
+            f.write('{"beat": 1')  # (cut short by the kill)
+        hour_ago = time.time() - 3600
+        os.utime(leftover, (hour_ago, hour_ago))
+        monkeypatch.setattr(sender_module, "PRUNE_MIN_S", 0.0)
+        monkeypatch.setattr(sender_module, "PRUNE_EVERY", 0)
+        assert sender.push({"w": torch.full((4,), 2.0)}) == 2
+        assert not os.path.exists(leftover)
+
+
+def test_a_long_lived_receiver_keeps_a_bounded_record_of_versions(root):
+    """A serving process opens and waits for thousands of versions over days: what it keeps
+    per version stays bounded (it kept every version's head record), and the last versions
+    it opened can still be opened again while their slots hold them."""
+    from dbsync.receiver import KEPT_HEADS
+
+    with dbsync.Sender(root, durable=False) as sender, dbsync.Receiver(root) as rx:
+        for value in range(40):
+            version = sender.push({"w": torch.full((4,), float(value))})
+            assert rx.wait(newer_than=version - 1, timeout=30) == version
+            with rx.open() as snap:
+                assert snap.version == version
+        assert len(rx._heads) <= KEPT_HEADS
+        with rx.open(version=40) as snap:
+            assert torch.equal(dict(snap.tensors())["w"], torch.full((4,), 39.0))

@@ -3,6 +3,7 @@ notices a flip, and what it does with a garbled manifest (one log line, no spinn
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -130,6 +131,31 @@ def test_garbled_manifest_is_logged_once_and_never_spins(store, caplog):
         assert watcher.last_error is None
     assert seen.versions == [1, 2]
     assert any("reads well again" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), asyncio.CancelledError()],
+                         ids=["SystemExit", "CancelledError"])
+def test_a_callback_raising_systemexit_or_cancelled_keeps_the_watcher_going(store, raised,
+                                                                             caplog):
+    """A callback that calls sys.exit() or runs cancelled asyncio code: kept in
+    ``last_error`` and logged, and the next version is delivered. (Both ended the watcher's
+    thread unheard: no later version, ``last_error`` None.)"""
+    caplog.set_level(logging.INFO, logger="dbsync")
+    seen, error_then = Seen(), []
+
+    def callback(version: int) -> None:
+        if version == 1:
+            seen(version)
+            raise raised
+        error_then.append(watcher.last_error)  # (what the first callback left)
+        seen(version)
+
+    with Watcher(store, callback, use_polling=False) as watcher:
+        assert seen.until(1)
+        push(store, 2.0)
+        assert seen.until(2)
+    assert seen.versions == [1, 2] and error_then == [raised]
+    assert any("callback failed for version 1" in r.getMessage() for r in caplog.records)
 
 
 def test_stop_cuts_the_rereads_of_a_garbled_head_short(store, monkeypatch):

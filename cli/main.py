@@ -2,9 +2,9 @@
 
 Each command is a few lines over the library. Exit codes: 0 success, 1 failure (the message
 names the file or tensor and what to do), 2 usage error (click's), 130 interrupted (Ctrl-C),
-141 the reader of our output went away (``| head``). Errors from the library
-(``DBSyncError``) and the OS (``OSError``) are caught here and printed as plain lines; set
-``DBSYNC_DEBUG=1`` to see tracebacks of unexpected errors.
+143 a push stopped by SIGTERM, 141 the reader of our output went away (``| head``). Errors
+from the library (``DBSyncError``) and the OS (``OSError``) are caught here and printed as
+plain lines; set ``DBSYNC_DEBUG=1`` to see tracebacks of unexpected errors.
 
 Start-up stays quick: this module imports neither torch nor the library's heavy parts; each
 command imports what it needs when it runs (``--help`` never imports torch).
@@ -31,6 +31,8 @@ from .fmt import human_age, human_bytes, human_time, json_line, table
 if TYPE_CHECKING:
     from dbsync.store import Store
 
+    from .interrupt import SigintFlag
+
 DTYPES = ("bf16", "fp16", "fp32")
 INTERRUPTED_EXIT = 130
 
@@ -52,9 +54,31 @@ def _describe_os_error(exc: OSError) -> str:
     return what
 
 
-def _interrupted(message: str) -> NoReturn:
+class _Seconds(click.ParamType):
+    """A finite number of seconds in (0, MAX_SECONDS]: NaN, infinity and negative or zero
+    values are usage errors (click's FloatRange lets NaN through)."""
+
+    name = "seconds"
+    MAX_SECONDS = 1e6
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not 0 < number <= self.MAX_SECONDS:  # (False for NaN)
+            self.fail(f"{value!r} is not a number of seconds above 0 and at most "
+                      f"{self.MAX_SECONDS:g}", param, ctx)
+        return number
+
+
+SECONDS = _Seconds()
+
+
+def _interrupted(message: str, flag: SigintFlag | None = None) -> NoReturn:
+    """Print ``message`` and exit 130 (143 and "terminated" where ``flag`` caught SIGTERM)."""
+    if flag is not None:
+        message = flag.reworded(message)
     click.echo(message, err=True)
-    raise click.exceptions.Exit(INTERRUPTED_EXIT)
+    raise click.exceptions.Exit(INTERRUPTED_EXIT if flag is None else flag.exit_code)
 
 
 def _is_config_error(exc: BaseException) -> bool:
@@ -84,14 +108,33 @@ class _Group(click.Group):
                 pipes.silence()
                 raise click.exceptions.Exit(pipes.CLOSED_PIPE_EXIT) from None
             raise Failure(_describe_os_error(exc)) from None
+        except ModuleNotFoundError as exc:
+            missing = (exc.name or "").partition(".")[0]
+            if missing not in _REQUIRED or os.environ.get("DBSYNC_DEBUG"):
+                raise _unexpected(exc) from None
+            raise Failure(f"this command needs {missing}, which this Python ({sys.executable}) "
+                          f"cannot import: install dbsync with its dependencies (pip install "
+                          f"dbsync-weights; for {missing} itself: pip install "
+                          f"{_REQUIRED[missing]})") from None
         except Exception as exc:
             if os.environ.get("DBSYNC_DEBUG"):
                 raise
             if _is_config_error(exc):  # vLLM's own checks of its options (pydantic)
                 raise Failure(f"vLLM refused its configuration (the options after `--`, or "
                               f"the model's own limits): {exc}") from None
-            raise Failure(f"unexpected {type(exc).__name__}: {exc} (this is a bug in dbsync; "
-                          "rerun with DBSYNC_DEBUG=1 and report the traceback)") from None
+            raise _unexpected(exc) from None
+
+
+#: the required dependencies a command may import late -> their distribution's name
+_REQUIRED = {"torch": "torch", "tensordict": "tensordict", "safetensors": "safetensors",
+             "xxhash": "xxhash", "numpy": "numpy"}
+
+
+def _unexpected(exc: Exception) -> click.ClickException:
+    if os.environ.get("DBSYNC_DEBUG"):
+        raise exc
+    return Failure(f"unexpected {type(exc).__name__}: {exc} (this is a bug in dbsync; rerun "
+                   "with DBSYNC_DEBUG=1 and report the traceback)")
 
 
 def _existing_store(root: str) -> Store:
@@ -135,12 +178,12 @@ def cli() -> None:
                    "tensors keep theirs, as integers do).")
 @click.option("--wait-for", "wait_for", type=click.IntRange(1), default=None, metavar="N",
               help="After publishing, wait until N receivers report this version loaded.")
-@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None, metavar="S",
+@click.option("--timeout", type=SECONDS, default=None, metavar="S",
               help="With --wait-for: give up (exit 1) after S seconds. Default: wait forever.")
 @click.option("--max-lag", "max_lag", type=click.IntRange(0), default=None, metavar="K",
               help="Before publishing, wait while a live receiver is more than K versions "
                    "behind the current one (bounded staleness).")
-@click.option("--max-lag-timeout", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--max-lag-timeout", type=SECONDS, default=None,
               metavar="S", help="With --max-lag: give up (exit 1, nothing published) after S "
                                 "seconds. Default: wait forever.")
 def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | None,
@@ -152,7 +195,7 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
     (adapter_config.json + adapter_model.safetensors), a torch .pt/.pth/.bin state dict
     (loaded with weights_only=True: no code runs), or a tensordict memmap directory.
     Everything is checked before ROOT is touched: a failed push publishes nothing. Ctrl-C
-    before the new version is published publishes nothing (exit 130)."""
+    before the new version is published publishes nothing (exit 130; SIGTERM: 143)."""
     if timeout is not None and wait_for is None:
         raise click.UsageError("--timeout only applies with --wait-for N")
     if max_lag_timeout is not None and max_lag is None:
@@ -177,9 +220,9 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
     except BaseException as exc:
         if not (isinstance(exc, KeyboardInterrupt) or reading.is_set()):  # (whatever it became)
             raise
-        _interrupted_while_reading(src, root)
+        _interrupted_while_reading(src, root, reading)
     if reading.is_set():  # (an interrupt that something swallowed on the way)
-        _interrupted_while_reading(src, root)
+        _interrupted_while_reading(src, root, reading)
     nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
     bar = ProgressBar()
     stop = SigintFlag("interrupted: stopping before the new version is published "
@@ -198,12 +241,15 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
                 try:
                     version = sender.push(dict(pairs), progress=progress,
                                           adapter_config=adapter_config)
-                finally:
-                    bar.finish()
+                except BaseException:
+                    bar.finish(done=False)
+                    raise
+                bar.finish()
                 store = sender.store
     except BaseException as exc:
         if stop.is_set() or isinstance(exc, KeyboardInterrupt):
-            _report_interrupted_push(root, before, getattr(exc, "published_version", None))
+            _report_interrupted_push(root, before, getattr(exc, "published_version", None),
+                                     stop)
         raise
     try:
         click.echo(f"published version {version} in {store.root}: {len(pairs)} tensors, "
@@ -264,7 +310,7 @@ def _torch_dtype(name: str | None) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _interrupted_while_reading(src: str, root: str) -> NoReturn:
+def _interrupted_while_reading(src: str, root: str, flag: SigintFlag) -> NoReturn:
     """Exit 130 saying nothing was published, and what ROOT still serves where that can be
     read ("no version" for a ROOT not made yet)."""
     from dbsync.store import Store
@@ -276,19 +322,20 @@ def _interrupted_while_reading(src: str, root: str) -> NoReturn:
                                               else f"version {manifest.version}")
     except (DBSyncError, OSError, KeyboardInterrupt):
         serves = ""
-    _interrupted(f"\ninterrupted while reading {src}: nothing was published{serves}")
+    _interrupted(f"\ninterrupted while reading {src}: nothing was published{serves}", flag)
 
 
-def _report_interrupted_push(root: str, before: int | None,
-                             published: int | None) -> NoReturn:
+def _report_interrupted_push(root: str, before: int | None, published: int | None,
+                             flag: SigintFlag) -> NoReturn:
     """Say truthfully what ROOT holds after an interrupted push, then exit 130.
     ``published``: the version the Sender says it published anyway (its flip came first)."""
     now = _current_version(root) if published is None else published
     if now == before:
         held = "no version" if now is None else f"version {now}"
-        _interrupted(f"interrupted: nothing was published; {root} still serves {held}")
+        _interrupted(f"interrupted: nothing was published; {root} still serves {held}", flag)
     click.echo(now)
-    _interrupted(f"interrupted too late: version {now} had already been published in {root}")
+    _interrupted(f"interrupted too late: version {now} had already been published in {root}",
+                 flag)
 
 
 def _wait_for(store: Store, root: str, version: int, count: int,
@@ -392,7 +439,7 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
 @cli.command()
 @click.argument("root", type=click.Path(file_okay=False, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per line.")
-@click.option("--poll-interval", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--poll-interval", type=SECONDS, default=None,
               metavar="S", help="Seconds between polls on network filesystems (default 1).")
 @click.option("--count", type=click.IntRange(1), default=None, metavar="N",
               help="Exit after printing N lines (the current version counts as one).")
@@ -546,7 +593,7 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Bind address (0.0.0.0 for all interfaces).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--poll-interval", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--poll-interval", type=SECONDS, default=None,
               metavar="S", help="Seconds between manifest polls on network filesystems.")
 @click.option("--transport", type=click.Choice(["auto", "broadcast", "filesystem"]),
               default="auto", show_default=True,
@@ -558,7 +605,7 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
               help="Requests in flight during a swap: held and finished on the new version "
                    "('keep'), drained first for at most --drain-timeout seconds, then kept "
                    "('wait'), or aborted ('abort').")
-@click.option("--drain-timeout", type=click.FloatRange(0, min_open=True), default=30.0,
+@click.option("--drain-timeout", type=SECONDS, default=30.0,
               show_default=True, metavar="S",
               help="Seconds --pause-mode wait lets requests in flight finish.")
 @click.option("--lora", default=None, metavar="NAME",

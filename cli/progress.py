@@ -56,14 +56,15 @@ class ProgressBar:
         self.stream.flush()
         self._drawn = True
 
-    def finish(self) -> None:
+    def finish(self, done: bool = True) -> None:
         """End the bar's line (on a terminal) or print one summary line (elsewhere), but only
-        if the push took longer than ``delay``."""
+        if the push took longer than ``delay``. ``done`` False: the push failed or was
+        stopped; the line ends, and no summary claims what was not written."""
         with self._lock:
             took = time.monotonic() - self._start
-            done, total = self._last
+            written, total = self._last
             if self._drawn:
-                self._draw(done, total, end="\n")
-            elif took >= self.delay and total:
+                self._draw(written, total, end="\n")
+            elif done and took >= self.delay and total:
                 self.stream.write(f"wrote {human_bytes(total)} in {took:.1f} s\n")
                 self.stream.flush()

@@ -18,6 +18,20 @@ class InvalidArgumentError(DBSyncError, ValueError):
     thread count). Raised before anything is read, written or started."""
 
 
+def check_seconds(value: object, what: str, none: str | None = None) -> float | None:
+    """``value`` as a number of seconds >= 0 (None allowed where ``none`` says what it means);
+    else ``InvalidArgumentError`` naming ``what`` (NaN, infinity, a bool or a string are
+    refused: a NaN timeout would wait forever, a NaN interval spin)."""
+    if value is None and none is not None:
+        return None
+    if (isinstance(value, int | float) and not isinstance(value, bool)
+            and 0 <= value < float("inf")):
+        return float(value)
+    allowed = "" if none is None else f" (or None: {none})"
+    raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0{allowed}, "
+                               f"not {value!r}")
+
+
 class NothingPublishedError(DBSyncError):
     """The store holds no published version yet."""
 

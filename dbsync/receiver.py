@@ -47,6 +47,7 @@ from .errors import (
     LeaseExpiredError,
     StoreNotFoundError,
     StoreRewoundError,
+    check_seconds,
 )
 from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id
 from .leasekeeper import LeaseKeeper
@@ -119,7 +120,8 @@ class Receiver:
                                          InvalidArgumentError)
         self.lease_timeout = check_lease_timeout(lease_timeout)
         self.verify = verify
-        self.poll_interval = poll_interval
+        self.poll_interval = check_seconds(poll_interval, "poll_interval",
+                                           none="the default, 1 s on network filesystems")
         #: False for helper readers (e.g. a worker staging broadcasts) whose loads must not be
         #: counted as an engine serving the version (``dbsync status``, wait_for_receivers).
         self.report_loaded = report_loaded
@@ -440,6 +442,7 @@ class Receiver:
             head = self._read_head_quietly()
             run = None if head is None else head.run_id
         event = threading.Event()
+        timeout = check_seconds(timeout, "timeout", none="wait as long as it takes")
         deadline = None if timeout is None else time.monotonic() + timeout
         self._waits.add(event)
         try:

@@ -45,6 +45,7 @@ from .errors import (
     StoreFullError,
     StoreReadOnlyError,
     UnsupportedFormatError,
+    check_seconds,
 )
 from .format import (
     FORMAT_VERSION,
@@ -309,12 +310,7 @@ class Sender:
                                         and not isinstance(max_lag, bool) and max_lag >= 0):
             raise InvalidArgumentError(f"max_lag must be a number >= 0 (or None for no bound), "
                                        f"not {max_lag!r}")
-        if max_lag_timeout is not None and not (
-                isinstance(max_lag_timeout, int | float) and not isinstance(max_lag_timeout, bool)
-                and max_lag_timeout >= 0):
-            raise InvalidArgumentError(f"max_lag_timeout must be a number of seconds >= 0 (or "
-                                       f"None: wait as long as it takes), not "
-                                       f"{max_lag_timeout!r}")
+        check_seconds(max_lag_timeout, "max_lag_timeout", none="wait as long as it takes")
         check_lease_timeout(lease_timeout)
         _refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from .errors import DBSyncError, ReceiverRefusedError
+from .errors import DBSyncError, ReceiverRefusedError, check_seconds
 from .format import SLOTS_DIR
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
@@ -133,6 +133,7 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
     False on timeout. Raises ``ReceiverRefusedError`` as soon as a receiver reports that it
     refused or failed to apply ``version`` (or newer), naming it and the reason. Needs no
     writer lock: any process may wait."""
+    timeout = check_seconds(timeout, "timeout", none="wait as long as it takes")
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         leases = _leases(store)

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DBSyncError
+from .errors import DBSyncError, InvalidArgumentError
 from .format import MANIFEST_FILE, Head
 from .inotify import DirectoryWatch
 from .store import Store
@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 DEFAULT_POLL_INTERVAL = 1.0
 SAFETY_POLL_INTERVAL = 5.0
 MIN_CHECK_INTERVAL = 0.01
+#: the longest poll interval used (a longer one, or infinity, is taken as this)
+MAX_POLL_INTERVAL = 3600.0
 ERROR_LOG_INTERVAL = 30.0
 
 _REMOTE_TYPES = {
@@ -174,7 +176,10 @@ class Watcher:
         self.root = os.path.abspath(os.fspath(root))
         self.callback = callback
         interval = DEFAULT_POLL_INTERVAL if poll_interval is None else poll_interval
-        self.poll_interval = max(interval, MIN_CHECK_INTERVAL)
+        if not (isinstance(interval, int | float) and interval == interval):  # (NaN)
+            raise InvalidArgumentError(f"poll_interval must be a number of seconds, not "
+                                       f"{poll_interval!r}")
+        self.poll_interval = min(max(interval, MIN_CHECK_INTERVAL), MAX_POLL_INTERVAL)
         self.safety_interval = max(safety_interval, self.poll_interval)
         self.polling = needs_polling(self.root) if use_polling is None else use_polling
         self.skip_current = skip_current

@@ -224,9 +224,9 @@ def test_argument_errors_say_what_to_do(tmp_path: Any) -> None:
     with Sender(tmp_path, durable=False) as sender:
         with pytest.raises(DBSyncError, match="multiple of 64"):
             BroadcastSender(sender, device="cpu", bucket_bytes=100)
-        with pytest.raises(DBSyncError, match="join_timeout must be a positive number"):
+        with pytest.raises(DBSyncError, match="join_timeout must be a finite number"):
             BroadcastSender(sender, device="cpu", join_timeout=-1)
-        with pytest.raises(ValueError, match="timeout must be a positive number of seconds, "
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds >= 0, "
                            "not nan"):
             BroadcastSender(sender, device="cpu", timeout=float("nan"))
         with pytest.raises(DBSyncError, match="port must be 0"):
@@ -241,6 +241,29 @@ def test_argument_errors_say_what_to_do(tmp_path: Any) -> None:
     assert all(word in str(bad.value) for word in ("timeout must", "fallback_timeout must",
                                                    "depth must"))
     assert not os.listdir(os.path.join(tmp_path, "readers"))  # nothing was registered
+
+
+def test_a_broadcast_sender_that_cannot_start_leaves_the_store_free(tmp_path: Any) -> None:
+    """A port in use (or a backend the device cannot take): a BroadcastError saying what to
+    do, and the store's writer lock is released at once, so the next try in the same process
+    works. (The raw torch error kept the lock while the traceback lived, as a notebook keeps
+    it: the retry was refused as "another writer".)"""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        with pytest.raises(BroadcastError, match="pass port=0 for a free port") as failed:
+            BroadcastSender(tmp_path, device="cpu", port=busy.getsockname()[1])
+        with pytest.raises(BroadcastError, match="CUDA device"):
+            BroadcastSender(tmp_path, device="cpu", backend="nccl")
+        kept = failed  # (the traceback, and all it references, still alive)
+        sender = BroadcastSender(tmp_path, device="cpu", address="127.0.0.1")
+        try:
+            assert sender.port != busy.getsockname()[1]
+        finally:
+            sender.close()
+        del kept
 
 
 def _receive_in_thread(rx: BroadcastReceiver, out: dict[str, Any], **kw: Any) -> threading.Thread:

@@ -689,3 +689,32 @@ def test_serve_vllm_delegates_and_refuses_options_it_owns(tmp_path):
     assert "pass --port to serve-vllm itself" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not root.exists()
+
+
+@pytest.mark.parametrize("args", [
+    ("watch", "{root}", "--poll-interval", "inf"), ("watch", "{root}", "--poll-interval", "nan"),
+    ("watch", "{root}", "--poll-interval", "1e10"), ("push", "{src}", "{root}", "--wait-for",
+                                                     "1", "--timeout", "nan"),
+    ("push", "{src}", "{root}", "--max-lag", "1", "--max-lag-timeout", "-inf"),
+], ids=["watch-inf", "watch-nan", "watch-huge", "push-timeout-nan", "push-lag-timeout-inf"])
+def test_seconds_that_are_no_time_are_usage_errors(store_v1, st_file, args):
+    """NaN, infinity or an absurd number of seconds: exit 2 before anything runs. (A NaN
+    timeout waited forever, a NaN poll interval polled ~100 times a second, and infinity
+    killed the watcher's thread while `dbsync watch` ran on, reporting nothing.)"""
+    result = run(*[a.format(root=store_v1, src=st_file) for a in args])
+    assert result.exit_code == 2
+    assert "is not a number of seconds above 0" in result.stderr
+    assert current_version(store_v1) == 1
+
+
+def test_a_missing_dependency_is_named_not_called_a_bug(store_v1, st_file):
+    """torch not importable (a trainer-only image built wrong): `dbsync push` names it and
+    how to install it, not "this is a bug in dbsync"."""
+    script = ("import sys\nsys.modules['torch'] = None\nfrom cli.main import cli\n"
+              "cli.main(sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-c", script, "push", st_file, store_v1],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 1, proc.stderr
+    assert "this command needs torch" in proc.stderr and "pip install" in proc.stderr
+    assert "bug" not in proc.stderr and "Traceback" not in proc.stderr

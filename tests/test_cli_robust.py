@@ -125,9 +125,13 @@ def test_status_and_watch_import_no_torch(store2):
 
 
 # ---- Ctrl-C during push --------------------------------------------------------------------
-def test_ctrl_c_while_waiting_for_a_reader_publishes_nothing(store2, st_file):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_while_waiting_for_a_reader_publishes_nothing(store2, st_file, signum):
     """A reader holds the slot the push must write, so the push waits before writing; Ctrl-C
-    then, and the push stops at once, the reader still holding: version 3 stays current."""
+    then, and the push stops at once, the reader still holding: version 3 stays current.
+    SIGTERM (from ``timeout``, systemd, Kubernetes) is handled the same way, saying
+    "terminated" and exiting 143. (It killed the push with no word, and an interrupted push
+    claimed "wrote <every byte>" before saying nothing was published.)"""
     with dbsync.Receiver(store2) as reader:
         snap = reader.open()  # leases version 2's slot
         with dbsync.Sender(store2, durable=False) as sender:
@@ -138,9 +142,10 @@ def test_ctrl_c_while_waiting_for_a_reader_publishes_nothing(store2, st_file):
         err, out = Lines(proc.stderr), Lines(proc.stdout)
         try:
             err.wait_for("publishing 2 tensors")  # the Ctrl-C handler is in place
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
             err.wait_for("stopping before the new version is published")
-            assert proc.wait(timeout=60) == 130  # while the reader still holds the slot
+            # (while the reader still holds the slot)
+            assert proc.wait(timeout=60) == (130 if signum == signal.SIGINT else 143)
         finally:
             snap.close()
             if proc.poll() is None:
@@ -148,6 +153,8 @@ def test_ctrl_c_while_waiting_for_a_reader_publishes_nothing(store2, st_file):
                 proc.wait()
     stderr = err.rest()
     assert "nothing was published" in stderr and "still serves version 3" in stderr
+    assert ("terminated (SIGTERM)" in stderr) == (signum == signal.SIGTERM)
+    assert "wrote" not in stderr
     assert "Traceback" not in stderr
     assert out.rest() == ""
     assert version_of(store2) == 3

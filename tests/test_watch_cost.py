@@ -334,3 +334,26 @@ def test_a_root_symlink_re_pointed_to_another_store_is_followed_at_once(tmp_path
         os.replace(tmp_path / "next", current)  # re-pointed atomically
         assert got_two.wait(30), "re-pointing ROOT was not noticed before the safety look"
     assert seen[-1] == 2
+
+
+def test_poll_intervals_and_timeouts_that_are_no_time(store):
+    """Infinity (or more than an hour) polls hourly instead of killing the watcher's thread
+    (OverflowError) unheard; NaN is refused where it is given (it polled ~100 times a
+    second, and a NaN timeout waited forever)."""
+    from dbsync.watch import MAX_POLL_INTERVAL
+
+    seen = Seen()
+    with Watcher(store, seen, use_polling=True, poll_interval=float("inf")) as watcher:
+        assert watcher.poll_interval == MAX_POLL_INTERVAL and seen.until(1)
+        assert watcher._thread.is_alive()
+    with pytest.raises(dbsync.InvalidArgumentError, match="poll_interval"):
+        Watcher(store, seen, poll_interval=float("nan"))
+    with pytest.raises(dbsync.InvalidArgumentError, match="poll_interval"):
+        dbsync.Receiver(store, poll_interval=float("nan"))
+    with dbsync.Receiver(store) as rx:
+        for bad in (float("nan"), -1.0, float("inf")):
+            with pytest.raises(dbsync.InvalidArgumentError, match="timeout must be a finite"):
+                rx.wait(timeout=bad)
+    with dbsync.Sender(store, durable=False) as sender:
+        with pytest.raises(ValueError, match="timeout must be a finite"):
+            sender.wait_for_receivers(1, 1, timeout=float("nan"))

@@ -118,7 +118,8 @@ class BroadcastReceiver:
             self._views: dict[tuple[Any, ...], torch.Tensor] = {}
             self._plans: dict[int, Any] = {}  # per-bucket copy plans of receive(module or dict)
             #: (epoch, seq, version) of the last push applied from the broadcast
-            self._applied_push: tuple[int, int, int] | None = None
+            #: (sender id, epoch, seq, version) of the last push applied from the broadcast
+            self._applied_push: tuple[str, int, int, int] | None = None
             self._buffers: list[torch.Tensor] = []
             self._lock = threading.Lock()
             self._closed = threading.Event()
@@ -219,14 +220,16 @@ class BroadcastReceiver:
         link = self.link
         assert link.conn is not None and link.group is not None and link.epoch is not None
         store, epoch, seq = link.conn.store, link.epoch, header.seq
+        push_id = (link.conn.record.sender_id, epoch, seq)
         self.link.seq = seq
         t0 = time.perf_counter()
-        # A second push announcing the version applied last (epoch, seq differ) means the
-        # sender's filesystem publish of the first one failed and it published other bytes
-        # under that number: take them, or this receiver keeps bytes no manifest describes.
+        # A second push announcing the version applied last (another sender, epoch or seq)
+        # means the first one was never published (its publish failed, or its trainer was
+        # killed and restarted, counting from 1 again) and other bytes carry that number:
+        # take them, or this receiver keeps bytes no manifest describes.
         last = self._applied_push
         wanted = header.version > floor or (
-            last is not None and last[2] == header.version and last[:2] != (epoch, seq))
+            last is not None and last[3] == header.version and last[:3] != push_id)
 
         def fall_back() -> int | None:
             # A push this receiver only had to drain is not loaded from the filesystem either.
@@ -305,7 +308,7 @@ class BroadcastReceiver:
                 "verifies; read from the filesystem")
             return self._load_fs(load_weights, header.version)
         self.fs.mark_loaded(header.version)
-        self._applied_push = (epoch, seq, header.version)
+        self._applied_push = (*push_id, header.version)
         self.last_source, self.last_error = "broadcast", None
         return header.version
 
@@ -341,7 +344,11 @@ class BroadcastReceiver:
         with self._lock:
             if self._applied_push is None:
                 raise BroadcastError("no broadcast version to confirm")
-            epoch, seq, version = self._applied_push
+            sender, epoch, seq, version = self._applied_push
+            conn = self.link.conn
+            if conn is None or conn.record.sender_id != sender:
+                raise BroadcastError(f"the sender that broadcast version {version} is gone (a "
+                                     "restarted trainer?): read it from the filesystem")
             return self.link.published(epoch, seq, version, timeout)
 
     def _wait_published(self, version: int) -> None:

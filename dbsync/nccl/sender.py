@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from .. import sources
-from ..errors import DBSyncError, InvalidArgumentError
+from ..errors import DBSyncError, InvalidArgumentError, check_seconds
 from ..sender import Sender
 from . import checksum
 from . import rendezvous as rv
@@ -59,12 +59,6 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 30.0
 
 __all__ = ["DEFAULT_TIMEOUT", "BroadcastSender", "wait_for_keys"]
-
-
-def _positive_seconds(value: object) -> bool:
-    """Whether ``value`` is a finite positive number (of seconds)."""
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and 0 < value < float("inf"))
 
 
 class BroadcastSender:
@@ -96,10 +90,10 @@ class BroadcastSender:
         if not (isinstance(bucket_bytes, int) and bucket_bytes > 0 and not bucket_bytes % ALIGN):
             raise InvalidArgumentError(f"bucket_bytes must be a positive multiple of {ALIGN}, "
                                        f"not {bucket_bytes!r}")
-        if not _positive_seconds(timeout):
+        if not check_seconds(timeout, "timeout"):
             raise InvalidArgumentError(f"timeout must be a positive number of seconds, not "
                                        f"{timeout!r}")
-        if join_timeout is not None and not _positive_seconds(join_timeout):
+        if join_timeout is not None and not check_seconds(join_timeout, "join_timeout"):
             raise InvalidArgumentError(f"join_timeout must be a positive number of seconds, or "
                                        f"None for timeout; not {join_timeout!r}")
         try:
@@ -109,8 +103,6 @@ class BroadcastSender:
         if not 0 <= port < 65536:
             raise InvalidArgumentError("port must be 0 (any free port) or a TCP port below 65536")
         self._closed = False
-        self._owns_sender = not isinstance(sender, Sender)
-        self.sender = Sender(sender) if self._owns_sender else sender  # type: ignore[arg-type]
         if device is None:
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -120,11 +112,23 @@ class BroadcastSender:
         self.timeout = float(timeout)
         self.join_timeout = float(join_timeout if join_timeout is not None else timeout)
         self.last_push_stats: dict[str, Any] = {}
-        self.membership = Membership(
-            self.sender.store, address=self.address, port=port, backend=self.backend,
-            device=self.device, bucket_bytes=bucket_bytes, timeout=self.timeout,
-            join_timeout=self.join_timeout)
-        self.outgoing = OutgoingStream(self.device, bucket_bytes, checksums is not False)
+        self._owns_sender = not isinstance(sender, Sender)
+        self.sender = Sender(sender) if self._owns_sender else sender  # type: ignore[arg-type]
+        try:  # (a failure here must not keep the store's writer lock of a Sender made here)
+            self.membership = Membership(
+                self.sender.store, address=self.address, port=port, backend=self.backend,
+                device=self.device, bucket_bytes=bucket_bytes, timeout=self.timeout,
+                join_timeout=self.join_timeout)
+            self.outgoing = OutgoingStream(self.device, bucket_bytes, checksums is not False)
+        except BaseException as exc:
+            if self._owns_sender:
+                self.sender.close()
+            if isinstance(exc, RuntimeError | OSError) and not isinstance(exc, DBSyncError):
+                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise BroadcastError(
+                    f"could not start the broadcast rendezvous on port {port} ({first_line[:300]}"
+                    "); pass port=0 for a free port, or free that one") from exc
+            raise
         self.port = self.membership.port
         self.sender_id = self.membership.sender_id
         self._headers = HeaderCache()

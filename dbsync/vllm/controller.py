@@ -81,9 +81,11 @@ from ..errors import (
     DamagedVersionError,
     DBSyncError,
     IncompatibleWeightsError,
+    InvalidArgumentError,
     LeaseExpiredError,
     NothingPublishedError,
     StoreNotFoundError,
+    check_seconds,
 )
 from ..receiver import Receiver, Snapshot
 from ..watch import Watcher
@@ -230,8 +232,8 @@ class SwapController:
         self.root = os.path.abspath(os.fspath(root))
         self.ops = ops
         self.pause_mode = check_pause_mode(pause_mode)
-        if drain_timeout <= 0:
-            raise DBSyncError(f"drain_timeout must be > 0 seconds, not {drain_timeout}")
+        if not check_seconds(drain_timeout, "drain_timeout"):
+            raise InvalidArgumentError(f"drain_timeout must be > 0 seconds, not {drain_timeout}")
         self.drain_timeout = drain_timeout
         if metrics is None:
             from .metrics import default_metrics

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -335,9 +336,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
     opts = build_parser().parse_args(argv)
-    if opts.drain_timeout <= 0:
-        print("dbsync serve-vllm: --drain-timeout must be > 0 seconds", file=sys.stderr)
-        return 2
+    for flag, value in (("--drain-timeout", opts.drain_timeout),
+                        ("--poll-interval", opts.poll_interval)):
+        if value is not None and not 0 < value < math.inf:  # (False for NaN)
+            print(f"dbsync serve-vllm: {flag} must be a finite number of seconds > 0",
+                  file=sys.stderr)
+            return 2
     try:
         serve(opts.root, opts.model, host=opts.host, port=opts.port, extra_args=extra,
               poll_interval=opts.poll_interval, transport=opts.transport,

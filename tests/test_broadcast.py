@@ -468,3 +468,74 @@ def test_an_idle_member_costs_nothing_until_the_sender_rings_it(
         for w in (idle, second):
             got = w.result()
             assert got["source"] == "broadcast" and got["version"] == 4, got
+
+
+_SENDER_SCRIPT = """
+import sys, torch
+from dbsync.nccl import BroadcastSender
+sender = BroadcastSender(sys.argv[1], device="cpu", address="127.0.0.1", timeout=3.0)
+print("ready", flush=True)
+for line in sys.stdin:
+    op, arg = line.split()
+    if op == "joins":
+        print(sender.wait_for_joins(int(arg), 30), flush=True)
+    else:
+        print(sender.push({"w": torch.full((64,), float(arg))}), flush=True)
+"""
+
+
+def test_a_member_is_never_held_up_by_a_stopped_trainer(tmp_path: Any) -> None:
+    """The trainer's process is stopped (SIGSTOP: a debugger, a frozen host) while a member
+    idles in the group: a ``receive(timeout=1)`` returns within the step timeout, saying
+    the sender does not answer. (It hung for as long as the trainer stayed stopped: its
+    store accepts connections but never answers, and the epoch read had no bound.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from dbsync.nccl import BroadcastReceiver
+
+    root = str(tmp_path)
+    trainer = subprocess.Popen([sys.executable, "-c", _SENDER_SCRIPT, root], text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def ask(line: str) -> str:
+        assert trainer.stdin is not None and trainer.stdout is not None
+        trainer.stdin.write(line + "\n")
+        trainer.stdin.flush()
+        return trainer.stdout.readline().strip()
+
+    def keep(pairs: Any) -> None:
+        got.update((name, tensor.clone()) for name, tensor in pairs)
+
+    got: dict[str, torch.Tensor] = {}
+    rx = None
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "ready"
+        assert ask("push 1") == "1"
+        rx = BroadcastReceiver(root, timeout=TIMEOUT, address="127.0.0.1")
+        assert rx.receive(keep, timeout=30) == 1  # (from the filesystem; it asks to join)
+        result: dict[str, Any] = {}
+        taking = threading.Thread(target=lambda: result.update(v=rx.receive(keep, timeout=60)))
+        taking.start()
+        assert ask("joins 1") == "True"
+        assert ask("push 2") == "2"
+        taking.join(60)
+        assert result["v"] == 2 and rx.last_source == "broadcast" and rx.is_member
+        assert torch.equal(got["w"], torch.full((64,), 2.0))
+        os.kill(trainer.pid, signal.SIGSTOP)
+        idle = threading.Thread(target=lambda: result.update(idle=rx.receive(keep, timeout=1)))
+        t0 = time.monotonic()
+        idle.start()
+        idle.join(TIMEOUT + 1 + SLACK + 10)
+        assert not idle.is_alive(), "receive() hung on a stopped trainer"
+        assert time.monotonic() - t0 < TIMEOUT + 1 + SLACK
+        assert result["idle"] is None and "no answer" in (rx.last_error or "")
+    finally:
+        trainer.send_signal(signal.SIGCONT)
+        trainer.kill()
+        trainer.wait()
+        if rx is not None:
+            rx.close()

@@ -91,6 +91,13 @@ class KeyWatch:
         """Wait up to ``timeout`` seconds for a key to appear (or for the watch to fail)."""
         return self.rung.wait(timeout)
 
+    def abandon(self) -> None:
+        """Stop watching without a word to the store (whose server does not answer: a release
+        would block too); the thread stays parked in its wait until that connection ends."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Stop watching: release the current wait, then wait for the thread to end (at most
         ``JOIN_SECONDS``; not when the release failed: nothing will end that wait). Call it

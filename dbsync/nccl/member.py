@@ -11,14 +11,22 @@ an idle host). Without a working doorbell it polls every ``poll_interval``.
 
 Every failure here ends in "not a member" (the caller reads from the filesystem) and is
 reported through ``on_error``; a sender that is unreachable is retried after
-``RETRY_SECONDS``; a sender that closed is not retried.
+``RETRY_SECONDS``, doubling up to ``MAX_RETRY_SECONDS`` while it stays unreachable; a sender
+that closed is not retried.
+
+Nothing here blocks a ``receive`` on an unresponsive sender: the connection is made in a
+thread of its own (torch's store client retries a refused or silent address for 9-13 s)
+while the caller goes on reading the filesystem, and the periodic epoch read gives up after
+``STORE_CALL_SECONDS`` (a stopped trainer's store accepts connections but never answers).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -37,6 +45,9 @@ from .keywatch import KeyWatch
 from .layout import Header
 
 RETRY_SECONDS = 5.0
+MAX_RETRY_SECONDS = 300.0
+#: the longest a member waits for its periodic epoch read (a healthy store answers in a ms)
+STORE_CALL_SECONDS = 5.0
 FS_CHECK_SECONDS = 0.05
 MEMBER_FS_CHECK_SECONDS = 1.0
 MEMBER_EPOCH_CHECK_SECONDS = 0.5  # a member is also rung when the epoch changes
@@ -50,6 +61,63 @@ class _Connection:
     record: rv.RendezvousRecord
     store: Any
     local_address: str
+
+
+class _Background:
+    """One blocking call run in a daemon thread of its own: ``done`` is set when it returned
+    (``value``) or raised (``error``). A call that never returns (a store client waiting on
+    a stopped server) keeps only its own thread; nobody waits for it.
+
+    Hazard: a thread coming back from torch's C++ store client while the interpreter
+    finalizes aborts the process (``terminate called``, see ``keywatch``); at exit, calls
+    still running are waited for (``EXIT_WAIT_SECONDS`` at most: a connect ends within its
+    timeout; a call to a stopped server never returns, which is harmless)."""
+
+    def __init__(self, call: Callable[[], Any], name: str):
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._call = call
+        with _RUNNING_LOCK:
+            _RUNNING.add(self)
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.value = self._call()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever looks
+            self.error = exc
+        finally:
+            self._call = None  # type: ignore[assignment]
+            self.done.set()
+            with _RUNNING_LOCK:
+                _RUNNING.discard(self)
+
+    def result(self, timeout: float, what: str) -> Any:
+        """The call's value, waiting at most ``timeout`` seconds (then ``TimeoutError``)."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"{what}: no answer within {timeout:g} s (the trainer's process "
+                               "stopped or its host unreachable?)")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+_RUNNING: set[_Background] = set()
+_RUNNING_LOCK = threading.Lock()
+#: the longest the process's exit waits for store calls still running (see ``_Background``)
+EXIT_WAIT_SECONDS = 8.0
+#: the timeout of a member's connection attempt (torch's client retries within it)
+CONNECT_SECONDS = 2.0
+
+
+@atexit.register
+def _wait_for_running_calls() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for call in running:
+        call.done.wait(max(0.0, deadline - time.monotonic()))
 
 
 class MemberLink:
@@ -69,6 +137,8 @@ class MemberLink:
         self.conn: _Connection | None = None
         self.header_cache: dict[str, Any] = {}
         self._retry_after: dict[str, float] = {}
+        self._failures: dict[str, int] = {}  # sender id -> failed connects in a row
+        self._connecting: tuple[rv.RendezvousRecord, _Background] | None = None
         self._file_checked = 0.0
         self._epoch_checked = 0.0
         self._recheck = False  # the bell rang without a push: re-read the epoch now
@@ -108,15 +178,30 @@ class MemberLink:
         if not self.backend_ok(record):
             self._retry_after[record.sender_id] = float("inf")
             return
-        try:
-            store = dist.TCPStore(record.address, record.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=min(self.timeout, 5.0)))
-        except Exception as exc:  # noqa: BLE001 - unreachable: use the filesystem
-            self._retry_after[record.sender_id] = time.monotonic() + RETRY_SECONDS
-            self.on_error(f"cannot reach the broadcast sender at {record.address}:"
-                          f"{record.port} ({first_line(exc)})"
-                          "; reading from the filesystem")
+        pending = self._connecting
+        if pending is None or pending[0].sender_id != record.sender_id:
+            address, port = record.address, record.port
+            seconds = min(self.timeout, CONNECT_SECONDS)
+            self._connecting = (record, _Background(
+                lambda: dist.TCPStore(address, port, is_master=False,
+                                      timeout=datetime.timedelta(seconds=seconds)),
+                name=f"dbsync-connect-{self.reader_id}"))
+            return  # (looked at again on the next call: the filesystem serves meanwhile)
+        if not pending[1].done.is_set():
             return
+        self._connecting = None
+        try:
+            store = pending[1].result(0, "connecting")
+        except Exception as exc:  # noqa: BLE001 - unreachable: use the filesystem
+            failures = self._failures[record.sender_id] = (
+                self._failures.get(record.sender_id, 0) + 1)
+            wait = min(RETRY_SECONDS * 2 ** (failures - 1), MAX_RETRY_SECONDS)
+            self._retry_after[record.sender_id] = time.monotonic() + wait
+            self.on_error(f"cannot reach the broadcast sender at {record.address}:"
+                          f"{record.port} ({first_line(exc)}); reading from the filesystem "
+                          f"(trying again in {wait:.0f} s)")
+            return
+        self._failures.pop(record.sender_id, None)
         local = self.address or rv.local_address_towards(record.address)
         self.conn = _Connection(record, store, local)
         self._new_doorbell(record, store)
@@ -134,6 +219,17 @@ class MemberLink:
     def disconnect(self) -> None:
         self.close_group()
         _close_bell(self._bell_box)
+        self.conn = None
+        self.epoch = None
+
+    def _abandon(self) -> None:
+        """Drop the connection to a sender whose store does not answer, asking it nothing."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        bell, self._bell_box[0] = self._bell_box[0], None
+        if bell is not None:
+            bell.abandon()
         self.conn = None
         self.epoch = None
 
@@ -172,11 +268,17 @@ class MemberLink:
         self._epoch_checked, self._recheck = now, False
         conn = self.conn
         try:
-            record = json.loads(conn.store.get(rv.K_EPOCH))
+            reading = _Background(lambda: conn.store.get(rv.K_EPOCH),
+                                  name=f"dbsync-epoch-{self.reader_id}")
+            record = json.loads(reading.result(min(self.timeout, STORE_CALL_SECONDS),
+                                               "reading the sender's epoch"))
             epoch, members = int(record["epoch"]), [str(m) for m in record["members"]]
         except Exception as exc:  # noqa: BLE001 - the sender died or closed
             self._retry_after[conn.record.sender_id] = time.monotonic() + RETRY_SECONDS
-            self.disconnect()
+            if isinstance(exc, TimeoutError):
+                self._abandon()  # (its store does not answer: asking it anything would block)
+            else:
+                self.disconnect()
             self.on_error(f"lost the broadcast sender ({exc}); reading from the filesystem")
             return
         if record.get("closed"):
@@ -220,6 +322,11 @@ class MemberLink:
             bell.clear()  # before reading: a ring from now on wakes the next wait
             rings = bell.rings
             rang, self._rings_seen = rings != self._rings_seen, rings
+            if not rang and bell.working:
+                self._recheck = False
+                # (the sender rings right after announcing: no ring, no push. Nothing is
+                # asked of the store, so an idle member never waits on a stopped trainer)
+                return None
         try:
             # one round trip: the header if announced, else _ABSENT (nothing is written; a
             # header is JSON and never equals _ABSENT)

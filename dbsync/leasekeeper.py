@@ -163,6 +163,8 @@ class LeaseKeeper:
         self._wake.set()
         if self._thread is None:
             return  # never wrote a lease (read-only): the file, if any, is another reader's
+        if os.getpid() != self._pid:
+            return  # a forked child closing its copy: the lease and the claim are its parent's
         if self._thread is not threading.current_thread():
             self._thread.join()
         try:

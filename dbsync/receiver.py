@@ -129,6 +129,7 @@ class Receiver:
         self.loaded_run_id: str | None = None
         self.loaded_at: float | None = None
         self._heads: dict[int, Head] = {}
+        self._heads_lock = threading.Lock()
         #: the last plan of ``load(module or dict)``, reused load after load of one model
         self.copy_plans = PlanCache()
         #: names of the last target that the version lacks because each is tied to a
@@ -266,10 +267,11 @@ class Receiver:
     def _remember(self, head: Head) -> None:
         """Keep ``head`` for a later ``open(version)``/``wait(newer_than)`` of its version:
         the few newest only (two slots hold two versions; a receiver lives for days)."""
-        self._heads.pop(head.version, None)
-        self._heads[head.version] = head
-        while len(self._heads) > KEPT_HEADS:
-            del self._heads[next(iter(self._heads))]
+        with self._heads_lock:  # (threads sharing this receiver open and wait at once)
+            self._heads.pop(head.version, None)
+            self._heads[head.version] = head
+            while len(self._heads) > KEPT_HEADS:
+                self._heads.pop(next(iter(self._heads)))
 
     def _check_head_moved(self, head: Head) -> None:
         """After a read found ``head``'s slot stamped otherwise: fine (read again)
@@ -436,8 +438,9 @@ class Receiver:
         floor = self.loaded_version if newer_than is None else newer_than
         floor = 0 if floor is None else floor
         run = self.loaded_run_id
-        if newer_than is not None and newer_than in self._heads:  # a version it opened
-            run = self._heads[newer_than].run_id
+        kept = None if newer_than is None else self._heads.get(newer_than)
+        if kept is not None:  # a version it opened
+            run = kept.run_id
         if run is None:
             head = self._read_head_quietly()
             run = None if head is None else head.run_id

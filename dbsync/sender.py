@@ -202,6 +202,36 @@ def _drop_inherited_locks() -> None:
 os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
+def _finish_background_pushes() -> None:
+    """At interpreter exit, before the standard library's thread pools stop taking work:
+    let background pushes still pending finish (a script whose last push was
+    ``blocking=False`` and that never called ``close()`` lost that version: its writes were
+    refused once the pools shut down). Ctrl-C meanwhile stops them before their flip."""
+    for sender in list(_LIVE_SENDERS):
+        if os.getpid() != sender._pid or sender._lock_fd[0] is None:
+            continue
+        try:
+            pending = sender._publisher.submit(int)  # (runs after every push queued before it)
+        except RuntimeError:
+            continue
+        if pending.done():
+            continue
+        log.info("finishing the background push(es) into %s before exiting",
+                 sender.store.root)
+        try:
+            pending.result()
+        except BaseException:
+            sender._abort.set()
+            raise
+
+
+# (threading's exit hooks run newest first: this one before concurrent.futures' own, which
+# was registered when this module imported it)
+_register_exit_hook = getattr(threading, "_register_atexit", None)
+if _register_exit_hook is not None:
+    _register_exit_hook(_finish_background_pushes)
+
+
 def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor], pid: int) -> None:
     """Finalizer shared by ``close()`` and garbage collection (holds no Sender reference).
     It may run in a pool's own thread (the publisher dropping the last reference after a
@@ -563,8 +593,14 @@ class Sender:
                 ticket = _Ticket(self._numbering, self._pending)
                 try:
                     ticket.enter()
-                    future = self._publisher.submit(self._publish_and_report, not blocking, ticket,
-                                                    pairs, progress, adapter, layout, abort)
+                    try:
+                        future = self._publisher.submit(self._publish_and_report, not blocking,
+                                                        ticket, pairs, progress, adapter, layout,
+                                                        abort)
+                    except RuntimeError:  # (shut down: close() from another thread won)
+                        raise DBSyncError("this Sender was closed (by another thread) while "
+                                          "this push waited its turn; nothing was published; "
+                                          "create a new one") from None
                     future.add_done_callback(ticket.withdraw_if_cancelled)
                     if buffer is not None:
                         buffer.user = future

@@ -1117,3 +1117,115 @@ def test_a_long_lived_receiver_keeps_a_bounded_record_of_versions(root):
         assert len(rx._heads) <= KEPT_HEADS
         with rx.open(version=40) as snap:
             assert torch.equal(dict(snap.tensors())["w"], torch.full((4,), 39.0))
+
+
+def test_a_script_ending_with_a_background_push_still_publishes_it(root):
+    """The README's asynchronous loop ends with ``push(blocking=False)`` and no ``close()``:
+    the version is published before the process exits. (It was abandoned silently: the
+    standard library's pools refused its writes once the interpreter began to exit.)"""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch, dbsync\n"
+              "sender = dbsync.Sender(sys.argv[1])\n"
+              "sender.push({'w': torch.zeros(1000)})\n"
+              "sender.push({f'w{i}': torch.full((1 << 18,), 7.0) for i in range(16)},\n"
+              "            blocking=False)\n")
+    done = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    with dbsync.Receiver(root) as rx:
+        got = {}
+        assert rx.load(lambda pairs: got.update((n, t.clone()) for n, t in pairs)) == 2
+    assert len(got) == 16 and torch.equal(got["w15"], torch.full((1 << 18,), 7.0))
+
+
+def test_a_forked_child_closing_its_copy_of_a_receiver_leaves_the_parents_lease(root):
+    """A child forked from a process with a Receiver closes its copy (or exits normally, its
+    finalizers running): the parent's lease stays, so the trainer still counts the parent.
+    (The child removed it: the parent was invisible until its next heartbeat.)"""
+    import multiprocessing as mp
+
+    with dbsync.Sender(root, durable=False) as sender, dbsync.Receiver(
+            root, reader_id="parent") as rx:
+        version = sender.push({"w": torch.ones(10)})
+        rx.load({"w": torch.zeros(10)})
+        child = mp.get_context("fork").Process(target=rx.close)
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        assert os.listdir(os.path.join(root, "readers")) == ["parent.json"]
+        assert sender.wait_for_receivers(version, 1, timeout=0)
+        pid = os.fork()
+        if pid == 0:  # a plain fork whose child runs the interpreter's exit hooks
+            import atexit
+
+            try:
+                atexit._run_exitfuncs()  # (the Receiver's finalizer among them)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.listdir(os.path.join(root, "readers")) == ["parent.json"]
+
+
+def test_threads_sharing_a_receiver_while_versions_advance(root):
+    """Four threads share one Receiver (``wait`` and ``open``) while a fifth pushes: every
+    call returns a published version, none raises. (Keeping the newest head records raced:
+    "dictionary changed size during iteration", KeyError.)"""
+    import sys
+    import threading
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    with dbsync.Sender(root, durable=False) as sender, dbsync.Receiver(root) as rx:
+        sender.push({"w": torch.zeros(4)})
+
+        def read() -> None:
+            while not stop.is_set():
+                try:
+                    rx.wait(newer_than=0, timeout=0)
+                    with rx.open() as snap:
+                        assert snap.version >= 1
+                except BaseException as exc:  # noqa: BLE001 - the outcome under test
+                    errors.append(exc)
+
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)  # (many switches: the race showed within a second)
+        readers = [threading.Thread(target=read) for _ in range(4)]
+        try:
+            for thread in readers:
+                thread.start()
+            for value in range(150):
+                sender.push({"w": torch.full((4,), float(value))})
+        finally:
+            stop.set()
+            for thread in readers:
+                thread.join(60)
+            sys.setswitchinterval(previous)
+    assert not errors, errors[:3]
+
+
+def test_a_push_racing_close_from_another_thread_says_the_sender_closed(root):
+    """One thread pushes while another closes the Sender: the push raises dbsync's "closed"
+    error, never a bare ``RuntimeError`` from the thread pool, and publishes nothing."""
+    import threading
+
+    sender = dbsync.Sender(root, durable=False)
+    assert sender.push({"w": torch.ones(4)}) == 1
+    outcome: list[BaseException | int] = []
+    with sender._push_lock:  # (the push waits its turn behind this, then close() wins)
+        pusher = threading.Thread(target=lambda: outcome.append(_push_or_error(sender)))
+        pusher.start()
+        sender.close()
+    pusher.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], dbsync.DBSyncError), outcome
+    assert "closed" in str(outcome[0])
+    with dbsync.Receiver(root) as rx:
+        assert rx.latest_version() == 1
+
+
+def _push_or_error(sender):
+    try:
+        return sender.push({"w": torch.full((4,), 2.0)})
+    except BaseException as exc:  # noqa: BLE001 - the outcome under test
+        return exc

@@ -202,6 +202,12 @@ def _drop_inherited_locks() -> None:
 os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
+#: the name prefix of a Sender's writer threads
+_WRITER_THREADS = "dbsync-write"
+#: seconds an exit waits quietly for pending background pushes before saying so
+EXIT_QUIET_SECONDS = 5.0
+
+
 def _finish_background_pushes() -> None:
     """At interpreter exit, before the standard library's thread pools stop taking work:
     let background pushes still pending finish (a script whose last push was
@@ -219,7 +225,13 @@ def _finish_background_pushes() -> None:
         log.info("finishing the background push(es) into %s before exiting",
                  sender.store.root)
         try:
-            pending.result()
+            try:
+                pending.result(timeout=EXIT_QUIET_SECONDS)
+            except TimeoutError:
+                log.warning("exiting waits for a background push into %s to be published "
+                            "(it waits for readers or a lag bound; Ctrl-C abandons it, "
+                            "publishing nothing)", sender.store.root)
+                pending.result()
         except BaseException:
             sender._abort.set()
             raise
@@ -353,7 +365,7 @@ class Sender:
         #: the directory locked: pushes refuse to go on once ROOT names another one
         self._locked_root = _identity(self.store.root)  # (it exists: its lock was taken)
         self._pid = os.getpid()
-        self._io = ThreadPoolExecutor(num_threads.__index__(), thread_name_prefix="dbsync-write")
+        self._io = ThreadPoolExecutor(num_threads.__index__(), thread_name_prefix=_WRITER_THREADS)
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dbsync-publish")
         self._finalizer = weakref.finalize(self, _release, self._lock_fd,
                                            [self._publisher, self._io], self._pid)
@@ -947,7 +959,13 @@ class Sender:
         return wait_for_receivers(self.store, version, count, timeout)
 
     def close(self) -> None:
-        """Finish the pending push (its errors stay in its future), release the writer lock."""
+        """Finish the pending push (its errors stay in its future), release the writer lock.
+        Not from a ``progress`` callback (a writer thread of the push it would wait for)."""
+        if threading.current_thread().name.startswith(_WRITER_THREADS):
+            raise DBSyncError("Sender.close() was called from a push's progress callback, which "
+                              "runs in the push's own writer threads and would wait for "
+                              "itself; raise an exception there to stop the push, and close "
+                              "the Sender from the thread that called push()")
         self._finalizer()
 
     def __enter__(self) -> Sender:

@@ -143,7 +143,10 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
         refusals = {}
         for r, lease in leases.items():
             refused = refusal_of(lease)
-            if refused is not None and refused[0] >= version and loaded.get(r, 0) < refused[0]:
+            # (a refusal of a newer version by a receiver that did load this one is not a
+            # failure of this one: a pipelined trainer waits for v while v+1 is refused)
+            if (refused is not None and refused[0] >= version
+                    and loaded.get(r, 0) < min(refused[0], version)):
                 refusals[r] = f"version {refused[0]}: {refused[1]}"
         if refusals:
             listing = "; ".join(f"{printable(r)} refused {printable(why)}"

@@ -562,6 +562,9 @@ class Store:
                 os.close(fd)
             path = f"{self.root}/{WRITER_LOCK_FILE}"
             recorded = f" (it records {holder[:120]!r})" if holder else ""
+            if holder == f"{socket.gethostname()} {os.getpid()}":
+                recorded += (": this process itself (a Sender it made is still open, or its "
+                             "background push still publishing: close() that Sender first)")
             raise StoreBusyError(
                 f"another writer holds {path}{recorded}; only one Sender may publish into a "
                 "store at a time (close the other one — in a notebook, the Sender of an "

@@ -1229,3 +1229,25 @@ def _push_or_error(sender):
         return sender.push({"w": torch.full((4,), 2.0)})
     except BaseException as exc:  # noqa: BLE001 - the outcome under test
         return exc
+
+
+def test_closing_a_sender_from_its_progress_callback_is_refused_not_a_deadlock(root):
+    """``close()`` from a ``progress`` callback (a writer thread of the push it would wait
+    for): refused with an error saying what to do, which stops that push; the Sender still
+    closes from the caller's thread. (It deadlocked forever.)"""
+    sender = dbsync.Sender(root, durable=False)
+    refused: list[BaseException] = []
+
+    def progress(done, total):
+        try:
+            sender.close()
+        except dbsync.DBSyncError as exc:
+            refused.append(exc)
+            raise
+
+    with pytest.raises(dbsync.DBSyncError, match="progress callback"):
+        sender.push({"w": torch.ones(4)}, progress=progress)
+    assert refused and "close the Sender from the thread that called push()" in str(refused[0])
+    sender.close()
+    with dbsync.Sender(root, durable=False) as again:  # (the lock was released)
+        assert again.push({"w": torch.ones(4)}) == 1

@@ -86,3 +86,25 @@ def test_push_max_lag_from_the_command_line(root, tmp_path, worker_env):
         assert engine.latest_version() == 2  # nothing published
         engine.load(lambda pairs: None)
         assert push("--max-lag", "0", "--max-lag-timeout", "30").stdout.split() == ["3"]
+
+
+def test_waiting_for_a_version_a_receiver_loaded_is_not_failed_by_its_refusal_of_the_next(
+        root):
+    """A pipelined trainer waits for version 1 while the engine, having loaded version 1,
+    refuses version 2: the wait for version 1 counts that engine as loaded and times out for
+    the second receiver it never had, rather than blaming a refusal of version 1. A receiver
+    that loaded nothing of version 1 and refused version 2 still fails the wait at once."""
+    with dbsync.Sender(root, durable=False) as sender:
+        assert sender.push({"w": torch.ones(2)}) == 1
+        with dbsync.Receiver(root, reader_id="engine-0") as engine:
+            engine.load(lambda pairs: None)
+            assert sender.push({"w": torch.ones(2)}) == 2
+            engine.report_refusal(2, "w: shape [2] != expected [3]")
+            assert sender.wait_for_receivers(1, 1, timeout=0)
+            assert not sender.wait_for_receivers(1, 2, timeout=0.2)
+            with pytest.raises(dbsync.ReceiverRefusedError, match="engine-0 refused version 2"):
+                sender.wait_for_receivers(2, 1, timeout=30)
+            with dbsync.Receiver(root, reader_id="engine-1") as late:
+                late.report_refusal(2, "w: shape [2] != expected [3]")
+                with pytest.raises(dbsync.ReceiverRefusedError, match="engine-1"):
+                    sender.wait_for_receivers(1, 2, timeout=30)

@@ -282,18 +282,21 @@ def _root_unfit_for_push(root: str) -> str | None:
             path = parent
             continue
         except OSError as exc:
-            if exc.errno in UNREACHABLE_ERRNOS:
-                return f"{root_problem(path)}{nothing_done}"
-            return None  # (said by the push itself, with the whole story)
+            problem = root_problem(path) if exc.errno in UNREACHABLE_ERRNOS else None
+            return None if problem is None else f"{problem}{nothing_done}"  # (None: the push
+            # itself says it, with the whole story)
         is_root = path == os.path.abspath(root)
         if not stat.S_ISDIR(st.st_mode):
             where = "ROOT" if is_root else f"a part of ROOT's path ({path})"
             return (f"{root}: {where} is not a directory; give the path of a store directory "
                     "(an existing store, an empty directory, or a path where one can be "
                     f"created){nothing_done}")
-        if not os.access(path, os.R_OK | os.X_OK):
-            return f"{root_problem(path)}{nothing_done}"
-        if os.access(path, os.W_OK):
+        effective = os.access in os.supports_effective_ids
+        # (ROOT itself is read and written; an ancestor only needs a new directory made in it)
+        if is_root and not os.access(path, os.R_OK | os.X_OK, effective_ids=effective):
+            problem = root_problem(path)
+            return None if problem is None else f"{problem}{nothing_done}"
+        if os.access(path, os.W_OK | os.X_OK, effective_ids=effective):
             return None
         where = "ROOT" if is_root else f"{path} (where ROOT would be created)"
         why = ("is on a read-only mount" if os.statvfs(path).f_flag & os.ST_RDONLY

@@ -19,10 +19,10 @@ class InvalidArgumentError(DBSyncError, ValueError):
 
 
 def check_seconds(value: object, what: str, none: str | None = None) -> float | None:
-    """``value`` as a number of seconds >= 0 (None allowed where ``none`` says what it means);
-    else ``InvalidArgumentError`` naming ``what`` (NaN, infinity, a bool or a string are
-    refused: a NaN timeout would wait forever, a NaN interval spin)."""
-    if value is None and none is not None:
+    """``value`` as a number of seconds >= 0 (None allowed where ``none`` says what it means,
+    and infinity taken as None there); else ``InvalidArgumentError`` naming ``what`` (NaN, a
+    bool or a string are refused: a NaN timeout would wait forever, a NaN interval spin)."""
+    if none is not None and (value is None or value == float("inf")):
         return None
     if (isinstance(value, int | float) and not isinstance(value, bool)
             and 0 <= value < float("inf")):

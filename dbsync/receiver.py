@@ -435,6 +435,7 @@ class Receiver:
         from .watch import Watcher
 
         self._check_open()
+        timeout = check_seconds(timeout, "timeout", none="wait as long as it takes")
         floor = self.loaded_version if newer_than is None else newer_than
         floor = 0 if floor is None else floor
         run = self.loaded_run_id
@@ -445,7 +446,6 @@ class Receiver:
             head = self._read_head_quietly()
             run = None if head is None else head.run_id
         event = threading.Event()
-        timeout = check_seconds(timeout, "timeout", none="wait as long as it takes")
         deadline = None if timeout is None else time.monotonic() + timeout
         self._waits.add(event)
         try:

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -204,15 +205,20 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 #: the name prefix of a Sender's writer threads
 _WRITER_THREADS = "dbsync-write"
-#: seconds an exit waits quietly for pending background pushes before saying so
+#: seconds an exit waits quietly for pending background pushes before saying so, and the
+#: most it waits for them (then they are abandoned before their flip: one waiting for a slot
+#: that this very process's snapshot holds would never finish)
 EXIT_QUIET_SECONDS = 5.0
+EXIT_WAIT_SECONDS = 60.0
 
 
 def _finish_background_pushes() -> None:
     """At interpreter exit, before the standard library's thread pools stop taking work:
     let background pushes still pending finish (a script whose last push was
     ``blocking=False`` and that never called ``close()`` lost that version: its writes were
-    refused once the pools shut down). Ctrl-C meanwhile stops them before their flip."""
+    refused once the pools shut down). Bounded by ``EXIT_WAIT_SECONDS`` in all; past it, or
+    on Ctrl-C, every pending push stops before its flip, and a WARNING says so."""
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
     for sender in list(_LIVE_SENDERS):
         if os.getpid() != sender._pid or sender._lock_fd[0] is None:
             continue
@@ -224,17 +230,29 @@ def _finish_background_pushes() -> None:
             continue
         log.info("finishing the background push(es) into %s before exiting",
                  sender.store.root)
+        told = False
         try:
-            try:
-                pending.result(timeout=EXIT_QUIET_SECONDS)
-            except TimeoutError:
-                log.warning("exiting waits for a background push into %s to be published "
-                            "(it waits for readers or a lag bound; Ctrl-C abandons it, "
-                            "publishing nothing)", sender.store.root)
-                pending.result()
-        except BaseException:
-            sender._abort.set()
-            raise
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    pending.result(timeout=max(0.0, min(left, EXIT_QUIET_SECONDS)))
+                    break
+                except TimeoutError:
+                    if left <= EXIT_QUIET_SECONDS:
+                        raise
+                    if not told:
+                        told = True
+                        log.warning("exiting waits (%.0f s at most) for a background push into "
+                                    "%s to be published; it waits for readers or a lag bound "
+                                    "(Ctrl-C abandons it, publishing nothing)",
+                                    EXIT_WAIT_SECONDS, sender.store.root)
+        except BaseException as exc:  # (past the bound, or Ctrl-C: never raised out of exit)
+            for abort in list(getattr(sender, "_live_aborts", ())):
+                abort.set()
+            log.warning("abandoned the background push(es) into %s at exit (%s): nothing more "
+                        "was published; it still serves version %s", sender.store.root,
+                        "interrupted" if isinstance(exc, KeyboardInterrupt) else
+                        f"not done within {EXIT_WAIT_SECONDS:.0f} s", sender._version)
 
 
 # (threading's exit hooks run newest first: this one before concurrent.futures' own, which
@@ -400,6 +418,8 @@ class Sender:
         #: the newest push's stop event (each push has its own: Ctrl-C while waiting for one
         #: push never stops another, such as a background push still writing)
         self._abort = threading.Event()
+        #: the stop events of the pushes submitted and not yet ended
+        self._live_aborts: set[threading.Event] = set()
         #: the error of the last push that failed (background pushes included), else None
         self.last_error: BaseException | None = None
         self.last_push_seconds: dict[str, float] = {}
@@ -575,8 +595,8 @@ class Sender:
                                                     [t for _, t in pairs], self._layout_settings())
                     if layout is None:
                         sources.validate(pairs)
-                adapter = adapter_config if adapter_config is not None else (
-                    sources.adapter_config_of(weights))
+                adapter = (sources.plain_adapter_config(adapter_config)
+                           if adapter_config is not None else sources.adapter_config_of(weights))
                 self._check_kind("adapter" if adapter is not None else "weights")
                 on_cpu = layout is not None or all(t.is_cpu for _, t in pairs)  # (kept: on CPU)
                 needs_copy = not blocking or not on_cpu
@@ -602,6 +622,7 @@ class Sender:
                         with gcpause.paused():
                             pairs = sources.materialize_all(pairs, self.dtype)
                 abort = self._abort = threading.Event()
+                self._live_aborts.add(abort)
                 ticket = _Ticket(self._numbering, self._pending)
                 try:
                     ticket.enter()
@@ -609,7 +630,12 @@ class Sender:
                         future = self._publisher.submit(self._publish_and_report, not blocking,
                                                         ticket, pairs, progress, adapter, layout,
                                                         abort)
-                    except RuntimeError:  # (shut down: close() from another thread won)
+                    except RuntimeError as exc:  # (shut down: close() from another thread won,
+                        # or the interpreter is exiting)
+                        if "interpreter shutdown" in str(exc) or sys.is_finalizing():
+                            raise DBSyncError("the interpreter is exiting: no push can start "
+                                              "now; nothing was published (push before the "
+                                              "program ends)") from None
                         raise DBSyncError("this Sender was closed (by another thread) while "
                                           "this push waited its turn; nothing was published; "
                                           "create a new one") from None
@@ -656,18 +682,24 @@ class Sender:
         """``_publish``, recording its outcome in ``last_error`` and, for a background push
         (whose future nobody may ever read), logging its failure: both before the future
         completes, so its caller sees them as soon as it sees the result."""
-        if not ticket.start():
-            raise _Aborted("push interrupted while it was submitted; nothing was published")
+        abort = args[-1]
         try:
-            version = self._publish(*args)
-        except BaseException as exc:
-            with self._numbering:
-                self._pending[0] -= 1
-            self.last_error = None if isinstance(exc, _Aborted) else exc
-            if background and self.last_error is not None:
-                log.error("background push into %s failed: %s", self.store.root, exc)
-            raise
+            if not ticket.start():
+                raise _Aborted("push interrupted while it was submitted; nothing was published")
+            try:
+                version = self._publish(*args)
+            except BaseException as exc:
+                with self._numbering:
+                    self._pending[0] -= 1
+                self.last_error = None if isinstance(exc, _Aborted) else exc
+                if background and self.last_error is not None:
+                    log.error("background push into %s failed: %s", self.store.root, exc)
+                raise
+        finally:
+            self._live_aborts.discard(abort)
         self.last_error = None
+        with contextlib.suppress(RuntimeError):  # (shut down meanwhile: close() prunes nothing)
+            self._publisher.submit(self._prune_abandoned)  # (after the push: never delays it)
         return version
 
     def _wait_for_lag(self, abort: threading.Event) -> float:
@@ -804,7 +836,6 @@ class Sender:
         t3 = time.perf_counter()
         self.last_push_seconds = {"wait_for_lag": lagged, "wait_for_readers": waited,
                                   "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}
-        self._prune_abandoned()  # (after the flip: never delays a version)
         return version
 
     def _prune_abandoned(self) -> None:
@@ -821,6 +852,8 @@ class Sender:
         except (OSError, FormatError) as exc:
             log.info("could not look for abandoned reader files in %s: %s", self.store.root,
                      exc)
+        except Exception:  # (a bug here must not fail a push or the start of a Sender)
+            log.exception("looking for abandoned reader files in %s failed", self.store.root)
 
     def _flipped(self, head: Head) -> bool:
         """Whether the store's head is ``head`` (read back after a failed head write)."""
@@ -961,7 +994,7 @@ class Sender:
     def close(self) -> None:
         """Finish the pending push (its errors stay in its future), release the writer lock.
         Not from a ``progress`` callback (a writer thread of the push it would wait for)."""
-        if threading.current_thread().name.startswith(_WRITER_THREADS):
+        if threading.current_thread() in getattr(self._io, "_threads", ()):
             raise DBSyncError("Sender.close() was called from a push's progress callback, which "
                               "runs in the push's own writer threads and would wait for "
                               "itself; raise an exception there to stop the push, and close "

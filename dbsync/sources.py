@@ -250,6 +250,31 @@ def adapter_config_of(weights: Any) -> dict[str, Any] | None:
     return config
 
 
+def plain_adapter_config(config: Any) -> dict[str, Any]:
+    """``config`` (an adapter configuration given to ``push``) as plain JSON: sets (what
+    PEFT's ``LoraConfig.to_dict()`` gives for ``target_modules``) become sorted lists, tuples
+    lists; raises ``InvalidWeightsError`` before any I/O for anything else JSON cannot hold."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, set | frozenset):
+            return sorted((plain(v) for v in value), key=repr)
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    if not isinstance(config, dict):
+        raise InvalidWeightsError(f"adapter_config must be a dict (PEFT's config.to_dict()), "
+                                  f"not a {type(config).__name__}")
+    config = plain(config)
+    try:
+        json.dumps(config, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidWeightsError(f"adapter_config cannot be written as JSON ({exc}); give "
+                                  "plain values (PEFT's config.to_dict())") from None
+    return config
+
+
 # ---- paths ---------------------------------------------------------------------------------
 def load_path(path: str) -> Pairs:
     if not path:

@@ -38,11 +38,20 @@ def printable(text: str, keep: str = "") -> str:
                    else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def loaded_versions(leases: dict[str, dict[str, Any]]) -> dict[str, int]:
-    """reader id -> loaded version, for leases that report loads."""
+def loaded_versions(leases: dict[str, dict[str, Any]], run_id: str | None = None
+                    ) -> dict[str, int]:
+    """reader id -> loaded version, for leases that report loads; with ``run_id``, only
+    loads of that training run (a version number of an earlier run at the same path says
+    nothing of this run's: its numbers start again at 1). A lease naming no run counts."""
     return {r: lease["loaded_version"] for r, lease in leases.items()
             if isinstance(lease.get("loaded_version"), int)
-            and not isinstance(lease.get("loaded_version"), bool)}
+            and not isinstance(lease.get("loaded_version"), bool)
+            and (run_id is None or lease.get("loaded_run_id") in (None, run_id))}
+
+
+def _current_run(store: Store) -> str | None:
+    head = _head_or_none(store)
+    return None if head is None else head.run_id
 
 
 def refusal_of(lease: dict[str, Any]) -> tuple[int, str] | None:
@@ -118,7 +127,8 @@ def _head_or_none(store: Store) -> Any:
 
 def receivers_at(store: Store, version: int) -> list[str]:
     """Ids of receivers that report ``version`` or newer loaded (reads only the leases)."""
-    return sorted(r for r, v in loaded_versions(_leases(store)).items() if v >= version)
+    return sorted(r for r, v in loaded_versions(_leases(store), _current_run(store)).items()
+                  if v >= version)
 
 
 def _leases(store: Store) -> dict[str, dict[str, Any]]:
@@ -135,9 +145,10 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
     writer lock: any process may wait."""
     timeout = check_seconds(timeout, "timeout", none="wait as long as it takes")
     deadline = None if timeout is None else time.monotonic() + timeout
+    run = _current_run(store)  # (loads of an earlier run at this path do not count)
     while True:
         leases = _leases(store)
-        loaded = loaded_versions(leases)
+        loaded = loaded_versions(leases, run)
         if sum(1 for v in loaded.values() if v >= version) >= count:
             return True
         refusals = {}

@@ -1099,6 +1099,7 @@ def test_a_long_lived_trainer_removes_the_temp_files_of_killed_readers(root, mon
         monkeypatch.setattr(sender_module, "PRUNE_MIN_S", 0.0)
         monkeypatch.setattr(sender_module, "PRUNE_EVERY", 0)
         assert sender.push({"w": torch.full((4,), 2.0)}) == 2
+        sender._publisher.submit(int).result(30)  # (the look runs right after the push)
         assert not os.path.exists(leftover)
 
 
@@ -1251,3 +1252,28 @@ def test_closing_a_sender_from_its_progress_callback_is_refused_not_a_deadlock(r
     sender.close()
     with dbsync.Sender(root, durable=False) as again:  # (the lock was released)
         assert again.push({"w": torch.ones(4)}) == 1
+
+
+def test_an_exit_waiting_on_a_push_that_cannot_finish_gives_up_and_says_so(root,
+                                                                           monkeypatch):
+    """The last background push needs the slot this very process still reads (a snapshot
+    its finalizers would close only later): the exit waits a bounded time, then abandons the
+    push before its flip with a WARNING, and the process ends. (It hung forever.)"""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch, dbsync\n"
+              "from dbsync import sender as s\n"
+              "s.EXIT_WAIT_SECONDS, s.EXIT_QUIET_SECONDS = 3.0, 1.0\n"
+              "tx = dbsync.Sender(sys.argv[1], durable=False)\n"
+              "rx = dbsync.Receiver(sys.argv[1])\n"
+              "tx.push({'w': torch.zeros(4)})\n"
+              "snap = rx.open()\n"
+              "tx.push({'w': torch.ones(4)})\n"
+              "tx.push({'w': torch.full((4,), 3.0)}, blocking=False)\n")
+    done = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "abandoned the background push" in done.stderr and "version 2" in done.stderr
+    with dbsync.Receiver(root) as rx:
+        assert rx.latest_version() == 2

@@ -444,6 +444,13 @@ def test_kept_plans_and_layouts_follow_what_changed_in_place(root):
         config["target_modules"].append("v_proj")
         sender.push(adapter, adapter_config=config)
         assert rx.manifest().adapter == {"r": 16, "target_modules": ["q_proj", "v_proj"]}
+        # PEFT's LoraConfig.to_dict() gives a set: published as a sorted list (it failed
+        # after every shard was written, with a bare TypeError)
+        sender.push(adapter, adapter_config={"r": 8, "target_modules": {"v_proj", "q_proj"}})
+        assert rx.manifest().adapter == {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+        with pytest.raises(dbsync.InvalidWeightsError, match="cannot be written as JSON"):
+            sender.push(adapter, adapter_config={"r": 8, "init": object()})
+        assert rx.latest_version() == 3
 
 
 def test_a_scatter_read_lands_exact_on_every_path_and_refuses_a_file_that_ended(

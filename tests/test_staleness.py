@@ -108,3 +108,28 @@ def test_waiting_for_a_version_a_receiver_loaded_is_not_failed_by_its_refusal_of
                 late.report_refusal(2, "w: shape [2] != expected [3]")
                 with pytest.raises(dbsync.ReceiverRefusedError, match="engine-1"):
                     sender.wait_for_receivers(1, 2, timeout=30)
+
+
+def test_a_load_of_an_earlier_run_is_not_counted_for_the_new_runs_version(root):
+    """The store is removed and made anew (a new training run) under a running receiver
+    that had loaded version 3 of the old run: waiting for the new run's version 1 does not
+    count that load (it said "1 receiver(s) loaded version 1" at once), and the receiver's
+    refusal of the new version fails the wait, naming it."""
+    import shutil
+
+    with dbsync.Sender(root, durable=False) as sender:
+        for value in range(3):
+            sender.push({"w": torch.full((4,), float(value))})
+    with dbsync.Receiver(root, reader_id="engine-0") as engine:
+        engine.load(lambda pairs: None)
+        shutil.rmtree(root)
+        with dbsync.Sender(root, durable=False) as sender:
+            version = sender.push({"w": torch.zeros(4)})
+            assert version == 1
+            engine.report_refusal(version, "the new run's version does not fit")  # (its lease
+            # still says: loaded version 3, of the old run)
+            with pytest.raises(dbsync.ReceiverRefusedError, match="engine-0 refused version 1"):
+                sender.wait_for_receivers(version, 1, timeout=30)
+            from dbsync.status import receivers_at
+
+            assert receivers_at(sender.store, 1) == []

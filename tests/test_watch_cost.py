@@ -351,9 +351,10 @@ def test_poll_intervals_and_timeouts_that_are_no_time(store):
     with pytest.raises(dbsync.InvalidArgumentError, match="poll_interval"):
         dbsync.Receiver(store, poll_interval=float("nan"))
     with dbsync.Receiver(store) as rx:
-        for bad in (float("nan"), -1.0, float("inf")):
+        for bad in (float("nan"), -1.0, "5"):
             with pytest.raises(dbsync.InvalidArgumentError, match="timeout must be a finite"):
                 rx.wait(timeout=bad)
+        assert rx.wait(newer_than=0, timeout=float("inf")) == 1  # (infinity: no bound)
     with dbsync.Sender(store, durable=False) as sender:
         with pytest.raises(ValueError, match="timeout must be a finite"):
             sender.wait_for_receivers(1, 1, timeout=float("nan"))

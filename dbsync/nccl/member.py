@@ -143,6 +143,7 @@ class MemberLink:
         self._epoch_checked = 0.0
         self._recheck = False  # the bell rang without a push: re-read the epoch now
         self._rings_seen = 0  # the doorbell's ``rings`` when last looked at
+        self._unrung_polled = 0.0  # when a push was last looked for without a ring
         self._bell_retry = 0.0  # when a failed doorbell may be opened again
         # the connection's doorbell (None while not connected), in a box that a finalizer
         # holds: closed also when this link is dropped without disconnect()
@@ -193,10 +194,7 @@ class MemberLink:
         try:
             store = pending[1].result(0, "connecting")
         except Exception as exc:  # noqa: BLE001 - unreachable: use the filesystem
-            failures = self._failures[record.sender_id] = (
-                self._failures.get(record.sender_id, 0) + 1)
-            wait = min(RETRY_SECONDS * 2 ** (failures - 1), MAX_RETRY_SECONDS)
-            self._retry_after[record.sender_id] = time.monotonic() + wait
+            wait = self._retry_later(record.sender_id)
             self.on_error(f"cannot reach the broadcast sender at {record.address}:"
                           f"{record.port} ({first_line(exc)}); reading from the filesystem "
                           f"(trying again in {wait:.0f} s)")
@@ -207,6 +205,14 @@ class MemberLink:
         self._new_doorbell(record, store)
         self.epoch = None
         self.send("join")
+
+    def _retry_later(self, sender_id: str) -> float:
+        """Wait before trying ``sender_id`` again: ``RETRY_SECONDS``, doubling per failure in
+        a row up to ``MAX_RETRY_SECONDS``. Returns the wait."""
+        failures = self._failures[sender_id] = self._failures.get(sender_id, 0) + 1
+        wait = min(RETRY_SECONDS * 2 ** (failures - 1), MAX_RETRY_SECONDS)
+        self._retry_after[sender_id] = time.monotonic() + wait
+        return wait
 
     def send(self, action: str) -> None:
         assert self.conn is not None
@@ -274,7 +280,7 @@ class MemberLink:
                                                "reading the sender's epoch"))
             epoch, members = int(record["epoch"]), [str(m) for m in record["members"]]
         except Exception as exc:  # noqa: BLE001 - the sender died or closed
-            self._retry_after[conn.record.sender_id] = time.monotonic() + RETRY_SECONDS
+            self._retry_later(conn.record.sender_id)
             if isinstance(exc, TimeoutError):
                 self._abandon()  # (its store does not answer: asking it anything would block)
             else:
@@ -317,25 +323,38 @@ class MemberLink:
             return None
         key = rv.push_key(self.epoch, self.seq + 1)
         bell = self.bell
-        rang = False
+        rang = unrung = False
         if bell is not None:
             bell.clear()  # before reading: a ring from now on wakes the next wait
             rings = bell.rings
             rang, self._rings_seen = rings != self._rings_seen, rings
             if not rang and bell.working:
+                # The sender rings right after announcing: no ring, no push. Looked at anyway
+                # every MEMBER_EPOCH_CHECK_SECONDS (a doorbell reconnecting may have missed a
+                # ring), in a bounded call: an idle member never waits on a stopped trainer.
                 self._recheck = False
-                # (the sender rings right after announcing: no ring, no push. Nothing is
-                # asked of the store, so an idle member never waits on a stopped trainer)
-                return None
+                now = time.monotonic()
+                if now - self._unrung_polled < MEMBER_EPOCH_CHECK_SECONDS:
+                    return None
+                self._unrung_polled = unrung = now
+        store = self.conn.store
         try:
             # one round trip: the header if announced, else _ABSENT (nothing is written; a
             # header is JSON and never equals _ABSENT)
-            raw = self.conn.store.compare_set(key, _ABSENT, _ABSENT)
+            if unrung:
+                raw = _Background(lambda: store.compare_set(key, _ABSENT, _ABSENT),
+                                  name=f"dbsync-poll-{self.reader_id}").result(
+                    min(self.timeout, STORE_CALL_SECONDS), "looking for a push")
+            else:  # (rung: a push is announced; one direct round trip, the fast path)
+                raw = store.compare_set(key, _ABSENT, _ABSENT)
             if raw == _ABSENT_BYTES:
                 self._recheck = rang  # rung for an epoch change
                 return None
         except Exception as exc:  # noqa: BLE001
-            self.disconnect()
+            if isinstance(exc, TimeoutError):
+                self._abandon()  # (its store does not answer: asking it anything would block)
+            else:
+                self.disconnect()
             self.on_error(f"lost the broadcast sender ({exc}); reading from the filesystem")
             return None
         return Header.loads(raw, self.header_cache)

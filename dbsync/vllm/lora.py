@@ -193,12 +193,12 @@ def non_finite(pairs: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
     return problems
 
 
-def _refusal(version: int, problems: dict[str, str]) -> AdapterRefusedError:
+def _refusal(version: int, problems: dict[str, str], serving: str) -> AdapterRefusedError:
     listing = "; ".join(f"{k}: {v}" for k, v in list(problems.items())[:8])
     more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
     return AdapterRefusedError(
         f"adapter version {version} does not fit the served model ({len(problems)} "
-        f"problem(s)): {listing}{more}. The previous adapter keeps serving", problems)
+        f"problem(s)): {listing}{more}. {serving}", problems)
 
 
 # ---- versions -------------------------------------------------------------------------------
@@ -314,8 +314,8 @@ class AdapterVersions:
                 except DamagedVersionError as exc:  # refused like a full version: reading
                     # it again cannot repair it; the trainer hears of it at once
                     raise self._refuse(snap, exc.damaged, AdapterRefusedError(
-                        f"adapter version {snap.version} is damaged: {exc}. The previous "
-                        "adapter keeps serving", exc.damaged)) from None
+                        f"adapter version {snap.version} is damaged: {exc}. "
+                        f"{self._serving()}", exc.damaged)) from None
             problems = non_finite(snap.tensors())
             if problems:
                 raise self._refuse(snap, problems)
@@ -333,10 +333,18 @@ class AdapterVersions:
             return AdapterVersion(snap.version, snap.run_id, rank, snap.manifest.total_bytes,
                                   directory, request)
 
+    def _serving(self) -> str:
+        """What serves meanwhile, for a refusal's message."""
+        current = self.current
+        if current is None:
+            return (f"No version of adapter {self.name!r} is served yet: requests naming it "
+                    "get 404 until one that fits is published")
+        return f"Version {current.version} of the adapter keeps serving"
+
     def _refuse(self, snap: Snapshot, problems: dict[str, str],
                 error: AdapterRefusedError | None = None) -> AdapterRefusedError:
         return self._refuse_key((snap.run_id, snap.version),
-                                error or _refusal(snap.version, problems))
+                                error or _refusal(snap.version, problems, self._serving()))
 
     def _refuse_key(self, key: tuple[str, int], error: AdapterRefusedError
                     ) -> AdapterRefusedError:
@@ -354,8 +362,8 @@ class AdapterVersions:
         """Record that the engine refused ``prepared`` (``reason``) and delete its directory."""
         shutil.rmtree(prepared.directory, ignore_errors=True)
         error = AdapterRefusedError(
-            f"adapter version {prepared.version} was refused by vLLM: {reason}. The previous "
-            "adapter keeps serving", {"vllm": reason})
+            f"adapter version {prepared.version} was refused by vLLM: {reason}. "
+            f"{self._serving()}", {"vllm": reason})
         with self._lock:
             self._refused_key = (prepared.run_id, prepared.version)
             self.refusals += 1

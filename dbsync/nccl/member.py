@@ -70,8 +70,10 @@ class _Background:
 
     Hazard: a thread coming back from torch's C++ store client while the interpreter
     finalizes aborts the process (``terminate called``, see ``keywatch``); at exit, calls
-    still running are waited for (``EXIT_WAIT_SECONDS`` at most: a connect ends within its
-    timeout; a call to a stopped server never returns, which is harmless)."""
+    still running are waited for, ``EXIT_WAIT_SECONDS`` at most (torch's client ignores its
+    timeout against a server that accepts but never answers: a call to a stopped trainer
+    returns only when it resumes or dies, and if that happens just as this process
+    finalizes, the abort can still happen)."""
 
     def __init__(self, call: Callable[[], Any], name: str):
         self.done = threading.Event()

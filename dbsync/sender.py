@@ -994,7 +994,8 @@ class Sender:
     def close(self) -> None:
         """Finish the pending push (its errors stay in its future), release the writer lock.
         Not from a ``progress`` callback (a writer thread of the push it would wait for)."""
-        if threading.current_thread() in getattr(self._io, "_threads", ()):
+        here = threading.current_thread()
+        if any(here in getattr(pool, "_threads", ()) for pool in (self._io, self._publisher)):
             raise DBSyncError("Sender.close() was called from a push's progress callback, which "
                               "runs in the push's own writer threads and would wait for "
                               "itself; raise an exception there to stop the push, and close "

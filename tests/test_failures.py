@@ -1232,28 +1232,6 @@ def _push_or_error(sender):
         return exc
 
 
-def test_closing_a_sender_from_its_progress_callback_is_refused_not_a_deadlock(root):
-    """``close()`` from a ``progress`` callback (a writer thread of the push it would wait
-    for): refused with an error saying what to do, which stops that push; the Sender still
-    closes from the caller's thread. (It deadlocked forever.)"""
-    sender = dbsync.Sender(root, durable=False)
-    refused: list[BaseException] = []
-
-    def progress(done, total):
-        try:
-            sender.close()
-        except dbsync.DBSyncError as exc:
-            refused.append(exc)
-            raise
-
-    with pytest.raises(dbsync.DBSyncError, match="progress callback"):
-        sender.push({"w": torch.ones(4)}, progress=progress)
-    assert refused and "close the Sender from the thread that called push()" in str(refused[0])
-    sender.close()
-    with dbsync.Sender(root, durable=False) as again:  # (the lock was released)
-        assert again.push({"w": torch.ones(4)}) == 1
-
-
 def test_an_exit_waiting_on_a_push_that_cannot_finish_gives_up_and_says_so(root,
                                                                            monkeypatch):
     """The last background push needs the slot this very process still reads (a snapshot

@@ -145,7 +145,6 @@ class MemberLink:
         self._epoch_checked = 0.0
         self._recheck = False  # the bell rang without a push: re-read the epoch now
         self._rings_seen = 0  # the doorbell's ``rings`` when last looked at
-        self._unrung_polled = 0.0  # when a push was last looked for without a ring
         self._bell_retry = 0.0  # when a failed doorbell may be opened again
         # the connection's doorbell (None while not connected), in a box that a finalizer
         # holds: closed also when this link is dropped without disconnect()
@@ -325,30 +324,21 @@ class MemberLink:
             return None
         key = rv.push_key(self.epoch, self.seq + 1)
         bell = self.bell
-        rang = unrung = False
+        rang = False
         if bell is not None:
             bell.clear()  # before reading: a ring from now on wakes the next wait
             rings = bell.rings
             rang, self._rings_seen = rings != self._rings_seen, rings
             if not rang and bell.working:
-                # The sender rings right after announcing: no ring, no push. Looked at anyway
-                # every MEMBER_EPOCH_CHECK_SECONDS (a doorbell reconnecting may have missed a
-                # ring), in a bounded call: an idle member never waits on a stopped trainer.
+                # (the sender rings right after announcing: no ring, no push. Nothing is
+                # asked of the store, so an idle member never waits on a stopped trainer)
                 self._recheck = False
-                now = time.monotonic()
-                if now - self._unrung_polled < MEMBER_EPOCH_CHECK_SECONDS:
-                    return None
-                self._unrung_polled = unrung = now
+                return None
         store = self.conn.store
         try:
             # one round trip: the header if announced, else _ABSENT (nothing is written; a
             # header is JSON and never equals _ABSENT)
-            if unrung:
-                raw = _Background(lambda: store.compare_set(key, _ABSENT, _ABSENT),
-                                  name=f"dbsync-poll-{self.reader_id}").result(
-                    min(self.timeout, STORE_CALL_SECONDS), "looking for a push")
-            else:  # (rung: a push is announced; one direct round trip, the fast path)
-                raw = store.compare_set(key, _ABSENT, _ABSENT)
+            raw = store.compare_set(key, _ABSENT, _ABSENT)
             if raw == _ABSENT_BYTES:
                 self._recheck = rang  # rung for an epoch change
                 return None

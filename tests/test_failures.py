@@ -1124,17 +1124,12 @@ def test_a_script_ending_with_a_background_push_still_publishes_it(root):
     """The README's asynchronous loop ends with ``push(blocking=False)`` and no ``close()``:
     the version is published before the process exits. (It was abandoned silently: the
     standard library's pools refused its writes once the interpreter began to exit.)"""
-    import subprocess
-    import sys
-
     script = ("import sys, torch, dbsync\n"
               "sender = dbsync.Sender(sys.argv[1])\n"
               "sender.push({'w': torch.zeros(1000)})\n"
               "sender.push({f'w{i}': torch.full((1 << 18,), 7.0) for i in range(16)},\n"
               "            blocking=False)\n")
-    done = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
+    _script_ends_well(script, root)
     with dbsync.Receiver(root) as rx:
         got = {}
         assert rx.load(lambda pairs: got.update((n, t.clone()) for n, t in pairs)) == 2
@@ -1237,9 +1232,6 @@ def test_an_exit_waiting_on_a_push_that_cannot_finish_gives_up_and_says_so(root,
     """The last background push needs the slot this very process still reads (a snapshot
     its finalizers would close only later): the exit waits a bounded time, then abandons the
     push before its flip with a WARNING, and the process ends. (It hung forever.)"""
-    import subprocess
-    import sys
-
     script = ("import sys, torch, dbsync\n"
               "from dbsync import sender as s\n"
               "s.EXIT_WAIT_SECONDS, s.EXIT_QUIET_SECONDS = 3.0, 1.0\n"
@@ -1249,9 +1241,18 @@ def test_an_exit_waiting_on_a_push_that_cannot_finish_gives_up_and_says_so(root,
               "snap = rx.open()\n"
               "tx.push({'w': torch.ones(4)})\n"
               "tx.push({'w': torch.full((4,), 3.0)}, blocking=False)\n")
-    done = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = _script_ends_well(script, root)
     assert "abandoned the background push" in done.stderr and "version 2" in done.stderr
     with dbsync.Receiver(root) as rx:
         assert rx.latest_version() == 2
+
+
+def _script_ends_well(script: str, root: str):
+    """Run ``script`` (given ROOT as its argument) in a fresh interpreter; it must exit 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done

@@ -1,4 +1,4 @@
-"""A minimal inotify watch of one directory (Linux), for the watcher.
+"""A minimal inotify watch of directories (Linux), for the watcher.
 
 Why not watchdog's observer: it holds every IN_MOVED_FROM event for up to 0.5 s in an
 uninterruptible sleep while it waits for the matching IN_MOVED_TO, so a flip (a rename) was
@@ -7,11 +7,20 @@ only for what changes a file (moved to, created, closed after a write, modified)
 directory itself going away; it never asks for opens, reads or closes without a write, so
 readers of the directory (the watcher included) never wake it.
 
-One thread per watch blocks in ``poll`` on the inotify fd and a wake-up pipe: idle, it costs
-nothing; ``stop()`` returns at once (the thread closes the instance on its way out).
-``on_event(name)`` is called from that thread with the file name (``str``), or with None when
-the directory itself was deleted or moved, or when the kernel's event queue overflowed (look
-at everything again).
+One inotify instance per process, however many watches (``_Instance``): the kernel allows
+each user 128 instances by default (``fs.inotify.max_user_instances``) across every process
+of the host, and a process with many watchers (one per ``Receiver.wait`` call in flight, a
+server watching many stores) once took one each and ran out. Watches of one directory share
+one kernel watch. The instance's thread blocks in ``poll`` on the inotify fd and a wake-up
+pipe: idle, it costs nothing. When the last watch stops, the thread closes the instance on its
+way out (closing one waits for the kernel's grace period, 10-20 ms, which callers should not
+pay); the next watch opens a new one. A forked child drops the inherited instance (reading it
+would take the parent's events) and opens its own.
+
+``on_event(name)`` is called from the instance's thread with the file name (``str``), or with
+None when the directory itself was deleted or moved, or when the kernel's event queue
+overflowed (look at everything again). Callbacks must be quick (they share the thread); one
+that raises is logged and the others still run.
 """
 
 from __future__ import annotations
@@ -19,11 +28,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import itertools
+import logging
 import os
 import select
 import struct
 import threading
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 IN_MODIFY = 0x00000002
 IN_CLOSE_WRITE = 0x00000008
@@ -39,9 +52,12 @@ IN_CLOEXEC = os.O_CLOEXEC
 
 CHANGES = IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE
 SELF_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_Q_OVERFLOW
+_MASK = CHANGES | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
 
 _libc: ctypes.CDLL | None = None
+
+Callback = Callable[[str | None], None]
 
 
 def _lib() -> ctypes.CDLL:
@@ -50,6 +66,7 @@ def _lib() -> ctypes.CDLL:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         lib.inotify_init1.argtypes = [ctypes.c_int]
         lib.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        lib.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
         _libc = lib
     return _libc
 
@@ -57,99 +74,202 @@ def _lib() -> ctypes.CDLL:
 def _check(result: int, what: str, path: str) -> int:
     if result < 0:
         code = ctypes.get_errno()
-        raise OSError(code, f"{what}: {os.strerror(code)}", path)
+        advice = {
+            errno.EMFILE: " (no inotify instance left for this user: raise "
+                          "fs.inotify.max_user_instances, or close other watchers)",
+            errno.ENOSPC: " (no inotify watch left for this user: raise "
+                          "fs.inotify.max_user_watches)",
+        }.get(code, "")
+        raise OSError(code, f"{what}: {os.strerror(code)}{advice}", path)
     return result
 
 
-class DirectoryWatch:
-    """Events of the files directly in ``path`` (see the module docstring). Raises OSError
-    from ``start()`` when no watch can be set (not Linux, no inotify instances or watches
-    left: ``fs.inotify.max_user_instances`` / ``max_user_watches``)."""
+class _Instance:
+    """The process's inotify instance, its thread and the watches on it (one job: route each
+    event to the callbacks of its directory). Created by the first watch, retired with the
+    last; everything here is under ``_LOCK``."""
 
-    def __init__(self, path: str, on_event: Callable[[str | None], None]):
-        self.path = path
-        self.on_event = on_event
-        self._fd = -1
-        self._wake_r = self._wake_w = -1
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def start(self) -> DirectoryWatch:
+    def __init__(self) -> None:
         try:
             lib = _lib()
         except (OSError, AttributeError) as exc:  # not Linux: no inotify in this libc
             raise OSError(errno.ENOSYS, f"inotify is not available here ({exc})") from None
-        self._fd = _check(lib.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1",
-                          self.path)
+        self.lib = lib
+        self.fd = _check(lib.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1", "")
         try:
-            _check(lib.inotify_add_watch(self._fd, os.fsencode(self.path),
-                                         CHANGES | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR),
-                   "inotify_add_watch", self.path)
-            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         except BaseException:
-            self._close()
+            os.close(self.fd)
             raise
-        self._thread = threading.Thread(target=self._run, name="dbsync-inotify", daemon=True)
-        self._thread.start()
-        return self
+        self.pid = os.getpid()
+        self.retired = False
+        self.watches: dict[int, dict[int, Callback]] = {}  # wd -> token -> callback
+        self.thread = threading.Thread(target=self._run, name="dbsync-inotify", daemon=True)
+        self.thread.start()
 
-    def stop(self) -> None:
-        """Tell the thread to stop, and return at once: the thread closes the inotify
-        instance itself on its way out (closing one waits for the kernel's grace period,
-        10-20 ms, which callers waiting for a version should not pay). ``on_event`` may still
-        be called once if the thread was handling events at this moment."""
-        with self._lock:
-            if not self._closed and self._wake_w >= 0:
-                try:
-                    os.write(self._wake_w, b"x")
-                except OSError:
-                    pass
-        self._thread = None
+    def add(self, path: str, token: int, on_event: Callback) -> int:
+        wd = _check(self.lib.inotify_add_watch(self.fd, os.fsencode(path), _MASK),
+                    "inotify_add_watch", path)
+        self.watches.setdefault(wd, {})[token] = on_event
+        return wd
 
-    def _close(self) -> None:
-        for fd in (self._fd, self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._fd = self._wake_r = self._wake_w = -1
+    def remove(self, wd: int, token: int) -> None:
+        callbacks = self.watches.get(wd)
+        if callbacks is None or callbacks.pop(token, None) is None:
+            return  # (its directory went away: the kernel removed the watch already)
+        if not callbacks:
+            del self.watches[wd]
+            self.lib.inotify_rm_watch(self.fd, wd)  # (fails harmlessly if already gone)
+        if not self.watches:
+            self.retire()
+
+    def retire(self) -> None:
+        """Take no more watches; the thread closes the instance on its way out."""
+        self.retired = True
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
 
     def _run(self) -> None:
         try:
             self._loop()
+        except Exception:  # noqa: BLE001 - every watcher falls back to its periodic looks
+            log.exception("dbsync inotify thread failed; watchers fall back to their "
+                          "periodic looks")
+            with _LOCK:
+                callbacks = [c for w in self.watches.values() for c in w.values()]
+                self.watches.clear()
+                self.retired = True
+            for callback in callbacks:
+                _call(callback, None)
         finally:
-            with self._lock:
-                self._closed = True
-                self._close()
+            global _instance
+            with _LOCK:
+                if _instance is self:
+                    _instance = None
+                if self.pid == os.getpid():
+                    for fd in (self.fd, self.wake_r, self.wake_w):
+                        os.close(fd)
 
     def _loop(self) -> None:
         poller = select.poll()
-        poller.register(self._fd, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
+        poller.register(self.fd, select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
         while True:
             ready = {fd for fd, _ in poller.poll()}
-            if self._wake_r in ready:
-                return
+            if self.wake_r in ready:
+                with _LOCK:
+                    if self.retired:  # (retired: no watch is left, none can be added)
+                        return
+            if self.fd not in ready:
+                continue
             try:
-                data = os.read(self._fd, 64 * 1024)
+                data = os.read(self.fd, 64 * 1024)
             except BlockingIOError:
                 continue
-            except OSError:
-                self.on_event(None)
+            calls: list[tuple[Callback, str | None]] = []
+            with _LOCK:
+                for wd, mask, name in _events(data):
+                    if mask & IN_Q_OVERFLOW:  # (wd -1): every watch looks again
+                        calls += [(c, None) for w in self.watches.values() for c in w.values()]
+                        continue
+                    callbacks = self.watches.get(wd)
+                    if callbacks is None:
+                        continue  # (a watch removed meanwhile)
+                    if mask & SELF_GONE:
+                        if mask & IN_IGNORED:  # the kernel dropped this watch
+                            del self.watches[wd]
+                        calls += [(c, None) for c in callbacks.values()]
+                    elif mask & CHANGES:
+                        calls += [(c, name) for c in callbacks.values()]
+                if not self.watches:  # (every directory went away)
+                    self.retired = True
+                done = self.retired
+            for callback, name in calls:
+                _call(callback, name)
+            if done:
                 return
-            for name in _names(data):
-                self.on_event(name)
 
 
-def _names(data: bytes) -> list[str | None]:
-    """The names in a buffer of inotify events (None for events of the directory itself)."""
-    out: list[str | None] = []
+def _call(callback: Callback, name: str | None) -> None:
+    try:
+        callback(name)
+    except Exception:  # noqa: BLE001 - one watcher's failure must not end the others' events
+        log.exception("dbsync inotify callback failed")
+
+
+_LOCK = threading.Lock()
+_instance: _Instance | None = None
+_tokens = itertools.count(1)
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the inherited instance's thread is gone and its events belong to
+    the parent. Close this process's copies of its fds and start afresh."""
+    global _LOCK, _instance
+    _LOCK = threading.Lock()
+    old, _instance = _instance, None
+    if old is not None:
+        for fd in (old.fd, old.wake_r, old.wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        old.watches.clear()
+        old.retired = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+class DirectoryWatch:
+    """Events of the files directly in ``path`` (see the module docstring). Raises OSError
+    from ``start()`` when no watch can be set (not Linux, no inotify instance or watch left
+    for this user: ``fs.inotify.max_user_instances`` / ``max_user_watches``; the message
+    says which)."""
+
+    def __init__(self, path: str, on_event: Callback):
+        self.path = path
+        self.on_event = on_event
+        self._token = next(_tokens)
+        self._placed: tuple[_Instance, int] | None = None
+
+    def start(self) -> DirectoryWatch:
+        global _instance
+        with _LOCK:
+            instance = _instance
+            if instance is None or instance.retired:
+                instance = _instance = _Instance()
+            try:
+                wd = instance.add(self.path, self._token, self.on_event)
+            except BaseException:
+                if not instance.watches:
+                    instance.retire()
+                    _instance = None
+                raise
+            self._placed = (instance, wd)
+        return self
+
+    def stop(self) -> None:
+        """Stop the events and return at once (the instance, if this was its last watch, is
+        closed by its thread). ``on_event`` may still be called once if the thread was
+        handling events at this moment."""
+        with _LOCK:
+            placed, self._placed = self._placed, None
+            if placed is not None and placed[0].pid == os.getpid():
+                placed[0].remove(placed[1], self._token)
+
+
+def _events(data: bytes) -> list[tuple[int, int, str]]:
+    """(watch, mask, file name) of each event in a buffer of inotify events (the name is ""
+    for events of the directory itself)."""
+    out: list[tuple[int, int, str]] = []
     offset = 0
     while offset + _HEADER.size <= len(data):
-        _, mask, _, length = _HEADER.unpack_from(data, offset)
+        wd, mask, _, length = _HEADER.unpack_from(data, offset)
         raw = data[offset + _HEADER.size: offset + _HEADER.size + length]
         offset += _HEADER.size + length
-        if mask & SELF_GONE:
-            out.append(None)
-        elif mask & CHANGES:
-            out.append(os.fsdecode(raw.rstrip(b"\0")))
+        out.append((wd, mask, os.fsdecode(raw.rstrip(b"\0"))))
     return out

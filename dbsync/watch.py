@@ -203,6 +203,7 @@ class Watcher:
         self._link_observer: DirectoryWatch | None = None  # (where ROOT is a symlink)
         self._watched: tuple[int, int] | None = None  # (st_dev, st_ino) of the watched root
         self._rewatch = threading.Event()
+        self._unwatched_because = "the directory was replaced"  # (said once watched again)
 
     # ---- public -------------------------------------------------------------------------
     @property
@@ -369,6 +370,7 @@ class Watcher:
 
         def on_event(name: str | None) -> None:
             if name is None:  # the directory went away (or events were lost): look again
+                self._unwatched_because = "the directory was replaced"
                 rewatch.set()
                 wake.set()
             elif name == MANIFEST_FILE:
@@ -378,6 +380,7 @@ class Watcher:
 
         def on_link_event(name: str | None) -> None:  # ROOT is a symlink: re-pointed?
             if name is None or name == link:
+                self._unwatched_because = "the symlink was re-pointed"
                 rewatch.set()
                 wake.set()
 
@@ -385,9 +388,10 @@ class Watcher:
             st = os.stat(self.root)
             watch = DirectoryWatch(self.root, on_event).start()
         except OSError as exc:  # no inotify here, none left, or the root is gone
-            if not self._rewatch.is_set():
+            if not self._rewatch.is_set() or not self._unwatched_because.startswith("no "):
                 log.warning("dbsync watcher: no inotify watch on %s (%s); polling every %g s "
                             "until one can be set", self.root, exc, self.poll_interval)
+            self._unwatched_because = f"no inotify watch could be set before: {exc}"
             self._rewatch.set()
             return
         self._observer, self._watched = watch, (st.st_dev, st.st_ino)
@@ -413,8 +417,9 @@ class Watcher:
         if os.path.isdir(self.root):
             self._start_observer()
             if not self._rewatch.is_set():
-                log.info("dbsync watcher: watching %s again (the directory was replaced)",
-                         self.root)
+                log.info("dbsync watcher: watching %s with inotify again (%s)", self.root,
+                         self._unwatched_because)
+                self._unwatched_because = "the directory was replaced"
 
     def _root_replaced(self) -> bool:
         try:

@@ -160,6 +160,10 @@ def test_installed_wheel_runs_the_command_and_a_round_trip(fresh_venv: Path,
     assert helped.returncode == 0, helped.stderr
     for sub in ("push", "status", "verify", "watch", "serve-vllm"):
         assert sub in helped.stdout
+    # (where the scripts directory is not on PATH)
+    module = _run([python, "-m", "dbsync", "--help"], tmp_path)
+    assert module.returncode == 0, module.stderr
+    assert module.stdout == helped.stdout
 
     where = _run([python, "-c", "import json, dbsync, dbsync_cli, importlib.util; print(json."
                   "dumps([dbsync.__file__, dbsync_cli.__file__, "
@@ -177,6 +181,9 @@ def test_installed_wheel_runs_the_command_and_a_round_trip(fresh_venv: Path,
     pushed = _run([command, "push", tmp_path / "w.safetensors", store], tmp_path)
     assert pushed.returncode == 0, pushed.stderr
     assert pushed.stdout.strip() == "1"
+    status = _run([python, "-m", "dbsync", "status", "--json", store], tmp_path)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["version"] == 1
 
     load = ("import sys, torch, dbsync\n"
             "got = {}\n"

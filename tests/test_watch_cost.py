@@ -358,3 +358,102 @@ def test_poll_intervals_and_timeouts_that_are_no_time(store):
     with dbsync.Sender(store, durable=False) as sender:
         with pytest.raises(ValueError, match="timeout must be a finite"):
             sender.wait_for_receivers(1, 1, timeout=float("nan"))
+
+
+_MANY_WAITS_SCRIPT = r"""
+import json, os, sys, threading, time
+import torch, dbsync
+from dbsync import inotify
+
+root, waits = sys.argv[1], int(sys.argv[2])
+# This user namespace allows two inotify instances; another program of the user holds one.
+with open("/proc/sys/user/max_inotify_instances", "w") as f:
+    f.write("2")
+other = inotify._lib().inotify_init1(0)
+assert other >= 0
+receivers = [dbsync.Receiver(root, poll_interval=120) for _ in range(waits)]
+got, woke = [], []
+lock = threading.Lock()
+
+def wait(receiver):
+    version = receiver.wait(newer_than=1, timeout=60)
+    with lock:
+        got.append(version)
+        woke.append(time.monotonic())
+
+threads = [threading.Thread(target=wait, args=(r,)) for r in receivers]
+for t in threads:
+    t.start()
+deadline = time.monotonic() + 60
+while sum(t.name == "dbsync-watch" for t in threading.enumerate()) < waits:
+    assert time.monotonic() < deadline, "the waits did not start"
+    threading.Event().wait(0.01)
+
+
+def is_inotify(fd):
+    try:
+        return "inotify" in os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # (the fd listdir itself used)
+        return False
+
+instances = sum(map(is_inotify, os.listdir("/proc/self/fd")))
+with dbsync.Sender(root, durable=False) as sender:
+    sender.push({"w": torch.full((4,), 2.0)})
+    flipped = time.monotonic()
+for t in threads:
+    t.join()
+print(json.dumps({"got": got, "slowest": max(woke) - flipped, "instances": instances}))
+"""
+
+
+def test_many_concurrent_waits_share_one_inotify_instance(store, tmp_path):
+    """A server with 40 `Receiver.wait` calls in flight, on a host whose user has one inotify
+    instance left (the kernel's per-user limit, 128 by default, shared by every process of
+    the user): every wait still notices the flip at once (not at its 120 s poll), because
+    the process's watches share one instance."""
+    import json
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/sys/user/max_inotify_instances"):
+        pytest.skip("no per-namespace inotify limits on this kernel")
+    script = tmp_path / "waits.py"
+    script.write_text(_MANY_WAITS_SCRIPT)
+    done = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, str(script),
+                           store, "40"], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["got"] == [2] * 40
+    assert result["slowest"] < 2.5, result  # (the waits look by themselves every 5 s)
+    assert result["instances"] == 2, result  # (its own and the other program's)
+    assert "no inotify watch" not in done.stderr
+
+
+def test_a_forked_child_and_its_parent_both_notice_a_flip_at_once(store):
+    """A process with a running watcher forks (a data-loader worker, a server's pre-fork):
+    the child's watcher must not read the parent's inotify instance (it would take the
+    parent's events), and both notice the next flip from their own events."""
+    seen = Seen()
+    ready_r, ready_w = os.pipe()
+    with Watcher(store, seen, use_polling=False, skip_current=True, safety_interval=60):
+        pid = os.fork()
+        if pid == 0:  # the child: its own watcher, then tell the parent it is watching
+            code = 1
+            try:
+                child_seen = Seen()
+                with Watcher(store, child_seen, use_polling=False, skip_current=True,
+                             safety_interval=60):
+                    os.write(ready_w, b"1")
+                    code = 0 if child_seen.until(2, timeout=20) else 3
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"1"
+        os.close(ready_r)
+        flipped = time.monotonic()
+        push(store, 2.0)
+        assert seen.until(2, timeout=20)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child did not notice the flip"
+    assert seen.at[2] - flipped < 2.0

@@ -149,13 +149,15 @@ def complete(base: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS) -
 
 def complete_with_version(base: str, model: str, prompt: str, max_tokens: int = MAX_TOKENS,
                           ) -> tuple[str, str | None]:
-    """The completion and its ``x-dbsync-version`` header (the adapter version it ran on)."""
+    """The completion and its ``x-dbsync-version`` header (the adapter version it ran on).
+    The answer names the model as it was asked for (never an internal per-version name)."""
     req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps({
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True}).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
-        return (json.loads(resp.read())["choices"][0]["text"],
-                resp.headers.get("x-dbsync-version"))
+        body = json.loads(resp.read())
+        assert body["model"] == model, f"answered as {body['model']!r}, asked for {model!r}"
+        return body["choices"][0]["text"], resp.headers.get("x-dbsync-version")
 
 
 @pytest.fixture(scope="module")

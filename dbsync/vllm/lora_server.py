@@ -144,10 +144,19 @@ class LoRAServing:
             self.models.lora_requests[self.versions.name] = prepared.request
 
     def list_by_name(self, models: Any) -> None:
-        """Make ``models`` (vLLM's ``OpenAIServingModels``) list each adapter under the name
-        it is requested by (``NAME``) in ``/v1/models``, not under its version's request name
-        (``NAME@v4#...``: internal, and unknown to clients once a newer version is served)."""
+        """Make ``models`` (vLLM's ``OpenAIServingModels``) name each adapter version by the
+        name it is requested by (``NAME``), not by its version's request name (``NAME@v4#...``:
+        internal, and unknown to clients once a newer version is served): in ``/v1/models``
+        and in the ``model`` field of every completion, chat completion and response (the
+        version that answered is in the ``x-dbsync-version`` header)."""
         original = models.show_available_models
+        original_name = models.model_name
+        prefix = f"{self.versions.name}@v"
+
+        def model_name(lora_request: Any = None) -> str:
+            name = original_name(lora_request)
+            return self.versions.name if isinstance(name, str) and name.startswith(
+                prefix) else name
 
         async def show_available_models() -> Any:
             listing = await original()
@@ -157,6 +166,7 @@ class LoRAServing:
             return listing
 
         models.show_available_models = show_available_models
+        models.model_name = model_name
         self.models = models
 
     # ---- following the store ---------------------------------------------------------------

@@ -407,6 +407,43 @@ def test_a_damaged_adapter_version_is_refused_at_once_not_retried(tmp_path: Path
         versions.close()
 
 
+def test_a_request_whose_version_was_dropped_while_it_waited_runs_on_the_newest(
+        tmp_path: Path) -> None:
+    """A request resolved to version 1 when it arrived, and started only after versions 2 and
+    3 had come and 1 was dropped (no request held it): it runs on version 3, whose directory
+    is there, and is labelled 3 (it ran unlabelled, on an adapter no longer loaded)."""
+    from dbsync.vllm.checkpoint import read_safetensors_header
+    from dbsync.vllm.lora import AdapterVersions
+
+    model = tiny_model("A")
+    expected = read_safetensors_header(str(model / "model.safetensors"))
+    shapes = layer_shapes(model)
+    root = tmp_path / "store"
+    sender = Sender(root)
+    versions = AdapterVersions(root, NAME, expected, MAX_RANK, keep=2,
+                               workdir=str(tmp_path / "work"))
+    try:
+        with sender:
+            served = []
+            for seed in (1, 2, 3):
+                sender.push(str(write_adapter(tmp_path / f"adapter{seed}", seed, shapes)))
+                prepared = versions.prepare()
+                for old in versions.commit(prepared):
+                    versions.retire(old)
+                served.append(prepared)
+        first, newest = served[0], served[-1]
+        assert not os.path.exists(first.directory)  # dropped: nothing held it
+        got = versions.acquire_request(first.request)
+        assert got is newest and got.version == 3
+        assert os.path.isdir(got.directory)
+        assert versions.status()["kept"][-1]["in_flight"] == 1
+        versions.release(got.lora_int_id)
+        assert versions.acquire_request(served[1].request) is served[1]  # still kept
+        versions.release(served[1].lora_int_id)
+    finally:
+        versions.close()
+
+
 def test_an_adapter_version_whose_stamp_is_damaged_is_refused_not_retried(
         tmp_path: Path) -> None:
     """The current adapter slot's stamp damaged (the head did not move): refused as a damaged

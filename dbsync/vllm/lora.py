@@ -257,6 +257,7 @@ class AdapterVersions:
         self.keep = int(keep)
         self.receiver = Receiver(root, reader_id=reader_id, verify=verify)
         self.workdir = workdir or default_workdir()
+        os.makedirs(self.workdir, exist_ok=True)
         self.kept: list[AdapterVersion] = []
         self.refused: dict[str, Any] | None = None
         self.refusals = 0
@@ -394,10 +395,24 @@ class AdapterVersions:
                 return
         shutil.rmtree(old.directory, ignore_errors=True)
 
-    def acquire(self, lora_int_id: int) -> None:
-        """A request on ``lora_int_id`` started (its directory must stay)."""
+    def acquire_request(self, request: Any) -> AdapterVersion | None:
+        """A request starts on ``request`` (the ``LoRARequest`` its model name resolved to
+        when it arrived): count it (its version's directory stays until it ends) and return
+        its version, which the request must run on. A request that waited while its version
+        was dropped (newer versions came, and no other request held it) runs on the newest
+        version instead, as if it had arrived a moment later; the dropped one is no longer
+        loaded and its directory is gone. None for an adapter not of this store (not
+        counted)."""
+        lora_id = getattr(request, "lora_int_id", None)
         with self._lock:
-            self._in_flight[lora_int_id] += 1
+            found = next((v for v in [*self.kept, *self._retiring.values()]
+                          if v.lora_int_id == lora_id), None)
+            if found is None and self.kept and str(getattr(request, "lora_name", "")
+                                                   ).startswith(f"{self.name}@v"):
+                found = self.kept[-1]
+            if found is not None:
+                self._in_flight[found.lora_int_id] += 1
+            return found
 
     def release(self, lora_int_id: int) -> None:
         """A request on ``lora_int_id`` ended."""
@@ -413,13 +428,6 @@ class AdapterVersions:
     def in_flight(self, lora_int_id: int) -> int:
         with self._lock:
             return self._in_flight[lora_int_id]
-
-    def by_id(self, lora_int_id: int) -> AdapterVersion | None:
-        with self._lock:
-            for v in [*self.kept, *self._retiring.values()]:
-                if v.lora_int_id == lora_int_id:
-                    return v
-        return None
 
     def status(self) -> dict[str, Any]:
         with self._lock:

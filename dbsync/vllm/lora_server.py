@@ -215,15 +215,14 @@ class LoRAServing:
 
         async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
             request = kwargs.get("lora_request")
-            lora_id = None if request is None else getattr(request, "lora_int_id", None)
-            adapter = None if lora_id is None else versions.by_id(lora_id)
+            adapter = None if request is None else versions.acquire_request(request)
+            if adapter is not None and adapter.request is not request:
+                kwargs["lora_request"] = adapter.request  # (its version was dropped meanwhile)
             # (the base model's own weights are labelled "default", as in full-weight mode;
             # an adapter not of this store is not labelled)
-            label = "default" if lora_id is None else (
+            label = "default" if request is None else (
                 None if adapter is None else str(adapter.version))
             record = current_request.get() if label is not None else None
-            if lora_id is not None:
-                versions.acquire(lora_id)
             if record is not None:
                 record.active += 1
             try:
@@ -237,8 +236,8 @@ class LoRAServing:
             finally:
                 if record is not None:
                     record.active -= 1
-                if lora_id is not None:
-                    versions.release(lora_id)
+                if adapter is not None:
+                    versions.release(adapter.lora_int_id)
 
         engine_client.generate = generate
 

@@ -262,6 +262,11 @@ if _register_exit_hook is not None:
     _register_exit_hook(_finish_background_pushes)
 
 
+#: the Senders whose ``progress`` callback the current thread is running (a thread-local
+#: mark: a pool's set of threads is filled only after a new thread has started working)
+_in_progress = threading.local()
+
+
 def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor], pid: int) -> None:
     """Finalizer shared by ``close()`` and garbage collection (holds no Sender reference).
     It may run in a pool's own thread (the publisher dropping the last reference after a
@@ -963,7 +968,11 @@ class Sender:
             def on_bytes(n: int) -> None:
                 with lock:
                     done[0] += n
-                    progress(done[0], total)
+                    _in_progress.senders = (*getattr(_in_progress, "senders", ()), self)
+                    try:
+                        progress(done[0], total)
+                    finally:
+                        _in_progress.senders = _in_progress.senders[:-1]
 
         # Shards are written in batches (bounded open files, ``fileio.SHARDS_OPEN_AT_ONCE``).
         # Tensors fill shards in order, so a batch of shards is a run of tensors.
@@ -994,8 +1003,7 @@ class Sender:
     def close(self) -> None:
         """Finish the pending push (its errors stay in its future), release the writer lock.
         Not from a ``progress`` callback (a writer thread of the push it would wait for)."""
-        here = threading.current_thread()
-        if any(here in getattr(pool, "_threads", ()) for pool in (self._io, self._publisher)):
+        if any(sender is self for sender in getattr(_in_progress, "senders", ())):
             raise DBSyncError("Sender.close() was called from a push's progress callback, which "
                               "runs in the push's own writer threads and would wait for "
                               "itself; raise an exception there to stop the push, and close "

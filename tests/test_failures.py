@@ -279,6 +279,44 @@ def test_ctrl_c_on_one_push_leaves_an_earlier_background_push_alone(root):
     assert torch.equal(got["w"], torch.ones(4))
 
 
+def test_close_from_a_progress_callback_is_refused_and_stops_only_that_push(root):
+    """``Sender.close()`` called from a push's progress callback (a writer thread of the push
+    it would wait for) deadlocked forever. It is refused there: that push stops, publishing
+    nothing, and the Sender goes on. (The push runs in a thread joined with a bound, so a
+    deadlock fails this test instead of hanging the suite.)"""
+    import threading
+
+    outcome: dict[str, object] = {}
+    sender = dbsync.Sender(root, num_threads=2)
+
+    def progress(done: int, total: int) -> None:
+        sender.close()
+
+    def run() -> None:
+        try:
+            sender.push({"w": torch.ones(1000)}, progress=progress)
+        except Exception as exc:  # noqa: BLE001 - looked at below
+            outcome["error"] = exc
+        else:
+            outcome["error"] = None
+        try:
+            outcome["next"] = sender.push({"w": torch.full((1000,), 2.0)})
+        finally:
+            sender.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "push() deadlocked when its progress callback called close()"
+    assert isinstance(outcome["error"], dbsync.DBSyncError)
+    assert "progress callback" in str(outcome["error"])
+    assert outcome["next"] == 1  # nothing was published by the stopped push
+    got = {}
+    with dbsync.Receiver(root) as receiver:
+        receiver.load(lambda pairs: got.update({n: t.clone() for n, t in pairs}))
+    assert torch.equal(got["w"], torch.full((1000,), 2.0))
+
+
 def test_a_child_the_trainer_forked_does_not_keep_the_store_locked(root):
     """A trainer forks (DataLoader workers, multiprocessing) after creating its Sender, then is
     killed: the restarted trainer takes the store while the child still lives. (The child's

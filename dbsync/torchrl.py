@@ -55,6 +55,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -115,6 +116,18 @@ def extract_weights(strategy: WeightStrategy, source: Any) -> Any:
     return weights
 
 
+def _without_non_persistent(weights: TensorDictBase, model: Any) -> TensorDictBase:
+    """``weights`` without the registered ``model``'s non-persistent buffers (rotary
+    ``inv_freq`` tables: not in its state_dict nor its checkpoint, and an engine refuses
+    them), as ``extract_weights`` leaves them out of a module's own extraction."""
+    if not isinstance(model, nn.Module):
+        return weights
+    present = set(weights.keys(include_nested=True, leaves_only=True))
+    keys = [key for key in (tuple(name.split(".")) for name in non_persistent_buffers(model))
+            if key in present or (len(key) == 1 and key[0] in present)]
+    return weights.exclude(*keys) if keys else weights
+
+
 def _as_pairs(weights: Any) -> dict[str, torch.Tensor]:
     """The flat ``{name: tensor}`` that is published, names joined with '.' (as torchrl's
     ``flatten_keys(".")``)."""
@@ -124,6 +137,10 @@ def _as_pairs(weights: Any) -> dict[str, torch.Tensor]:
         flat = weights.flatten_keys(".")
         pairs = {str(k): v for k, v in flat.items(include_nested=True, leaves_only=True)}
     elif isinstance(weights, Mapping):
+        if any(isinstance(v, Mapping | TensorDictBase) for v in weights.values()):
+            # nested ({"lin": {"weight": ...}}): torchrl's scheme sends it as a TensorDict,
+            # which publishes '.'-joined names
+            return _as_pairs(TensorDict(dict(weights), batch_size=[]))
         pairs = dict(weights)
     else:
         raise InvalidWeightsError(
@@ -233,6 +250,8 @@ class DBSyncTransport:
 
     # -- receiver side
     def _receiver(self) -> Receiver:
+        if self._scheme is not None:
+            self._scheme._check_not_shut_down()
         if self._reader is None:
             verify = True if self._scheme is None else self._scheme.verify
             self._reader = Receiver(self.local_addr, verify=verify)
@@ -246,6 +265,8 @@ class DBSyncTransport:
         ignored (the store holds them). ``inplace=False`` replaces the model's tensors (for a
         model on the meta device)."""
         del weights
+        if self._scheme is not None:
+            self._scheme._check_not_shut_down()
         engine = _vllm_engine(model) if model is not None else None
         if engine is not None:
             if self._vllm is None or self._vllm.engine is not engine:
@@ -333,6 +354,9 @@ class DBSyncWeightSender:
             if model is None:
                 raise RuntimeError("Model reference is dead")
             weights = extract_weights(self._strategy, model)
+        elif isinstance(weights, TensorDictBase):  # (``TensorDict.from_module(model)``)
+            weights = _without_non_persistent(extract_weights(self._strategy, weights),
+                                              self._model_ref())
         elif hasattr(weights, "state_dict"):
             weights = extract_weights(self._strategy, weights)
         return self._transport.send_weights("vllm_model", weights)
@@ -446,6 +470,13 @@ class DBSyncWeightReceiver:
         root = self._scheme.local_addr
         if _published_version(root) is not None:
             return self.poll(None)
+        if self.version is not None and not os.path.isdir(root):
+            # (the store this engine got version N from is gone: say so now, rather than
+            # stall the caller's generate loop for the first-push wait on every poll)
+            raise StoreNotFoundError(
+                f"{root} no longer exists (removed, or its volume unmounted); the target keeps "
+                f"version {self.version}. Check the mount: the next poll reads the "
+                "store again once it is back")
         applied = self.poll(timeout)
         if not applied and not os.path.isdir(root):
             raise StoreNotFoundError(
@@ -568,7 +599,13 @@ class DBSyncScheme(WeightSyncScheme):
         """A transport over this scheme's store (``kwargs`` are accepted and unused, as in
         torchrl). Transports of one scheme share its writer."""
         del kwargs
-        return DBSyncTransport(self.remote_addr, self.local_addr, self.num_threads, scheme=self)
+        transport = DBSyncTransport(self.remote_addr, self.local_addr, self.num_threads,
+                                    scheme=self)
+        made = getattr(self, "_made_transports", None)
+        if made is None:
+            made = self._made_transports = weakref.WeakSet()
+        made.add(transport)  # (closed by shutdown: their readers' leases)
+        return transport
 
     def create_sender(self) -> DBSyncWeightSender:
         """A sender for the trainer process."""
@@ -819,7 +856,8 @@ class DBSyncScheme(WeightSyncScheme):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for key in ("_writer_obj", "_sender", "_receiver", "_receiver_transport",
-                    "_shared_transport", "_sender_transports", "_watch_error"):
+                    "_shared_transport", "_sender_transports", "_watch_error",
+                    "_made_transports"):
             state[key] = None
         state["_writer_lock"] = None
         return state
@@ -837,7 +875,8 @@ class DBSyncScheme(WeightSyncScheme):
         senders = getattr(self, "_sender_transports", None)
         owned = (getattr(self, "_shared_transport", None),
                  getattr(self, "_receiver_transport", None),
-                 *(senders.values() if isinstance(senders, dict) else ()))
+                 *(senders.values() if isinstance(senders, dict) else ()),
+                 *list(getattr(self, "_made_transports", None) or ()))
         for transport in {id(t): t for t in owned if isinstance(t, DBSyncTransport)}.values():
             transport.close()  # (its reader's lease, a writer of its own)
         receiver = getattr(self, "_receiver", None)

@@ -313,3 +313,81 @@ def test_multiprocess_collector_workers_follow_the_store(tmp_path: Path) -> None
         scheme.shutdown()
     status = dbsync.Receiver(str(tmp_path / "store")).latest_version()
     assert status == 4
+
+
+# ---- what torchrl users run into -------------------------------------------------------------
+def test_nested_dict_weights_publish_dotted_names_as_torchrls_scheme(tmp_path: Path) -> None:
+    """``update_weights({"lin": {"weight": w, "bias": b}})``: torchrl's scheme sends it as a
+    TensorDict (``lin.weight``, ``lin.bias``); it was refused here as "a training checkpoint"."""
+    weights = {"lin": {"weight": torch.randn(3, 2), "bias": torch.randn(3)}}
+    theirs = TorchrlDoubleBufferScheme(remote_addr=str(tmp_path / "torchrl"))
+    ours = VLLMDoubleBufferSyncScheme(remote_addr=str(tmp_path / "dbsync"))
+    for scheme in (theirs, ours):
+        sender = scheme.create_sender()
+        sender.register_model(nn.Linear(2, 3))
+        sender.update_weights(copy.deepcopy(weights))
+    got_theirs = theirs.create_transport().receive_weights()
+    got_ours = ours.create_transport().receive_weights()
+    assert set(got_ours.keys()) == set(got_theirs.keys()) == {"lin.weight", "lin.bias"}
+    for name in ("weight", "bias"):
+        assert torch.equal(got_ours[f"lin.{name}"], weights["lin"][name])
+    ours.shutdown()
+
+
+def test_a_tensordict_of_the_registered_model_leaves_out_its_non_persistent_buffers(
+        tmp_path: Path) -> None:
+    """``update_weights(TensorDict.from_module(model))`` publishes what the model's own
+    extraction publishes: its state_dict, not the rotary ``inv_freq`` tables (an engine
+    refuses those by name)."""
+    model = hf_model("B")
+    scheme = VLLMDoubleBufferSyncScheme(remote_addr=str(tmp_path / "store"))
+    sender = scheme.create_sender()
+    sender.register_model(model)
+    sender.update_weights(tensordict.TensorDict.from_module(model))
+    got = scheme.create_transport().receive_weights()
+    assert set(got.keys()) == set(model.state_dict())
+    scheme.shutdown()
+
+
+def test_a_transport_refuses_to_receive_after_shutdown_and_leaves_no_reader(
+        tmp_path: Path) -> None:
+    """TORCHRL.md: shutdown releases the readers' leases, and receiving afterwards raises.
+    A transport the scheme made received on, registering a reader nothing released."""
+    root = tmp_path / "store"
+    scheme = VLLMDoubleBufferSyncScheme(remote_addr=str(root))
+    sender = scheme.create_sender()
+    model = nn.Linear(2, 2)
+    sender.register_model(model)  # (held by a weak reference)
+    sender.update_weights()
+    transport = scheme.create_transport()
+    assert transport.receive_weights() is not None  # (a reader with a lease)
+    assert os.listdir(root / "readers")
+    scheme.shutdown()
+    assert not os.listdir(root / "readers")  # its lease is released with the scheme
+    with pytest.raises(RuntimeError, match="shut down"):
+        transport.receive_weights()
+    assert not os.listdir(root / "readers")
+
+
+def test_a_receiver_whose_store_was_removed_says_so_at_once(tmp_path: Path) -> None:
+    """The store a receiver applied version 1 from is removed (a lost mount): each
+    ``poll_and_apply()`` waited out its whole timeout (180 s by default) before raising."""
+    import shutil
+    import time
+
+    root = tmp_path / "store"
+    scheme = VLLMDoubleBufferSyncScheme(remote_addr=str(root))
+    sender = scheme.create_sender()
+    model = nn.Linear(2, 2)
+    sender.register_model(model)  # (held by a weak reference)
+    sender.update_weights()
+    target = nn.Linear(2, 2)
+    receiver = scheme.create_receiver(target)
+    assert receiver.poll_and_apply() and receiver.version == 1
+    scheme.shutdown()  # (the trainer is done; then the store goes)
+    shutil.rmtree(root)
+    started = time.monotonic()
+    with pytest.raises(dbsync.StoreNotFoundError, match="no longer exists.*keeps version 1"):
+        receiver.poll_and_apply(timeout=30)
+    assert time.monotonic() - started < 5
+    receiver.close()

@@ -17,10 +17,12 @@ way out (closing one waits for the kernel's grace period, 10-20 ms, which caller
 pay); the next watch opens a new one. A forked child drops the inherited instance (reading it
 would take the parent's events) and opens its own.
 
-``on_event(name)`` is called from the instance's thread with the file name (``str``), or with
-None when the directory itself was deleted or moved, or when the kernel's event queue
-overflowed (look at everything again). Callbacks must be quick (they share the thread); one
-that raises is logged and the others still run.
+``on_event(name)`` is called from the instance's thread with the file name (``str``) of an
+event in ``changes`` (default: moved to, created, closed after a write, modified), with None
+when the directory itself was deleted or moved (watch it again), or with ``LOST`` (``""``)
+when the kernel's event queue overflowed (events were lost: look at everything again; the
+watch itself is intact). Callbacks must be quick (they share the thread); one that raises is
+logged and the others still run.
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ IN_MOVE_SELF = 0x00000800
 IN_Q_OVERFLOW = 0x00004000
 IN_IGNORED = 0x00008000
 IN_ONLYDIR = 0x01000000
+IN_MASK_ADD = 0x20000000
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 
 CHANGES = IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE
-SELF_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_Q_OVERFLOW
-_MASK = CHANGES | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR
+#: a name (re)appearing: what re-pointing a symlink does in its directory
+APPEARS = IN_MOVED_TO | IN_CREATE
+SELF_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
+#: the name passed when events were lost (the kernel's queue overflowed)
+LOST = ""
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
 
 _libc: ctypes.CDLL | None = None
@@ -63,7 +69,11 @@ Callback = Callable[[str | None], None]
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # The process's own symbols first: ``find_library`` runs ``ldconfig`` and needs temp
+        # files, which fails in a process at its open-file limit.
+        lib = ctypes.CDLL(None, use_errno=True)
+        if not hasattr(lib, "inotify_init1"):
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         lib.inotify_init1.argtypes = [ctypes.c_int]
         lib.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
         lib.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -71,16 +81,17 @@ def _lib() -> ctypes.CDLL:
     return _libc
 
 
-def _check(result: int, what: str, path: str) -> int:
+def _check(result: int, what: str, path: str | None = None) -> int:
     if result < 0:
         code = ctypes.get_errno()
         advice = {
-            errno.EMFILE: " (no inotify instance left for this user: raise "
-                          "fs.inotify.max_user_instances, or close other watchers)",
+            errno.EMFILE: " (this user's inotify instances, fs.inotify.max_user_instances, or "
+                          "this process's open files, ulimit -n, are used up)",
             errno.ENOSPC: " (no inotify watch left for this user: raise "
                           "fs.inotify.max_user_watches)",
         }.get(code, "")
-        raise OSError(code, f"{what}: {os.strerror(code)}{advice}", path)
+        message = f"{what}: {os.strerror(code)}{advice}"
+        raise OSError(code, message) if path is None else OSError(code, message, path)
     return result
 
 
@@ -95,7 +106,7 @@ class _Instance:
         except (OSError, AttributeError) as exc:  # not Linux: no inotify in this libc
             raise OSError(errno.ENOSYS, f"inotify is not available here ({exc})") from None
         self.lib = lib
-        self.fd = _check(lib.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1", "")
+        self.fd = _check(lib.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
         try:
             self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         except BaseException:
@@ -103,14 +114,19 @@ class _Instance:
             raise
         self.pid = os.getpid()
         self.retired = False
-        self.watches: dict[int, dict[int, Callback]] = {}  # wd -> token -> callback
+        #: wd -> token -> (callback, the changes it asked for)
+        self.watches: dict[int, dict[int, tuple[Callback, int]]] = {}
+        _open.add(self)
         self.thread = threading.Thread(target=self._run, name="dbsync-inotify", daemon=True)
         self.thread.start()
 
-    def add(self, path: str, token: int, on_event: Callback) -> int:
-        wd = _check(self.lib.inotify_add_watch(self.fd, os.fsencode(path), _MASK),
+    def add(self, path: str, token: int, on_event: Callback, changes: int) -> int:
+        # (IN_MASK_ADD: the kernel keeps one watch per directory; each watcher of it adds
+        # the changes it wants, and is called only for those)
+        mask = changes | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR | IN_MASK_ADD
+        wd = _check(self.lib.inotify_add_watch(self.fd, os.fsencode(path), mask),
                     "inotify_add_watch", path)
-        self.watches.setdefault(wd, {})[token] = on_event
+        self.watches.setdefault(wd, {})[token] = (on_event, changes)
         return wd
 
     def remove(self, wd: int, token: int) -> None:
@@ -138,7 +154,7 @@ class _Instance:
             log.exception("dbsync inotify thread failed; watchers fall back to their "
                           "periodic looks")
             with _LOCK:
-                callbacks = [c for w in self.watches.values() for c in w.values()]
+                callbacks = [c for w in self.watches.values() for c, _ in w.values()]
                 self.watches.clear()
                 self.retired = True
             for callback in callbacks:
@@ -148,9 +164,11 @@ class _Instance:
             with _LOCK:
                 if _instance is self:
                     _instance = None
-                if self.pid == os.getpid():
-                    for fd in (self.fd, self.wake_r, self.wake_w):
-                        os.close(fd)
+                _open.discard(self)
+            # (outside the lock: closing an instance waits for the kernel's grace period,
+            # which watches starting or stopping meanwhile must not wait for)
+            for fd in (self.fd, self.wake_r, self.wake_w):
+                os.close(fd)
 
     def _loop(self) -> None:
         poller = select.poll()
@@ -172,7 +190,8 @@ class _Instance:
             with _LOCK:
                 for wd, mask, name in _events(data):
                     if mask & IN_Q_OVERFLOW:  # (wd -1): every watch looks again
-                        calls += [(c, None) for w in self.watches.values() for c in w.values()]
+                        calls += [(c, LOST) for w in self.watches.values()
+                                  for c, _ in w.values()]
                         continue
                     callbacks = self.watches.get(wd)
                     if callbacks is None:
@@ -180,9 +199,10 @@ class _Instance:
                     if mask & SELF_GONE:
                         if mask & IN_IGNORED:  # the kernel dropped this watch
                             del self.watches[wd]
-                        calls += [(c, None) for c in callbacks.values()]
-                    elif mask & CHANGES:
-                        calls += [(c, name) for c in callbacks.values()]
+                        calls += [(c, None) for c, _ in callbacks.values()]
+                    elif name:
+                        calls += [(c, name) for c, wanted in callbacks.values()
+                                  if mask & wanted]
                 if not self.watches:  # (every directory went away)
                     self.retired = True
                 done = self.retired
@@ -201,6 +221,7 @@ def _call(callback: Callback, name: str | None) -> None:
 
 _LOCK = threading.Lock()
 _instance: _Instance | None = None
+_open: set[_Instance] = set()  # instances whose fds are not closed yet (retiring included)
 _tokens = itertools.count(1)
 
 
@@ -209,8 +230,8 @@ def _forget_after_fork() -> None:
     the parent. Close this process's copies of its fds and start afresh."""
     global _LOCK, _instance
     _LOCK = threading.Lock()
-    old, _instance = _instance, None
-    if old is not None:
+    _instance = None
+    for old in list(_open):
         for fd in (old.fd, old.wake_r, old.wake_w):
             try:
                 os.close(fd)
@@ -218,6 +239,7 @@ def _forget_after_fork() -> None:
                 pass
         old.watches.clear()
         old.retired = True
+    _open.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -230,9 +252,10 @@ class DirectoryWatch:
     for this user: ``fs.inotify.max_user_instances`` / ``max_user_watches``; the message
     says which)."""
 
-    def __init__(self, path: str, on_event: Callback):
+    def __init__(self, path: str, on_event: Callback, changes: int = CHANGES):
         self.path = path
         self.on_event = on_event
+        self.changes = changes
         self._token = next(_tokens)
         self._placed: tuple[_Instance, int] | None = None
 
@@ -243,7 +266,7 @@ class DirectoryWatch:
             if instance is None or instance.retired:
                 instance = _instance = _Instance()
             try:
-                wd = instance.add(self.path, self._token, self.on_event)
+                wd = instance.add(self.path, self._token, self.on_event, self.changes)
             except BaseException:
                 if not instance.watches:
                     instance.retire()

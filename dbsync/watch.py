@@ -50,7 +50,7 @@ from typing import Any
 
 from .errors import DBSyncError, InvalidArgumentError
 from .format import MANIFEST_FILE, Head
-from .inotify import DirectoryWatch
+from .inotify import APPEARS, LOST, DirectoryWatch
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,11 @@ MIN_CHECK_INTERVAL = 0.01
 #: the longest poll interval used (a longer one, or infinity, is taken as this)
 MAX_POLL_INTERVAL = 3600.0
 ERROR_LOG_INTERVAL = 30.0
+#: how often one process warns that a root gets no inotify watch (``Receiver.wait`` makes a
+#: watcher per call: the warning is per root and reason, not per watcher)
+NO_WATCH_WARN_INTERVAL = 600.0
+_no_watch_warned: dict[tuple[str, int | None], float] = {}
+_no_watch_lock = threading.Lock()
 
 _REMOTE_TYPES = {
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "9p",
@@ -182,6 +187,9 @@ class Watcher:
         self.poll_interval = min(max(interval, MIN_CHECK_INTERVAL), MAX_POLL_INTERVAL)
         self.safety_interval = max(safety_interval, self.poll_interval)
         self.polling = needs_polling(self.root) if use_polling is None else use_polling
+        #: chosen from the mount type, and chosen again when another mount appears at ROOT
+        self._mode_from_mount = use_polling is None
+        self._root_identity: tuple[int, int] | None = _identity(self.root)
         self.skip_current = skip_current
         store = Store(self.root, create=False)
         self._probe = probe or (lambda: store.read_head_bytes(known=self._seen, stop=self._stop))
@@ -258,15 +266,29 @@ class Watcher:
     # ---- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
         clock = time.monotonic
+        woken, safety_due = True, clock() + self.safety_interval  # (a first look at once)
         while not self._stop.is_set():
             self._wake.clear()
-            if not self.polling and (self._rewatch.is_set() or self._root_replaced()):
+            identity = _identity(self.root)  # (a stat: is another directory or mount there?)
+            moved = identity != self._root_identity
+            if moved and self._mode_from_mount and identity is not None:
+                self._choose_mode_again()
+            if identity is not None:
+                self._root_identity = identity
+            if not self.polling and (self._rewatch.is_set() or identity is None
+                                     or identity != self._watched):
                 self._restart_observer()
-            self._check()
+            now = clock()
+            if woken or moved or self.polling or self._rewatch.is_set() or now >= safety_due:
+                self._check()
+                safety_due = now + self.safety_interval
             last = clock()
+            # Polling reads the head every poll interval; with inotify only events wake a
+            # look, and the root is stat-ed every poll interval (a volume mounted over it
+            # sends no event), with a full look every safety interval.
             interval = self.poll_interval if (self.polling or self._rewatch.is_set()) else (
-                self.safety_interval)
-            self._wake.wait(interval)
+                max(MIN_CHECK_INTERVAL, min(self.poll_interval, safety_due - last)))
+            woken = self._wake.wait(interval)
             # Bounded rate: events arriving meanwhile coalesce into the next look.
             remaining = last + MIN_CHECK_INTERVAL - clock()
             if remaining > 0:
@@ -369,17 +391,19 @@ class Watcher:
         wake, rewatch = self._wake, self._rewatch
 
         def on_event(name: str | None) -> None:
-            if name is None:  # the directory went away (or events were lost): look again
+            if name is None:  # the directory went away: watch the one there now
                 self._unwatched_because = "the directory was replaced"
                 rewatch.set()
                 wake.set()
-            elif name == MANIFEST_FILE:
+            elif name == MANIFEST_FILE or name == LOST:  # (LOST: events were lost: look)
                 wake.set()
 
         parent, link = os.path.split(self.root)
 
         def on_link_event(name: str | None) -> None:  # ROOT is a symlink: re-pointed?
-            if name is None or name == link:
+            if name == LOST:
+                wake.set()
+            elif name is None or name == link:
                 self._unwatched_because = "the symlink was re-pointed"
                 rewatch.set()
                 wake.set()
@@ -389,8 +413,7 @@ class Watcher:
             watch = DirectoryWatch(self.root, on_event).start()
         except OSError as exc:  # no inotify here, none left, or the root is gone
             if not self._rewatch.is_set() or not self._unwatched_because.startswith("no "):
-                log.warning("dbsync watcher: no inotify watch on %s (%s); polling every %g s "
-                            "until one can be set", self.root, exc, self.poll_interval)
+                _warn_no_watch(self.root, exc, self.poll_interval)
             self._unwatched_because = f"no inotify watch could be set before: {exc}"
             self._rewatch.set()
             return
@@ -400,7 +423,8 @@ class Watcher:
         # is watched where it lies too: re-pointing it makes no event in the old target.
         if os.path.islink(self.root):
             try:
-                self._link_observer = DirectoryWatch(parent, on_link_event).start()
+                # (only names appearing: writes of other files there cost nothing)
+                self._link_observer = DirectoryWatch(parent, on_link_event, APPEARS).start()
             except OSError as exc:
                 log.info("dbsync watcher: the symlink %s is not watched (%s); a new target is "
                          "noticed within %g s", self.root, exc, self.safety_interval)
@@ -421,9 +445,42 @@ class Watcher:
                          self._unwatched_because)
                 self._unwatched_because = "the directory was replaced"
 
-    def _root_replaced(self) -> bool:
-        try:
-            st = os.stat(self.root)
-        except OSError:
-            return True
-        return (st.st_dev, st.st_ino) != self._watched
+    def _choose_mode_again(self) -> None:
+        """Another filesystem appeared at ROOT (a network or FUSE volume mounted over it, or
+        unmounted): poll where it delivers no events for changes made elsewhere, watch with
+        inotify where it does."""
+        polling = needs_polling(self.root)
+        if polling == self.polling:
+            return
+        self.polling = polling
+        if polling:
+            self._stop_observer()
+            log.info("dbsync watcher: %s is now on a %s mount (no inotify events for changes "
+                     "made elsewhere); polling every %g s", self.root, mount_type(self.root),
+                     self.poll_interval)
+        else:
+            self._unwatched_because = f"it is now on a {mount_type(self.root)} mount"
+            self._rewatch.set()
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` (None if it cannot be looked at)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _warn_no_watch(root: str, exc: OSError, poll_interval: float) -> None:
+    """Warn that ``root`` gets no inotify watch: once per root and reason per
+    ``NO_WATCH_WARN_INTERVAL`` in this process (later ones at DEBUG)."""
+    key, now = (root, exc.errno), time.monotonic()
+    with _no_watch_lock:
+        last = _no_watch_warned.get(key)
+        loud = last is None or now - last >= NO_WATCH_WARN_INTERVAL
+        if loud:
+            _no_watch_warned[key] = now
+    log.log(logging.WARNING if loud else logging.DEBUG,
+            "dbsync watcher: no inotify watch on %s (%s); polling every %g s until one can be "
+            "set", root, exc, poll_interval)

@@ -5,6 +5,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -259,6 +260,48 @@ def test_fuse_view_without_inotify_events_is_polled(tmp_path):
             assert torch.equal(got["w"], torch.full((2,), 2.0))
     finally:
         subprocess.run(["umount", view], check=False)
+
+
+def test_a_fuse_volume_mounted_over_a_watched_root_is_polled_from_then_on(tmp_path):
+    """A watcher started on an empty local directory (the reader came up before the volume);
+    then the store's FUSE view is mounted there. It chose inotify from the local filesystem,
+    which never fires for changes made through the backing directory: it noticed flips only
+    at its 5 s safety look, skipping versions. It now polls from the moment the mount
+    appears, at its poll interval."""
+    import shutil
+
+    if shutil.which("bindfs") is None or not os.path.exists("/dev/fuse"):
+        pytest.skip("bindfs/FUSE not available here (.ci/run installs it)")
+    base, view = tmp_path / "base", tmp_path / "view"
+    base.mkdir()
+    view.mkdir()
+    seen: list[tuple[int, float]] = []
+    arrived = threading.Condition()
+
+    def noticed(version: int) -> None:
+        with arrived:
+            seen.append((version, time.monotonic()))
+            arrived.notify_all()
+
+    with dbsync.Sender(base) as sender, dbsync.Watcher(
+            str(view), noticed, poll_interval=0.1, safety_interval=30) as watcher:
+        assert watcher.mode == "inotify"
+        sender.push({"w": torch.ones(2)})
+        subprocess.run(["bindfs", str(base), str(view)], check=True)
+        try:
+            with arrived:
+                assert arrived.wait_for(lambda: seen, timeout=10), "the mounted store"
+            assert watcher.mode == "polling"
+            for expected in (2, 3):
+                flipped = time.monotonic()
+                assert sender.push({"w": torch.full((2,), float(expected))}) == expected
+                with arrived:
+                    assert arrived.wait_for(lambda e=expected: seen[-1][0] == e, timeout=10)
+                assert seen[-1][1] - flipped < 2.0
+            assert [v for v, _ in seen] == [1, 2, 3]
+        finally:
+            watcher.stop()
+            subprocess.run(["umount", str(view)], check=False)
 
 
 def test_inotify_watcher_reacts_without_waiting_for_a_poll(root):

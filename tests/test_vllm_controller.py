@@ -550,6 +550,39 @@ def test_a_new_training_run_replaces_the_published_version_and_its_lag(tmp_path:
         controller.stop()
 
 
+def test_a_new_run_whose_versions_are_refused_shows_a_lag(tmp_path: Path) -> None:
+    """The server serves the old run's version 5; the new run at the same path publishes
+    versions 1 and 2 that do not fit. The lag read 0 (2 - 5, floored), hiding a server that
+    serves nothing of the current run from every lag alert; it is the new run's 2."""
+    import shutil
+
+    from prometheus_client import CollectorRegistry
+
+    from dbsync.vllm.metrics import SwapMetrics
+
+    root = tmp_path / "store"
+    registry = CollectorRegistry()
+    with Sender(root) as sender:
+        for seed in range(5):
+            sender.push(weights(seed))
+    controller = SwapController(root, ScriptedOps(), EXPECTED,
+                                metrics=SwapMetrics(registry=registry), poll_interval=0.05)
+    try:
+        controller.start_watching()
+        wait_for(lambda: controller.status()["version"] == 5, 30)
+        shutil.rmtree(root)  # a new run, whose model the server does not fit
+        bad = {**weights(1), "model.norm.weight": torch.ones(3)}
+        with Sender(root) as sender:
+            sender.push(bad)
+            sender.push(bad)
+        wait_for(lambda: controller.status()["refused_versions"] == [2], 30)
+        assert controller.status()["version"] == 5
+        assert registry.get_sample_value("dbsync_published_version") == 2
+        assert registry.get_sample_value("dbsync_version_lag") == 2
+    finally:
+        controller.stop()
+
+
 def test_a_missing_store_shows_in_the_status_and_metrics(tmp_path: Path) -> None:
     """An unmounted or removed store must reach monitoring, not only a log line; the served
     version stays served, and the problem clears when the store is back."""
@@ -715,3 +748,39 @@ def test_a_stop_signal_stops_swaps_before_the_server_drains(tmp_path: Path) -> N
     finally:
         http._ON_STOP_SIGNAL[:] = was
         controller.stop()
+
+
+def test_working_directories_of_killed_servers_are_removed_by_the_next_one(
+        tmp_path: Path) -> None:
+    """A serve-vllm killed with SIGKILL cannot remove its working directories (apply
+    reports; LoRA adapter versions in /dev/shm, RAM): they piled up, one per killed server.
+    The next server removes those of dead processes, never a live one's."""
+    import signal
+    import subprocess
+    import sys
+
+    from dbsync.vllm import workdirs
+
+    script = ("import sys, time; from dbsync.vllm import workdirs; "
+              "print(workdirs.make('dbsync-lora-', sys.argv[1]), flush=True); time.sleep(600)")
+    killed = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        dead_dir = killed.stdout.readline().strip()
+        live_dir = alive.stdout.readline().strip()
+        (Path(dead_dir) / "v3-adapter").mkdir()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+        older = tmp_path / "dbsync-lora-older"  # (an older dbsync's: no owner file)
+        older.mkdir()
+        mine = workdirs.make("dbsync-lora-", str(tmp_path))
+        assert not os.path.exists(dead_dir)
+        assert os.path.isdir(live_dir) and older.is_dir() and os.path.isdir(mine)
+        workdirs.remove(mine)
+        assert not os.path.exists(mine)
+    finally:
+        alive.kill()
+        alive.wait(30)
+        killed.kill()

@@ -125,6 +125,12 @@ def test_float32_push_into_bfloat16_model_matches_fresh_engine(
     for _, headers in got:
         assert headers["x-dbsync-version"] == str(version)
         assert headers["x-dbsync-versions"] == str(version)
+    # The cast is said once per swap, not as vLLM's WARNING per tensor (hundreds per swap
+    # for a real model)
+    log = server.log_path.read_text(errors="replace")
+    said = log.index("dbsync: cast")  # (the start-up load's own warnings come before)
+    assert "from float32 to bfloat16" in log[said:said + 300]
+    assert "Attempted to load weight" not in log[said:]
 
 
 def test_streamed_response_names_its_version(server: Server, client: Any) -> None:

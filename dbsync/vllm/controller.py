@@ -67,8 +67,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -89,6 +87,7 @@ from ..errors import (
 )
 from ..receiver import Receiver, Snapshot
 from ..watch import Watcher
+from . import workdirs
 from .plugin import NOTHING_APPLIED, SUPERSEDED
 from .transport import check_transport
 
@@ -397,13 +396,18 @@ class SwapController:
         self._release_served()
         self.receiver.close()
         if self._report_dir is not None:
-            shutil.rmtree(self._report_dir, ignore_errors=True)
+            workdirs.remove(self._report_dir)
             self._report_dir = None
 
     # ---- internals ----------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
         self._published(version)
         self._follow()
+
+    def _other_run(self) -> bool:
+        """Whether the newest published version is of another run than the served one."""
+        return (self._published_run is not None and self._served_run is not None
+                and self._published_run != self._served_run)
 
     def _published(self, version: int, run_id: str | None = None) -> None:
         """Record the newest version seen published: numbers of another run (a new training
@@ -422,7 +426,7 @@ class SwapController:
                 self._published_run = run_id
             if new_run:  # (refusals name versions of the run they were made in)
                 s.refused.clear()
-            self.metrics.versions(s.version, s.published_version)
+            self.metrics.versions(s.version, s.published_version, self._other_run())
 
     def _follow(self) -> None:
         """Apply the newest version; on a transient failure try again with backoff until it
@@ -557,7 +561,7 @@ class SwapController:
         s.last_error = s.last_error_version = s.last_error_at = None
         self.metrics.applied(pause_s=timings.pause_s, read_verify_s=timings.read_verify_s,
                              nbytes=timings.nbytes, source=timings.source)
-        self.metrics.versions(s.version, s.published_version)
+        self.metrics.versions(s.version, s.published_version, self._other_run())
         log.info("dbsync: serving version %d from the %s (pause %.1f ms, apply %.1f ms, "
                  "verify %.1f ms)", version, timings.source or "unreported source",
                  timings.pause_s * 1e3, timings.apply_s * 1e3, timings.read_verify_s * 1e3)
@@ -569,9 +573,10 @@ class SwapController:
         if self.transport == "filesystem":
             return None
         if self._report_dir is None:
-            self._report_dir = tempfile.mkdtemp(prefix="dbsync-apply-")
+            self._report_dir = workdirs.make("dbsync-apply-")
         for name in os.listdir(self._report_dir):
-            os.unlink(os.path.join(self._report_dir, name))
+            if not name.startswith(workdirs.OWNER):
+                os.unlink(os.path.join(self._report_dir, name))
         return self._report_dir
 
     def _read_reports(self, version: int) -> tuple[str | None, dict[str, int] | None]:
@@ -646,7 +651,7 @@ class SwapController:
                      f"applying version {failure.version} failed midway ({failure}); rolled "
                      f"back to version {held.version}, which is served again")
         self.metrics.outcome("rolled_back")
-        self.metrics.versions(s.version, s.published_version)
+        self.metrics.versions(s.version, s.published_version, self._other_run())
         self._report_refusal(failure.version, s.last_error or str(failure))
         log.error("dbsync: %s", s.last_error)
         # The trainer must be able to reuse this slot for its next version: stop holding it.

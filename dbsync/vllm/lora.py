@@ -65,6 +65,7 @@ from ..errors import (
 )
 from ..receiver import Receiver, Snapshot
 from ..sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from . import workdirs
 
 log = logging.getLogger(__name__)
 
@@ -231,9 +232,10 @@ def _lora_request(name: str, lora_id: int, directory: str) -> Any:
 
 
 def default_workdir() -> str:
-    """Where materialised adapters go: ``/dev/shm`` when it exists (RAM), else the temp dir."""
+    """Where materialised adapters go: ``/dev/shm`` when it exists (RAM), else the temp dir.
+    Directories a killed server left there are removed first (``workdirs``)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="dbsync-lora-", dir=base)
+    return workdirs.make("dbsync-lora-", base)
 
 
 class AdapterVersions:
@@ -452,7 +454,7 @@ class AdapterVersions:
             return
         self._closed = True
         self.receiver.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        workdirs.remove(self.workdir)
 
 
 def _write_peft_dir(snap: Snapshot, config: dict[str, Any], directory: str) -> None:

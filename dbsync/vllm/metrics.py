@@ -79,12 +79,18 @@ class SwapMetrics:
 
         self.store_ok.set_function(ok)
 
-    def versions(self, served: int | None, published: int | None) -> None:
-        """Record the served and newest published version (None: none yet)."""
+    def versions(self, served: int | None, published: int | None,
+                 other_run: bool = False) -> None:
+        """Record the served and newest published version (None: none yet). ``other_run``:
+        the published version belongs to another training run than the served one (a new run
+        at the same path); every version of it is then unserved, so the lag is the published
+        number. A published number below the served one can only be another run's."""
         self.served.set(served or 0)
         if published is not None:
             self.published.set(published)
-            self.lag.set(max(0, published - (served or 0)))
+            served_n = served or 0
+            self.lag.set(published if other_run or published < served_n
+                         else published - served_n)
 
     def outcome(self, outcome: str) -> None:
         self.swaps.labels(outcome=outcome).inc()

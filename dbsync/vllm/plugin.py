@@ -79,6 +79,47 @@ PARTIALLY_APPLIED = "[dbsync: partially applied]"
 #: in production.
 FAULTS_ENV = "DBSYNC_TEST_APPLY_FAULTS"
 
+#: vLLM's loader warns once per tensor, on every swap, when a version's dtype is not the
+#: model's (float32 published into a bfloat16 engine: hundreds of lines per swap)
+_CAST_LOGGER = "vllm.model_executor.models.utils"
+_CAST_MESSAGE = "Attempted to load weight %s with dtype %s into"
+
+
+class _CastSummary(logging.Filter):
+    """Drops vLLM's per-tensor dtype warnings during one apply, counting them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.casts: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(_CAST_MESSAGE) and len(
+                record.args or ()) == 3:
+            _, source, target = record.args  # type: ignore[misc]
+            key = (str(source).removeprefix("torch."), str(target).removeprefix("torch."))
+            self.casts[key] = self.casts.get(key, 0) + 1
+            return False
+        return True
+
+    def report(self) -> None:
+        """One INFO line for the casts counted (then forgets them)."""
+        casts, self.casts = self.casts, {}
+        if casts:
+            log.info("dbsync: cast %s to the model's dtype (the version was published in "
+                     "another dtype)", ", ".join(f"{n} tensor(s) from {a} to {b}"
+                                                 for (a, b), n in sorted(casts.items())))
+
+
+@contextlib.contextmanager
+def _casts_filtered(summary: _CastSummary) -> Iterator[None]:
+    """vLLM's per-tensor dtype warnings counted into ``summary`` instead of logged."""
+    logger = logging.getLogger(_CAST_LOGGER)
+    logger.addFilter(summary)
+    try:
+        yield
+    finally:
+        logger.removeFilter(summary)
+
 
 def _injected_failure(version: int) -> int | None:
     path = os.environ.get(FAULTS_ENV)
@@ -198,6 +239,7 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         #: windows), entered again for ``finish_weight_update``, where vLLM's layerwise reload
         #: replays deferred loads; and whether to keep what it recorded once the update ends
         self._reads: ReadRecorder | None = None
+        self._casts = _CastSummary()  # (vLLM's dtype warnings of the apply under way)
         self._keep_recorded = False
 
     def init_transfer_engine(self, init_info: DBSyncInitInfo) -> None:
@@ -219,6 +261,7 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._reads, self._keep_recorded = None, False
+        self._casts.report()  # (an apply that never finished)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -227,11 +270,14 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         reads, self._reads = self._reads, None
         keep, self._keep_recorded = self._keep_recorded, False
         try:
-            with reads if reads is not None else contextlib.nullcontext():
+            with reads if reads is not None else contextlib.nullcontext(), \
+                    _casts_filtered(self._casts):
                 finalize_layerwise_reload(self.model, self.model_config)
         except BaseException as exc:
             self._check_windows(exc)
             raise
+        finally:
+            self._casts.report()
         if keep and reads is not None and self._stager is not None:
             self._stager.record(reads.windows())
 
@@ -292,7 +338,8 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
                  ) -> None:
             """load_weights, under ``reads`` when given (kept for finish_weight_update)."""
             self._reads = reads
-            with reads if reads is not None else contextlib.nullcontext():
+            with reads if reads is not None else contextlib.nullcontext(), \
+                    _casts_filtered(self._casts):
                 self.model.load_weights(counted(pairs))
 
         try:

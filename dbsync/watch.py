@@ -19,7 +19,10 @@ When it looks:
   and no event is held back (watchdog's observer, used before, held renames up to 0.5 s).
   A burst of events costs one look; two looks are never closer than ``MIN_CHECK_INTERVAL``.
   A safety look every ``SAFETY_POLL_INTERVAL`` seconds catches anything the events missed,
-  and a deleted or replaced store directory is watched again once it is back.
+  and a deleted or replaced store directory is watched again once it is back. The root is
+  also ``stat``-ed every ``poll_interval`` (no read): a volume mounted over ROOT sends no
+  event. When another filesystem appears at ROOT (an NFS or FUSE volume mounted, or
+  unmounted, after the watcher started) the mode is chosen again from its type.
 - polling mode (NFS, Lustre, CIFS, FUSE: their clients get no inotify events for changes made
   elsewhere): every ``poll_interval`` seconds (at least ``MIN_CHECK_INTERVAL``). Polling
   *opens and reads* the manifest rather than ``stat``-ing its path: on NFS ``stat`` answers

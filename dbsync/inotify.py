@@ -12,9 +12,10 @@ each user 128 instances by default (``fs.inotify.max_user_instances``) across ev
 of the host, and a process with many watchers (one per ``Receiver.wait`` call in flight, a
 server watching many stores) once took one each and ran out. Watches of one directory share
 one kernel watch. The instance's thread blocks in ``poll`` on the inotify fd and a wake-up
-pipe: idle, it costs nothing. When the last watch stops, the thread closes the instance on its
-way out (closing one waits for the kernel's grace period, 10-20 ms, which callers should not
-pay); the next watch opens a new one. A forked child drops the inherited instance (reading it
+pipe: idle, it costs nothing. When the last watch stops, the instance lingers ``LINGER``
+seconds (a loop of ``Receiver.wait`` calls keeps one instance), then its thread closes it on
+its way out (closing one waits for the kernel's grace period, 10-20 ms, which callers should
+not pay); the next watch opens a new one. A forked child drops the inherited instance (reading it
 would take the parent's events) and opens its own.
 
 ``on_event(name)`` is called from the instance's thread with the file name (``str``) of an
@@ -60,6 +61,8 @@ SELF_GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED
 #: the name passed when events were lost (the kernel's queue overflowed)
 LOST = ""
 _HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
+#: seconds an instance with no watch left stays open for the next one
+LINGER = 2.0
 
 _libc: ctypes.CDLL | None = None
 
@@ -97,8 +100,8 @@ def _check(result: int, what: str, path: str | None = None) -> int:
 
 class _Instance:
     """The process's inotify instance, its thread and the watches on it (one job: route each
-    event to the callbacks of its directory). Created by the first watch, retired with the
-    last; everything here is under ``_LOCK``."""
+    event to the callbacks of its directory). Created by the first watch, closed ``LINGER``
+    seconds after the last one stopped; everything here is under ``_LOCK``."""
 
     def __init__(self) -> None:
         try:
@@ -113,7 +116,7 @@ class _Instance:
             os.close(self.fd)
             raise
         self.pid = os.getpid()
-        self.retired = False
+        self.closing = False  # (set once, by its thread: takes no more watches)
         #: wd -> token -> (callback, the changes it asked for)
         self.watches: dict[int, dict[int, tuple[Callback, int]]] = {}
         _open.add(self)
@@ -136,16 +139,11 @@ class _Instance:
         if not callbacks:
             del self.watches[wd]
             self.lib.inotify_rm_watch(self.fd, wd)  # (fails harmlessly if already gone)
-        if not self.watches:
-            self.retire()
-
-    def retire(self) -> None:
-        """Take no more watches; the thread closes the instance on its way out."""
-        self.retired = True
-        try:
-            os.write(self.wake_w, b"x")
-        except OSError:
-            pass
+        if not self.watches:  # the thread starts its linger
+            try:
+                os.write(self.wake_w, b"x")
+            except OSError:
+                pass
 
     def _run(self) -> None:
         try:
@@ -156,7 +154,7 @@ class _Instance:
             with _LOCK:
                 callbacks = [c for w in self.watches.values() for c, _ in w.values()]
                 self.watches.clear()
-                self.retired = True
+                self.closing = True
             for callback in callbacks:
                 _call(callback, None)
         finally:
@@ -175,11 +173,20 @@ class _Instance:
         poller.register(self.fd, select.POLLIN)
         poller.register(self.wake_r, select.POLLIN)
         while True:
-            ready = {fd for fd, _ in poller.poll()}
-            if self.wake_r in ready:
+            with _LOCK:
+                idle = not self.watches
+            ready = {fd for fd, _ in poller.poll(int(LINGER * 1000) if idle else None)}
+            if not ready:  # lingered with no watch
                 with _LOCK:
-                    if self.retired:  # (retired: no watch is left, none can be added)
+                    if not self.watches:
+                        self.closing = True
                         return
+                continue
+            if self.wake_r in ready:
+                try:
+                    os.read(self.wake_r, 4096)
+                except BlockingIOError:
+                    pass
             if self.fd not in ready:
                 continue
             try:
@@ -203,13 +210,8 @@ class _Instance:
                     elif name:
                         calls += [(c, name) for c, wanted in callbacks.values()
                                   if mask & wanted]
-                if not self.watches:  # (every directory went away)
-                    self.retired = True
-                done = self.retired
             for callback, name in calls:
                 _call(callback, name)
-            if done:
-                return
 
 
 def _call(callback: Callback, name: str | None) -> None:
@@ -238,7 +240,7 @@ def _forget_after_fork() -> None:
             except OSError:
                 pass
         old.watches.clear()
-        old.retired = True
+        old.closing = True
     _open.clear()
 
 
@@ -263,22 +265,16 @@ class DirectoryWatch:
         global _instance
         with _LOCK:
             instance = _instance
-            if instance is None or instance.retired:
+            if instance is None or instance.closing:
                 instance = _instance = _Instance()
-            try:
-                wd = instance.add(self.path, self._token, self.on_event, self.changes)
-            except BaseException:
-                if not instance.watches:
-                    instance.retire()
-                    _instance = None
-                raise
+            wd = instance.add(self.path, self._token, self.on_event, self.changes)
             self._placed = (instance, wd)
         return self
 
     def stop(self) -> None:
         """Stop the events and return at once (the instance, if this was its last watch, is
-        closed by its thread). ``on_event`` may still be called once if the thread was
-        handling events at this moment."""
+        closed by its thread after ``LINGER`` seconds). ``on_event`` may still be called once
+        if the thread was handling events at this moment."""
         with _LOCK:
             placed, self._placed = self._placed, None
             if placed is not None and placed[0].pid == os.getpid():

@@ -70,6 +70,14 @@ NO_WATCH_WARN_INTERVAL = 600.0
 _no_watch_warned: dict[tuple[str, int | None], float] = {}
 _no_watch_lock = threading.Lock()
 
+
+def _new_lock_after_fork() -> None:
+    global _no_watch_lock
+    _no_watch_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
 _REMOTE_TYPES = {
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "9p",
     "beegfs", "afs", "fuse", "fuseblk", "virtiofs", "panfs", "orangefs", "weka", "wekafs",
@@ -214,6 +222,9 @@ class Watcher:
         self._link_observer: DirectoryWatch | None = None  # (where ROOT is a symlink)
         self._watched: tuple[int, int] | None = None  # (st_dev, st_ino) of the watched root
         self._rewatch = threading.Event()
+        #: events noticed (counted before ``_wake`` is set, by the inotify thread alone): a
+        #: look is due when it moved, however the wake-up and the clearing interleave
+        self._events = 0
         self._unwatched_because = "the directory was replaced"  # (said once watched again)
 
     # ---- public -------------------------------------------------------------------------
@@ -269,9 +280,12 @@ class Watcher:
     # ---- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
         clock = time.monotonic
-        woken, safety_due = True, clock() + self.safety_interval  # (a first look at once)
+        seen_events, first, safety_due = 0, True, clock() + self.safety_interval
         while not self._stop.is_set():
             self._wake.clear()
+            events = self._events
+            woken, seen_events = first or events != seen_events, events
+            first = False
             identity = _identity(self.root)  # (a stat: is another directory or mount there?)
             moved = identity != self._root_identity
             if moved and self._mode_from_mount and identity is not None:
@@ -291,7 +305,7 @@ class Watcher:
             # sends no event), with a full look every safety interval.
             interval = self.poll_interval if (self.polling or self._rewatch.is_set()) else (
                 max(MIN_CHECK_INTERVAL, min(self.poll_interval, safety_due - last)))
-            woken = self._wake.wait(interval)
+            self._wake.wait(interval)
             # Bounded rate: events arriving meanwhile coalesce into the next look.
             remaining = last + MIN_CHECK_INTERVAL - clock()
             if remaining > 0:
@@ -397,18 +411,22 @@ class Watcher:
             if name is None:  # the directory went away: watch the one there now
                 self._unwatched_because = "the directory was replaced"
                 rewatch.set()
+                self._events += 1
                 wake.set()
             elif name == MANIFEST_FILE or name == LOST:  # (LOST: events were lost: look)
+                self._events += 1
                 wake.set()
 
         parent, link = os.path.split(self.root)
 
         def on_link_event(name: str | None) -> None:  # ROOT is a symlink: re-pointed?
             if name == LOST:
+                self._events += 1
                 wake.set()
             elif name is None or name == link:
                 self._unwatched_because = "the symlink was re-pointed"
                 rewatch.set()
+                self._events += 1
                 wake.set()
 
         try:

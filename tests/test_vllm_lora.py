@@ -409,9 +409,10 @@ def test_a_damaged_adapter_version_is_refused_at_once_not_retried(tmp_path: Path
 
 def test_a_request_whose_version_was_dropped_while_it_waited_runs_on_the_newest(
         tmp_path: Path) -> None:
-    """A request resolved to version 1 when it arrived, and started only after versions 2 and
-    3 had come and 1 was dropped (no request held it): it runs on version 3, whose directory
-    is there, and is labelled 3 (it ran unlabelled, on an adapter no longer loaded)."""
+    """Requests resolved to version 1 when they arrived, and started only after versions 2
+    and 3 had come and 1 was dropped from the engine: they run on version 3 and are labelled
+    3 (one ran unlabelled on an adapter no longer loaded; one got version 1 back because
+    another request still ran on it). A request already running on 1 keeps its directory."""
     from dbsync.vllm.checkpoint import read_safetensors_header
     from dbsync.vllm.lora import AdapterVersions
 
@@ -424,24 +425,32 @@ def test_a_request_whose_version_was_dropped_while_it_waited_runs_on_the_newest(
                                workdir=str(tmp_path / "work"))
     try:
         with sender:
-            served = []
+            served, running = [], None
             for seed in (1, 2, 3):
                 sender.push(str(write_adapter(tmp_path / f"adapter{seed}", seed, shapes)))
                 prepared = versions.prepare()
                 for old in versions.commit(prepared):
                     versions.retire(old)
                 served.append(prepared)
+                if seed == 1:
+                    running = versions.acquire_request(prepared.request)  # (runs meanwhile)
         first, newest = served[0], served[-1]
-        assert not os.path.exists(first.directory)  # dropped: nothing held it
-        got = versions.acquire_request(first.request)
-        assert got is newest and got.version == 3
-        assert os.path.isdir(got.directory)
+        assert running is first
+        assert versions.status()["retiring"][0]["version"] == 1  # (dropped, still running)
+        late = versions.acquire_request(first.request)
+        assert late is newest and late.version == 3
+        assert os.path.isdir(late.directory) and os.path.isdir(first.directory)
         assert versions.status()["kept"][-1]["in_flight"] == 1
-        versions.release(got.lora_int_id)
+        versions.release(late.lora_int_id)
+        versions.release(running.lora_int_id)  # its last request ends: its directory goes
+        assert not os.path.exists(first.directory)
+        assert versions.acquire_request(first.request) is newest  # (nothing held it)
+        versions.release(newest.lora_int_id)
         assert versions.acquire_request(served[1].request) is served[1]  # still kept
         versions.release(served[1].lora_int_id)
     finally:
         versions.close()
+    assert (tmp_path / "work").is_dir() and not os.listdir(tmp_path / "work")
 
 
 def test_an_adapter_version_whose_stamp_is_damaged_is_refused_not_retried(

@@ -288,13 +288,16 @@ def test_manifest_that_is_not_a_regular_file_never_blocks_the_watcher(store, tmp
 
 def test_starting_and_stopping_leaves_nothing_behind(store):
     """Receiver.wait starts and stops a watcher per call: stop() must be quick and every
-    thread and file descriptor must go."""
+    thread and file descriptor must go (the process's inotify instance after lingering
+    ``LINGER`` seconds for the next watch)."""
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
     def inotify_threads() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name == "dbsync-inotify"]
 
+    for thread in inotify_threads():  # (an earlier test's instance, lingering)
+        thread.join(timeout=5)
     before = fds()
     took = []
     for _ in range(20):
@@ -402,6 +405,9 @@ with dbsync.Sender(root, durable=False) as sender:
     flipped = time.monotonic()
 for t in threads:
     t.join()
+# one wait after another (a serving loop): the instance lingers between them, no second one
+for _ in range(30):
+    assert receivers[0].wait(newer_than=2, timeout=0.01) is None
 print(json.dumps({"got": got, "slowest": max(woke) - flipped, "instances": instances}))
 """
 
@@ -410,7 +416,7 @@ def test_many_concurrent_waits_share_one_inotify_instance(store, tmp_path):
     """A server with 40 `Receiver.wait` calls in flight, on a host whose user has one inotify
     instance left (the kernel's per-user limit, 128 by default, shared by every process of
     the user): every wait still notices the flip at once (not at its 120 s poll), because
-    the process's watches share one instance."""
+    the process's watches share one instance; and so do waits made one after another."""
     import json
     import subprocess
     import sys

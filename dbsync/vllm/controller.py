@@ -143,10 +143,12 @@ class SwapError(DBSyncError):
     """Applying a version to the engine failed. ``partial`` says whether the engine may hold a
     mix of versions (then it stays paused and reports unhealthy)."""
 
-    def __init__(self, message: str, version: int, partial: bool):
+    def __init__(self, message: str, version: int, partial: bool,
+                 run_id: str | None = None):
         super().__init__(message)
         self.version = version
         self.partial = partial
+        self.run_id = run_id  # (of the version that failed)
 
 
 class EngineOps(Protocol):
@@ -549,7 +551,7 @@ class SwapController:
             raise SwapError(
                 f"applying version {version} failed "
                 f"({'engine may hold a mix; paused' if partial else 'nothing applied'}): "
-                f"{exc}", version, partial) from exc
+                f"{exc}", version, partial, snap.run_id) from exc
         self._resume()
         timings.pause_s = time.perf_counter() - t_pause
         timings.push_to_served_s = time.time() - snap.manifest.created_at
@@ -646,7 +648,9 @@ class SwapController:
             raise failure from exc
         s.healthy, s.applying = True, None
         s.version, s.loaded_at = held.version, time.time()
-        self._rolled_back.add((failure.version, self._served_run))
+        # (the failed version's own run: a new run's version must be recognised as rolled
+        # back from, not retried, pausing the engine each time)
+        self._rolled_back.add((failure.version, failure.run_id))
         self._record(failure.version,
                      f"applying version {failure.version} failed midway ({failure}); rolled "
                      f"back to version {held.version}, which is served again")

@@ -258,8 +258,9 @@ class AdapterVersions:
         self.max_rank = int(max_rank)
         self.keep = int(keep)
         self.receiver = Receiver(root, reader_id=reader_id, verify=verify)
-        self.workdir = workdir or default_workdir()
-        os.makedirs(self.workdir, exist_ok=True)
+        if workdir is not None:  # (a private directory inside it: close() removes only that)
+            os.makedirs(workdir, exist_ok=True)
+        self.workdir = workdirs.make("dbsync-lora-", workdir) if workdir else default_workdir()
         self.kept: list[AdapterVersion] = []
         self.refused: dict[str, Any] | None = None
         self.refusals = 0
@@ -401,14 +402,13 @@ class AdapterVersions:
         """A request starts on ``request`` (the ``LoRARequest`` its model name resolved to
         when it arrived): count it (its version's directory stays until it ends) and return
         its version, which the request must run on. A request that waited while its version
-        was dropped (newer versions came, and no other request held it) runs on the newest
-        version instead, as if it had arrived a moment later; the dropped one is no longer
-        loaded and its directory is gone. None for an adapter not of this store (not
-        counted)."""
+        was dropped from the engine (newer versions came) runs on the newest version instead,
+        as if it had arrived a moment later: the dropped one is no longer loaded, and its
+        directory stays only for the requests already running on it. None for an adapter not
+        of this store (not counted)."""
         lora_id = getattr(request, "lora_int_id", None)
-        with self._lock:
-            found = next((v for v in [*self.kept, *self._retiring.values()]
-                          if v.lora_int_id == lora_id), None)
+        with self._lock:  # (kept only: a retiring version was removed from the engine)
+            found = next((v for v in self.kept if v.lora_int_id == lora_id), None)
             if found is None and self.kept and str(getattr(request, "lora_name", "")
                                                    ).startswith(f"{self.name}@v"):
                 found = self.kept[-1]

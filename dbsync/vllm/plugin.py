@@ -93,8 +93,8 @@ class _CastSummary(logging.Filter):
         self.casts: dict[tuple[str, str], int] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and record.msg.startswith(_CAST_MESSAGE) and len(
-                record.args or ()) == 3:
+        if record.levelno >= logging.WARNING and isinstance(record.msg, str) and (
+                record.msg.startswith(_CAST_MESSAGE) and len(record.args or ()) == 3):
             _, source, target = record.args  # type: ignore[misc]
             key = (str(source).removeprefix("torch."), str(target).removeprefix("torch."))
             self.casts[key] = self.casts.get(key, 0) + 1

@@ -5,18 +5,20 @@ that was killed cannot remove: the next one of the host removes them.
 Each directory holds an owner file its process keeps ``flock``-ed for as long as it lives
 (the kernel drops the lock when the process dies, however it dies, in whatever PID namespace).
 Before making its own, a process removes every directory of the same prefix whose owner file
-it can lock. A directory without an owner file (made by an older dbsync, or being made right
-now) is left alone. The owner file is locked under a temporary name and then renamed into
-place, so a sweeper never finds an owner file that is not locked yet.
-
-Hazard: a directory on a filesystem where ``flock`` is not shared between the processes that
-see it (some network filesystems) could be judged abandoned; these directories live in the
-host's own temporary directories only.
+it can lock. The owner file names the machine's boot (``/proc/sys/kernel/random/boot_id``):
+only directories of this very boot of this host are judged, so a temporary directory on a
+shared filesystem (``TMPDIR`` on Lustre or NFS, where locks may be local to each host) never
+loses another host's live directory. A directory without an owner file (made by an older
+dbsync, or being made right now) is left alone. The owner file is locked under a temporary
+name and then renamed into place, so a sweeper never finds an owner file that is not locked
+yet. Where ``flock`` is not available, the directory is made without an owner (never swept).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -38,7 +40,15 @@ def make(prefix: str, base: str | None = None) -> str:
     fd = os.open(pending, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, _boot_id().encode())
         os.rename(pending, os.path.join(path, OWNER))
+    except OSError as exc:  # (no flock here: a directory that is never swept)
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(pending)
+        log.debug("dbsync: %s has no owner file (%s); it is not swept if left behind", path,
+                  exc)
+        return path
     except BaseException:
         os.close(fd)
         shutil.rmtree(path, ignore_errors=True)
@@ -57,6 +67,8 @@ def remove(path: str) -> None:
 
 def sweep(prefix: str, base: str) -> list[str]:
     """Remove the directories ``base/prefix*`` whose owner is dead; returns them."""
+    if not _boot_id():  # (this host cannot tell its boots or itself from others)
+        return []
     try:
         names = [n for n in os.listdir(base) if n.startswith(prefix)]
     except OSError:
@@ -72,8 +84,10 @@ def sweep(prefix: str, base: str) -> list[str]:
             continue
         try:
             try:
+                if os.pread(fd, 64, 0).decode(errors="replace") != _boot_id():
+                    continue  # another host's, or an earlier boot's: not judged here
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:  # its process lives
+            except OSError:  # its process lives (or no flock here)
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -83,3 +97,13 @@ def sweep(prefix: str, base: str) -> list[str]:
         log.info("dbsync: removed %d working director%s left by stopped processes: %s",
                  len(removed), "y" if len(removed) == 1 else "ies", ", ".join(removed))
     return removed
+
+
+@functools.cache
+def _boot_id() -> str:
+    """This boot of this host ("" where the kernel does not say: then nothing is swept)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

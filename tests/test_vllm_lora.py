@@ -453,6 +453,46 @@ def test_a_request_whose_version_was_dropped_while_it_waited_runs_on_the_newest(
     assert (tmp_path / "work").is_dir() and not os.listdir(tmp_path / "work")
 
 
+def test_the_lag_counts_a_new_runs_versions_above_the_served_number(tmp_path: Path) -> None:
+    """The old run's version 1 is served; a new run at the same path publishes 1, 2, 3 (its
+    adapters refused, or not yet applied): every one of them is unserved, so the lag is 3,
+    not 3 - 1."""
+    import asyncio
+    import shutil
+
+    from prometheus_client import CollectorRegistry
+
+    from dbsync.vllm.checkpoint import read_safetensors_header
+    from dbsync.vllm.lora import AdapterVersions
+    from dbsync.vllm.lora_server import LoRAServing
+    from dbsync.vllm.metrics import SwapMetrics
+
+    model = tiny_model("A")
+    expected = read_safetensors_header(str(model / "model.safetensors"))
+    shapes = layer_shapes(model)
+    root = tmp_path / "store"
+    with Sender(root) as sender:
+        sender.push(str(write_adapter(tmp_path / "adapter1", 1, shapes)))
+    versions = AdapterVersions(root, NAME, expected, MAX_RANK, workdir=str(tmp_path / "work"))
+    registry = CollectorRegistry()
+    loop = asyncio.new_event_loop()
+    serving = LoRAServing(versions, engine=None, loop=loop,
+                          metrics=SwapMetrics(registry=registry))
+    try:
+        versions.commit(versions.prepare())  # (served, as far as the lag is concerned)
+        serving._noticed(1)
+        assert registry.get_sample_value("dbsync_version_lag") == 0
+        shutil.rmtree(root)  # a new run
+        with Sender(root) as sender:
+            for seed in (2, 3, 4):
+                sender.push(str(write_adapter(tmp_path / f"adapter{seed}", seed, shapes)))
+        serving._noticed(3)
+        assert registry.get_sample_value("dbsync_version_lag") == 3
+    finally:
+        versions.close()
+        loop.close()
+
+
 def test_an_adapter_version_whose_stamp_is_damaged_is_refused_not_retried(
         tmp_path: Path) -> None:
     """The current adapter slot's stamp damaged (the head did not move): refused as a damaged

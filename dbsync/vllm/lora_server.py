@@ -178,8 +178,20 @@ class LoRAServing:
 
     def _noticed(self, version: int) -> None:
         self.published_version = version
-        self.metrics.versions(self.version, version)
+        self.metrics.versions(self.version, version, self._other_run())
         self._wake.set()
+
+    def _other_run(self) -> bool:
+        """Whether the store's head is of another training run than the served version (a
+        new run at the same path: its every version is unserved)."""
+        current = self.versions.current
+        if current is None:
+            return False
+        try:
+            published = self.versions.published()
+        except Exception:  # noqa: BLE001 - the head cannot be read now: no other run known
+            return False
+        return published is not None and published[0] != current.run_id
 
     def _follow(self) -> None:
         delay = _RETRY_MIN

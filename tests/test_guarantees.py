@@ -297,7 +297,7 @@ def test_a_fuse_volume_mounted_over_a_watched_root_is_polled_from_then_on(tmp_pa
                 assert sender.push({"w": torch.full((2,), float(expected))}) == expected
                 with arrived:
                     assert arrived.wait_for(lambda e=expected: seen[-1][0] == e, timeout=10)
-                assert seen[-1][1] - flipped < 2.0
+                assert seen[-1][1] - flipped < 10.0  # (its safety look: 30 s)
             assert [v for v, _ in seen] == [1, 2, 3]
         finally:
             watcher.stop()

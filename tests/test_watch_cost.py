@@ -431,7 +431,7 @@ def test_many_concurrent_waits_share_one_inotify_instance(store, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["got"] == [2] * 40
-    assert result["slowest"] < 2.5, result  # (the waits look by themselves every 5 s)
+    assert result["slowest"] < 4.0, result  # (the waits look by themselves every 5 s)
     assert result["instances"] == 2, result  # (its own and the other program's)
     assert "no inotify watch" not in done.stderr
 
@@ -462,7 +462,7 @@ def test_a_forked_child_and_its_parent_both_notice_a_flip_at_once(store):
         assert seen.until(2, timeout=20)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the child did not notice the flip"
-    assert seen.at[2] - flipped < 2.0
+    assert seen.at[2] - flipped < 10.0  # (its safety look: 60 s)
 
 
 def test_waits_without_an_inotify_watch_warn_once_and_still_notice_flips(store, tmp_path):

@@ -336,7 +336,7 @@ class Store:
             if index is not None:
                 return Manifest(head, index.tensors, index.shards, index.ranges,
                                 index.adapter)
-            if self.read_head() == head:
+            if self._index_damaged(head.slot, head):
                 raise FormatError(
                     f"{self.slot_dir(head.slot)}/{INDEX_FILE} is missing or does not match "
                     f"{self.manifest_path} (version {head.version}): the store is damaged; "
@@ -345,6 +345,19 @@ class Store:
         raise DBSyncError(f"{self.root}: the head changed 50 times while reading it; is a "
                           "writer publishing in a tight loop?")
 
+    def _index_damaged(self, slot: str, head: Head) -> bool:
+        """Whether ``head`` stays current while its slot's index does not match it, looked at
+        again after the pauses a caching mount needs (``REREAD_PAUSES``): through FUSE the
+        kernel may show a replaced head for up to its entry and attribute timeouts (1 s by
+        default) while the slot already holds the writer's next version, which is not
+        damage. False as soon as the head moved or the index matches (read again)."""
+        for pause in (0.0, *REREAD_PAUSES):
+            if pause:
+                time.sleep(pause)
+            if self.read_head() != head or self.read_index(slot, head) is not None:
+                return False
+        return True
+
     def manifest_in_slot(self, slot: str, head: Head) -> Manifest | None:
         """The version a slot holds if its index is ``head``'s; for re-opening a version that
         is no longer current (its head was kept by the caller). None if the writer moved on;
@@ -352,7 +365,7 @@ class Store:
         writer rewrites the current slot: the store is damaged, and retrying cannot help)."""
         index = self.read_index(slot, head)
         if index is None:
-            if self.read_head() == head:
+            if self._index_damaged(slot, head):
                 raise FormatError(
                     f"{self.slot_dir(slot)}/{INDEX_FILE} is missing or does not match "
                     f"{self.manifest_path} (version {head.version}): the store is damaged; "

@@ -125,10 +125,11 @@ def reader_loop(root: str, out: str, stop: str, lease: str, min_loads: str) -> N
                       "read_only": getattr(receiver, "read_only", None)})
 
 
-def writer_loop(root: str, stop: str, per_sender: str, out: str) -> None:
+def writer_loop(root: str, stop: str, per_sender: str, out: str, pause: str = "0") -> None:
     """Publish version after version (content = the version number) until ``stop`` exists,
     closing the Sender and starting a new one every ``per_sender`` pushes (a trainer that
-    restarts, or `dbsync push` once per checkpoint)."""
+    restarts, or `dbsync push` once per checkpoint), ``pause`` seconds between pushes."""
+    import time
     sys.path.insert(0, HERE)
     from _workers import weights_for
 
@@ -142,6 +143,7 @@ def writer_loop(root: str, stop: str, per_sender: str, out: str) -> None:
             for _ in range(int(per_sender)):
                 version = (sender.latest_version() or 0) + 1
                 pushed.append(sender.push(weights_for(version)))
+                time.sleep(float(pause))  # (the pace of the soak, not an ordering)
     _write_json(out, {"pushed": pushed, "senders": senders})
 
 

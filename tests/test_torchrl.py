@@ -349,16 +349,23 @@ def test_a_tensordict_of_the_registered_model_leaves_out_its_non_persistent_buff
     scheme.shutdown()
 
 
+def scheme_with_version_1(root: Path) -> tuple[Any, nn.Module]:
+    """A scheme over ``root`` whose sender published version 1 of a small model (returned:
+    the sender holds it by a weak reference only)."""
+    scheme = VLLMDoubleBufferSyncScheme(remote_addr=str(root))
+    sender = scheme.create_sender()
+    model = nn.Linear(2, 2)
+    sender.register_model(model)
+    assert sender.update_weights() == 1
+    return scheme, model
+
+
 def test_a_transport_refuses_to_receive_after_shutdown_and_leaves_no_reader(
         tmp_path: Path) -> None:
     """TORCHRL.md: shutdown releases the readers' leases, and receiving afterwards raises.
     A transport the scheme made received on, registering a reader nothing released."""
     root = tmp_path / "store"
-    scheme = VLLMDoubleBufferSyncScheme(remote_addr=str(root))
-    sender = scheme.create_sender()
-    model = nn.Linear(2, 2)
-    sender.register_model(model)  # (held by a weak reference)
-    sender.update_weights()
+    scheme, _model = scheme_with_version_1(root)
     transport = scheme.create_transport()
     assert transport.receive_weights() is not None  # (a reader with a lease)
     assert os.listdir(root / "readers")
@@ -376,11 +383,7 @@ def test_a_receiver_whose_store_was_removed_says_so_at_once(tmp_path: Path) -> N
     import time
 
     root = tmp_path / "store"
-    scheme = VLLMDoubleBufferSyncScheme(remote_addr=str(root))
-    sender = scheme.create_sender()
-    model = nn.Linear(2, 2)
-    sender.register_model(model)  # (held by a weak reference)
-    sender.update_weights()
+    scheme, _model = scheme_with_version_1(root)
     target = nn.Linear(2, 2)
     receiver = scheme.create_receiver(target)
     assert receiver.poll_and_apply() and receiver.version == 1

@@ -4,8 +4,10 @@ is started; the integration tests in test_vllm_server.py drive the real one."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -516,16 +518,14 @@ def test_a_hub_id_in_the_local_cache_is_a_model(tmp_path: Path, monkeypatch: Any
     assert resolve_model_dir("org/tiny") == str(snapshot)
 
 
-def test_a_new_training_run_replaces_the_published_version_and_its_lag(tmp_path: Path) -> None:
-    """A new run at the same path numbers from 1 again: the status and the lag metrics must
-    follow it, not keep the old run's high-water mark (a lag alert that never clears)."""
-    import shutil
-
+@contextlib.contextmanager
+def serving_version_5_of_a_run(root: Path) -> Iterator[tuple[SwapController, Any]]:
+    """A watching controller (with its own metrics registry) serving version 5 of a run at
+    ``root``, stopped when the block ends."""
     from prometheus_client import CollectorRegistry
 
     from dbsync.vllm.metrics import SwapMetrics
 
-    root = tmp_path / "store"
     registry = CollectorRegistry()
     with Sender(root) as sender:
         for seed in range(5):
@@ -535,6 +535,18 @@ def test_a_new_training_run_replaces_the_published_version_and_its_lag(tmp_path:
     try:
         controller.start_watching()
         wait_for(lambda: controller.status()["version"] == 5, 30)
+        yield controller, registry
+    finally:
+        controller.stop()
+
+
+def test_a_new_training_run_replaces_the_published_version_and_its_lag(tmp_path: Path) -> None:
+    """A new run at the same path numbers from 1 again: the status and the lag metrics must
+    follow it, not keep the old run's high-water mark (a lag alert that never clears)."""
+    import shutil
+
+    root = tmp_path / "store"
+    with serving_version_5_of_a_run(root) as (controller, registry):
         assert controller.status()["published_version"] == 5
         shutil.rmtree(root)  # the trainer starts a new run at ROOT
         with Sender(root) as sender:
@@ -546,8 +558,6 @@ def test_a_new_training_run_replaces_the_published_version_and_its_lag(tmp_path:
         assert registry.get_sample_value("dbsync_version_lag") == 0
         controller.apply_latest()  # (through a snapshot of the new run: the same numbers)
         assert controller.status()["published_version"] == 2
-    finally:
-        controller.stop()
 
 
 def test_a_new_run_whose_versions_are_refused_shows_a_lag(tmp_path: Path) -> None:
@@ -556,20 +566,8 @@ def test_a_new_run_whose_versions_are_refused_shows_a_lag(tmp_path: Path) -> Non
     serves nothing of the current run from every lag alert; it is the new run's 2."""
     import shutil
 
-    from prometheus_client import CollectorRegistry
-
-    from dbsync.vllm.metrics import SwapMetrics
-
     root = tmp_path / "store"
-    registry = CollectorRegistry()
-    with Sender(root) as sender:
-        for seed in range(5):
-            sender.push(weights(seed))
-    controller = SwapController(root, ScriptedOps(), EXPECTED,
-                                metrics=SwapMetrics(registry=registry), poll_interval=0.05)
-    try:
-        controller.start_watching()
-        wait_for(lambda: controller.status()["version"] == 5, 30)
+    with serving_version_5_of_a_run(root) as (controller, registry):
         shutil.rmtree(root)  # a new run, whose model the server does not fit
         bad = {**weights(1), "model.norm.weight": torch.ones(3)}
         with Sender(root) as sender:
@@ -579,8 +577,6 @@ def test_a_new_run_whose_versions_are_refused_shows_a_lag(tmp_path: Path) -> Non
         assert controller.status()["version"] == 5
         assert registry.get_sample_value("dbsync_published_version") == 2
         assert registry.get_sample_value("dbsync_version_lag") == 2
-    finally:
-        controller.stop()
 
 
 def test_a_missing_store_shows_in_the_status_and_metrics(tmp_path: Path) -> None:

@@ -222,13 +222,46 @@ def install_phase_hooks(ph: Phases, rank: int) -> None:
         wrap(paced.PackSeal, "run", lambda: ph.mark("packrun_in"),
              lambda _: ph.mark("packrun_out"))
     else:
+        # Before the header is seen (kept across the reset below): the doorbell's thread back
+        # from the store's wait, the waiting thread woken, maintain's reads, the header read.
+        early: dict[str, float] = {}
+
+        def stamp(name: str) -> Any:
+            return lambda *_: early.__setitem__(name, time.perf_counter())
+
         def seen(header: Any) -> None:
             if header is not None:
                 ph.reset()
+                for name, at in early.items():
+                    ph.marks[name] = [at]
                 ph.mark("header_seen")
                 ph.reference()
+            early.clear()
 
-        wrap(member.MemberLink, "poll_push", None, seen)
+        from dbsync.nccl import keywatch
+
+        def watched(self: Any, connect: Any, *a: Any, **k: Any) -> None:
+            def connect_stamped() -> Any:
+                client = connect()
+
+                class Stamped:
+                    def wait(self, *args: Any) -> Any:
+                        out = client.wait(*args)
+                        stamp("bell_back")()
+                        return out
+
+                    def __getattr__(self, name: str) -> Any:
+                        return getattr(client, name)
+
+                return Stamped()
+
+            init(self, connect_stamped, *a, **k)
+
+        init = keywatch.KeyWatch.__init__
+        keywatch.KeyWatch.__init__ = watched  # type: ignore[method-assign]
+        wrap(member.MemberLink, "wait_for_push", None, stamp("woke"))
+        wrap(member.MemberLink, "maintain", stamp("maintain_in"), stamp("maintain_out"))
+        wrap(member.MemberLink, "poll_push", stamp("poll_in"), seen)
         wrap(stream.IncomingVersion, "start", lambda: ph.mark("start_in"),
              lambda _: ph.mark("posted"))
         wrap(paced.VerifyCopy, "run", lambda: ph.mark("pass_call"),
@@ -628,7 +661,9 @@ def phase_summary(pushes: list[dict[str, Any]], takes: list[dict[int, dict[str, 
             put("S.nccl[-1]", nccl[-1], 0.0)
         for r in receivers:
             ph = takes[i][r]["stats"].get("phases") or {}
-            for name, k in (("header_seen", 0), ("start_in", 0), ("bcast_call", 0),
+            for name, k in (("bell_back", 0), ("woke", 0), ("maintain_in", 0),
+                            ("maintain_out", 0), ("poll_in", 0),
+                            ("header_seen", 0), ("start_in", 0), ("bcast_call", 0),
                             ("posted", 0), ("landed", 0), ("pass_call", 0),
                             ("dev_pass_done", 0), ("landed", -1), ("pass_call", -1),
                             ("dev_pass_done", -2), ("dev_pass_done", -1), ("copied", 0),

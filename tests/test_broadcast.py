@@ -292,6 +292,25 @@ def test_damaged_bucket_is_refused_and_the_version_read_from_the_filesystem(
             assert got["source"] == "broadcast" and got["tensors"] == expected(weights2), got
 
 
+def test_a_push_of_another_layout_under_the_same_names_reaches_members_exact(
+        bsender: BroadcastSender) -> None:
+    """The sender keeps the last push's header while the tensors keep their layout. Tensors
+    of other shapes under the same names: a new header, and the member takes that version
+    over the broadcast, exact, in the same epoch."""
+    root = bsender.sender.root
+    gen = torch.Generator().manual_seed(5)
+    weights = {f"w{i}": random_bytes_tensor(torch.float16, (64, 32), gen) for i in range(6)}
+    reshaped = {k: random_bytes_tensor(torch.float16, (32, 80), gen) for k in weights}
+    with workers(root, "m") as (member,):
+        for version, sent in enumerate((weights, weights, reshaped, reshaped), start=1):
+            member.send(op="receive", timeout=60)
+            assert bsender.wait_for_joins(1, 30)
+            assert bsender.push(sent) == version
+            got = member.result()
+            assert got["source"] == "broadcast" and got["tensors"] == expected(sent), got
+            assert bsender.epoch == 1, bsender.last_push_stats
+
+
 def test_late_joiner_then_next_epoch_and_unresponsive_member(bsender: BroadcastSender) -> None:
     root = bsender.sender.root
     gen = torch.Generator().manual_seed(3)

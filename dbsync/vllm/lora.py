@@ -331,11 +331,20 @@ class AdapterVersions:
                 shutil.rmtree(directory, ignore_errors=True)
                 raise
             lora_id = next_lora_id()
-            request = _lora_request(f"{self.name}@v{snap.version}#{lora_id}", lora_id,
+            request = _lora_request(self.request_name(snap.version, lora_id), lora_id,
                                     directory)
             rank = int((snap.manifest.adapter or {}).get("r", 0))
             return AdapterVersion(snap.version, snap.run_id, rank, snap.manifest.total_bytes,
                                   directory, request)
+
+    def request_name(self, version: int, lora_id: int) -> str:
+        """The engine's name of one version of this adapter (``NAME@vN#ID``): internal;
+        clients name the adapter ``NAME``."""
+        return f"{self.name}@v{version}#{lora_id}"
+
+    def is_request_name(self, name: Any) -> bool:
+        """Whether ``name`` is a ``request_name`` of this adapter (of any version)."""
+        return isinstance(name, str) and name.startswith(f"{self.name}@v")
 
     def _serving(self) -> str:
         """What serves meanwhile, for a refusal's message."""
@@ -409,8 +418,8 @@ class AdapterVersions:
         lora_id = getattr(request, "lora_int_id", None)
         with self._lock:  # (kept only: a retiring version was removed from the engine)
             found = next((v for v in self.kept if v.lora_int_id == lora_id), None)
-            if found is None and self.kept and str(getattr(request, "lora_name", "")
-                                                   ).startswith(f"{self.name}@v"):
+            if found is None and self.kept and self.is_request_name(
+                    getattr(request, "lora_name", None)):
                 found = self.kept[-1]
             if found is not None:
                 self._in_flight[found.lora_int_id] += 1

@@ -151,12 +151,10 @@ class LoRAServing:
         version that answered is in the ``x-dbsync-version`` header)."""
         original = models.show_available_models
         original_name = models.model_name
-        prefix = f"{self.versions.name}@v"
 
         def model_name(lora_request: Any = None) -> str:
             name = original_name(lora_request)
-            return self.versions.name if isinstance(name, str) and name.startswith(
-                prefix) else name
+            return self.versions.name if self.versions.is_request_name(name) else name
 
         async def show_available_models() -> Any:
             listing = await original()

@@ -25,16 +25,47 @@ async def generate(engine: Any, prompt: str, tag: str, max_tokens: int = MAX_TOK
     return (await generate_timed(engine, prompt, tag, max_tokens))[0]
 
 
-async def generate_timed(engine: Any, prompt: str, tag: str, max_tokens: int
+async def generate_timed(engine: Any, prompt: str, tag: str, max_tokens: int,
+                         generating: asyncio.Event | None = None
                          ) -> tuple[str, int, float, float]:
-    """(text, tokens generated, start, end): a request cut short shows fewer tokens."""
+    """(text, tokens generated, start, end): a request cut short shows fewer tokens.
+    ``generating`` is set once the first token came."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     text, tokens, start = "", 0, time.time()
     async for out in engine.generate(prompt, params, request_id=f"{tag}-{time.monotonic_ns()}"):
         text, tokens = out.outputs[0].text, len(out.outputs[0].token_ids)
+        if generating is not None:
+            generating.set()
     return text, tokens, start, time.time()
+
+
+#: pushes of the same weights while requests run, until one of those requests spans the swap
+#: (each round's requests are generating before its push; on a busy machine they may still
+#: all end before the watcher applies it)
+ROUNDS = 4
+
+
+async def push_while_generating(engine: Any, att: Any, sender: Any) -> dict[str, Any]:
+    """One round: requests generating, then a push of model B; the round's version, its
+    requests' (text, tokens, start, end) and when the version was applied."""
+    generating = [asyncio.Event() for _ in PROMPTS]
+    background = [asyncio.create_task(generate_timed(engine, p, "bg", BG_TOKENS, started))
+                  for p, started in zip(PROMPTS, generating, strict=True)]
+    for started in generating:
+        await started.wait()
+    version = await asyncio.to_thread(sender.push, str(tiny_model("B")))
+    deadline = time.monotonic() + 60
+    while att.version != version and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return {"version": att.version, "pushed": version,
+            "background": await asyncio.gather(*background),
+            "loaded_at": att.status()["loaded_at"]}
+
+
+def spanned(round_: dict[str, Any]) -> bool:
+    return any(start < round_["loaded_at"] < end for _, _, start, end in round_["background"])
 
 
 async def scenario(store: Path) -> dict[str, Any]:
@@ -46,20 +77,12 @@ async def scenario(store: Path) -> dict[str, Any]:
     args = AsyncEngineArgs(model=str(tiny_model("A")),
                            **engine_kwargs(**dbsync_vllm.engine_args()))
     engine = AsyncLLM.from_engine_args(args)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"rounds": []}
     try:
         with Sender(store) as sender, dbsync_vllm.attach(engine, store, poll_interval=0.1) as att:
             out["before"] = [await generate(engine, p, "a") for p in PROMPTS]
-            # long enough to outlast the push and the swap on a busy 2-core machine
-            background = [asyncio.create_task(generate_timed(engine, p, "bg", BG_TOKENS))
-                          for p in PROMPTS]
-            await asyncio.sleep(0.2)
-            version = await asyncio.to_thread(sender.push, str(tiny_model("B")))
-            deadline = time.monotonic() + 60
-            while att.version != version and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            out["version"], out["pushed"] = att.version, version
-            out["background"] = await asyncio.gather(*background)
+            while len(out["rounds"]) < ROUNDS and not any(map(spanned, out["rounds"])):
+                out["rounds"].append(await push_while_generating(engine, att, sender))
             out["after"] = [await generate(engine, p, "b") for p in PROMPTS]
             out["weight_version"] = await engine.get_weight_version()
             out["on_demand"] = await att.apply_latest_async()
@@ -82,13 +105,13 @@ def test_async_engine_follows_store(tmp_path: Path) -> None:
 
     out = asyncio.run(scenario(tmp_path / "store"))
     gc.collect()  # finalize the shut-down engine now, not during interpreter exit
-    assert out["version"] == out["pushed"]
-    assert out["weight_version"] == str(out["pushed"])
-    assert out["on_demand"] == out["pushed"]
-    # every request held across the swap ran to its full length, and some did span it
-    assert all(tokens == BG_TOKENS for _, tokens, _, _ in out["background"])
-    loaded_at = out["status"]["loaded_at"]
-    assert any(start < loaded_at < end for _, _, start, end in out["background"])
+    pushed = out["rounds"][-1]["pushed"]
+    assert all(r["version"] == r["pushed"] for r in out["rounds"])
+    assert out["weight_version"] == str(pushed)
+    assert out["on_demand"] == pushed
+    # every request held across a swap ran to its full length, and some did span one
+    assert all(tokens == BG_TOKENS for r in out["rounds"] for _, tokens, _, _ in r["background"])
+    assert spanned(out["rounds"][-1]), out["rounds"]
     assert out["after"] == expected.result()
     assert out["after"] != out["before"]
     assert out["status"]["healthy"] and out["status"]["last_error"] is None

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .format import TensorEntry, describe_name, torch_dtype
+from .memspans import Span, partial_overlaps, span_of
 from .scatter import MAX_GAP, MAX_IOVECS, SCRATCH_ADDRESS, Read
 from .tensorstate import ADDRESS, CONTIGUOUS, DTYPE, SHAPE, States
 
@@ -55,7 +56,7 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
     shard = -1
     iov = array.array("Q")
     end = run_bytes = 0
-    spans: list[tuple[int, int, str]] = []
+    spans: list[Span] = []
     for entry in entries:
         tensor = get(entry.name)
         if (not isinstance(tensor, torch.Tensor) or tensor.shape != entry.shape
@@ -73,6 +74,8 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
                                          and tensor.dtype.is_floating_point)
                     ) and not overlaps_itself(tensor):
                 by_torch.append((tensor, entry))
+                if (span := span_of(entry.name, tensor)) is not None:
+                    spans.append(span)
                 continue
             return None
         nbytes = entry.nbytes
@@ -83,7 +86,7 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
             by_torch.append((tensor, entry))
             continue
         raw_destinations.append(tensor)
-        spans.append((address, address + nbytes, entry.name))
+        spans.append(Span(address, address + nbytes, entry.name))
         offset = entry.offset
         fresh = entry.shard != shard
         if fresh:
@@ -109,22 +112,6 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
     return CopyPlan(raw, raw_destinations, by_torch)
 
 
-def partial_overlaps(spans: list[tuple[int, int, str]]) -> dict[str, str]:
-    """{name: why} for destinations whose memory ([start, end) in ``spans``) overlaps
-    another's in part (views of one buffer that share some bytes): the copy would write one
-    version tensor's bytes into the other. The same memory under two names (tied weights)
-    is not an overlap here."""
-    found: dict[str, str] = {}
-    reach_end, reach = -1, ("", 0)  # the span reaching furthest so far: (name, start)
-    for start, end, name in sorted(spans):
-        if start < reach_end and (start, end) != (reach[1], reach_end):
-            found[name] = f"shares part of its memory with {reach[0]} in the target"
-            found.setdefault(reach[0], f"shares part of its memory with {name} in the target")
-        if end > reach_end:
-            reach_end, reach = end, (name, start)
-    return found
-
-
 #: why a target tensor the version lacks cannot be loaded (``fit_problems``)
 MISSING = "missing from the published version"
 
@@ -136,7 +123,6 @@ def fit_problems(published: Sequence[tuple[str, Any, Any]], dest: Mapping[str, A
     be copied into, another shape, a dtype no cast reaches (floating dtypes cast to each
     other), memory shared in part with another destination; with ``strict``, also a tensor
     of ``dest`` the version lacks (``MISSING``; see ``tied_to_published``)."""
-    import torch
 
     problems: dict[str, str] = {}
     for name, shape, dtype in published:
@@ -154,10 +140,8 @@ def fit_problems(published: Sequence[tuple[str, Any, Any]], dest: Mapping[str, A
     if strict:
         names = {name for name, _, _ in published}
         problems.update((name, MISSING) for name in dest if name not in names)
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-             for name, _, _ in published if name not in problems
-             and isinstance(t := dest.get(name), torch.Tensor) and t.is_contiguous()
-             and t.numel() and t.data_ptr()]
+    spans = [span for name, _, _ in published if name not in problems
+             and (span := span_of(name, dest[name])) is not None]
     for name, why in partial_overlaps(spans).items():
         problems.setdefault(name, why + " (views of one buffer): nothing can copy both; give "
                             "each tensor memory of its own")
@@ -318,7 +302,7 @@ def tie_key(tensor: Any) -> Any:
     object per name, tied or not), or the same object for one without memory of its own."""
     try:
         address = tensor.data_ptr()
-        return ((address, tensor.dtype, tuple(tensor.shape), tensor.is_contiguous()) if address
+        return ((address, tensor.dtype, tuple(tensor.shape), tensor.stride()) if address
                 else id(tensor))
     except (AttributeError, RuntimeError):  # (not a tensor, or no storage)
         return id(tensor)
@@ -331,9 +315,11 @@ def _shared(targets: list[Any], states: States | None) -> list[tuple[int, int]]:
         keys: list[Any] = list(map(id, targets))
     else:
         columns = states.columns
-        keys = [(a, d, s, c) if a else i for i, (a, d, s, c) in enumerate(zip(
-            columns[ADDRESS], columns[DTYPE], columns[SHAPE], columns[CONTIGUOUS],
-            strict=True))]
+        # (a contiguous tensor's strides follow from its shape; only others are read)
+        keys = [(a, d, s, True if c else targets[i].stride()) if a else i
+                for i, (a, d, s, c) in enumerate(zip(
+                    columns[ADDRESS], columns[DTYPE], columns[SHAPE], columns[CONTIGUOUS],
+                    strict=True))]
     first: dict[Any, int] = {}
     pairs = []
     for i, key in enumerate(keys):

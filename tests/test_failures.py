@@ -787,6 +787,34 @@ def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lan
             assert torch.equal(module.state_dict()[name], want), name
 
 
+def test_strided_views_that_share_bytes_are_refused_and_interleaved_ones_load(root):
+    """A row and a column of one matrix share an element: refused, named, nothing copied
+    (before: loaded, the column holding [1, 2, 2, 2] for [2, 2, 2, 2]). Two views at one
+    address with other strides (a column and the diagonal) are not tied weights: refused as
+    sharing memory (before: "one tensor in the target"). Columns of one matrix and a
+    transposed matrix share no byte: they load the published values."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0),
+                     "t": torch.arange(6.0).reshape(3, 2)})
+    with dbsync.Receiver(root) as rx:
+        for make in (lambda buf: (buf[0, :], buf[:, 0]),
+                     lambda buf: (buf[:, 0], buf.diagonal())):
+            buf = torch.zeros(4, 4)
+            a, b = make(buf)
+            with pytest.raises(dbsync.IncompatibleWeightsError) as refused:
+                rx.load({"a": a, "b": b, "t": torch.zeros(3, 2)})
+            assert set(refused.value.problems) == {"a", "b"}, refused.value.problems
+            assert "shares part of its memory" in refused.value.problems["b"]
+            assert torch.equal(buf, torch.zeros(4, 4))
+        buf = torch.zeros(4, 4)
+        held = torch.zeros(2, 3)
+        dest = {"a": buf[:, 0], "b": buf[:, 1], "t": held.t()}
+        assert rx.load(dest) == 1
+        assert torch.equal(buf[:, :2], torch.tensor([[1.0, 2.0]] * 4))
+        assert torch.equal(buf[:, 2:], torch.zeros(4, 2))
+        assert torch.equal(held.t(), torch.arange(6.0).reshape(3, 2))
+
+
 def test_partly_overlapping_and_distributed_destinations_are_refused_and_views_load(root,
                                                                                      tmp_path):
     """Two destinations that share part of their memory (views of one buffer) are refused,

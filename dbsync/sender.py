@@ -68,7 +68,7 @@ from .leases import (
     prune_abandoned,
 )
 from .pushlayout import LayoutCache, PushLayout
-from .status import loaded_versions, wait_for_receivers
+from .status import loaded_versions, printable, refusal_of, wait_for_receivers
 from .store import WRITING, Store
 
 log = logging.getLogger(__name__)
@@ -713,10 +713,24 @@ class Sender:
         start = time.monotonic()
         interval = 0.02
         told = False
+        excused: set[str] = set()
         while True:
             live, _ = self._leases.scan()
-            behind = {r: self._version - v for r, v in loaded_versions(live).items()
+            loaded = loaded_versions(live)
+            behind = {r: self._version - v for r, v in loaded.items()
                       if self._version - v > self.max_lag}
+            # A receiver that refused the newest version cannot catch up until a newer one is
+            # published (this one, maybe a fix): it is not waited for.
+            for r in list(behind):
+                refused = refusal_of(live.get(r) or {})
+                if refused is not None and refused[0] >= self._version > loaded[r]:
+                    del behind[r]
+                    if r not in excused:
+                        excused.add(r)
+                        log.warning("max_lag=%d: not waiting for receiver %s, which refused "
+                                    "version %d (%s); it loads the next version that fits",
+                                    self.max_lag, printable(r), refused[0],
+                                    printable(refused[1][:300]))
             if not behind:
                 return time.monotonic() - start
             waited = time.monotonic() - start

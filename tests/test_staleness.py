@@ -44,6 +44,30 @@ def test_max_lag_timeout_names_the_receivers_behind(root):
             assert sender.latest_version() == 2
 
 
+def test_max_lag_does_not_wait_for_a_receiver_that_refused_the_newest_version(root, caplog):
+    """A receiver that refused the newest version (its tensors do not fit) cannot catch up
+    until another is published: the next push (the fix) is not held for it (before: held
+    until ``max_lag_timeout``, then "still behind", the fix never published)."""
+    with dbsync.Sender(root, max_lag=0, max_lag_timeout=30) as sender:
+        sender.push({"w": torch.ones(2)})
+        with dbsync.Receiver(root, reader_id="engine-3") as engine:
+            model = {"w": torch.zeros(2)}
+            assert engine.load(model) == 1
+            sender.push({"w": torch.ones(3)})  # does not fit the engine's model
+            with pytest.raises(dbsync.IncompatibleWeightsError):
+                engine.load(model)
+            start = time.monotonic()
+            assert sender.push({"w": torch.full((2,), 3.0)}) == 3  # the fix
+            assert time.monotonic() - start < 10
+            assert engine.load(model) == 3 and torch.equal(model["w"], torch.full((2,), 3.0))
+            # caught up: the bound holds again for it
+            sender.push({"w": torch.full((2,), 4.0)})
+            with pytest.raises(dbsync.StalenessError, match="engine-3"):
+                sender.max_lag_timeout = 0.5
+                sender.push({"w": torch.full((2,), 5.0)})
+    assert any("refused version 2" in r.getMessage() for r in caplog.records)
+
+
 def test_refusal_makes_push_wait_for_fail_at_once(root, tmp_path, worker_env):
     from safetensors.torch import save_file
 

@@ -215,7 +215,7 @@ def _all_fine(pairs: list[tuple[Any, Any]]) -> bool:
     supported = _SUPPORTED_DTYPES
     for _, value in pairs:  # (subclasses take the per-entry checks)
         if not (type(value) in plain and value.layout is strided
-                and value.dtype in supported and not value.is_meta):
+                and value.dtype in supported and not value.is_meta and not value.is_nested):
             return False
     return True
 

@@ -156,6 +156,13 @@ def test_a_nested_tensor_is_named_among_every_bad_entry(root, blocking):
             result.result()
     said = str(refused.value)
     assert "'nt': a nested tensor" in said and "'meta'" in said, said
+    # alone next to good tensors (before: "the writer needs contiguous CPU tensors" from a
+    # writer thread, or torch's internal error)
+    with dbsync.Sender(root) as sender, pytest.raises(dbsync.InvalidWeightsError) as refused:
+        result = sender.push({"nt": nested, "ok": torch.ones(2)}, blocking=blocking)
+        if not blocking:
+            result.result()
+    assert "'nt': a nested tensor" in str(refused.value)
     assert dbsync.Receiver(root).latest_version() is None
 
 

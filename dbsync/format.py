@@ -26,6 +26,14 @@ FORMAT_NAME = "dbsync"
 INDEX_FORMAT_NAME = "dbsync-index"
 FORMAT_VERSION = 3
 CHECKSUM_ALGORITHM = "xxh3_64"
+#: the last part of the name of a module's extra state in its state_dict
+#: (``nn.Module.get_extra_state``): not weights unless it is a tensor
+EXTRA_STATE = "_extra_state"
+
+
+def is_extra_state(name: str) -> bool:
+    return name == EXTRA_STATE or name.endswith("." + EXTRA_STATE)
+
 SLOTS = ("a", "b")
 KINDS = ("weights", "adapter")
 

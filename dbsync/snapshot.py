@@ -36,7 +36,7 @@ from .errors import (
     StoreUnreachableError,
 )
 from .fileio import ShardView, checksum, settle, wait_all
-from .format import Manifest, describe_name, shard_file, unwrap_compiled
+from .format import Manifest, describe_name, is_extra_state, shard_file, unwrap_compiled
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LeaseNotRenewed", "SlotReused", "Snapshot"]
 
-#: the suffix of a module's extra state in its state_dict (``nn.Module.get_extra_state``)
-_EXTRA_STATE = "_extra_state"
 #: bytes per verification / copy task
 _TASK_BYTES = 16 << 20
 #: tensors per autograd version bump call
@@ -371,7 +369,7 @@ class Snapshot:
             if inner is not target and tensors and tensors[0].name.startswith("_orig_mod."):
                 inner = target
             dest = inner.state_dict(keep_vars=True)
-            for name in [k for k in dest if k == _EXTRA_STATE or k.endswith("." + _EXTRA_STATE)]:
+            for name in [k for k in dest if is_extra_state(k)]:
                 if not isinstance(dest[name], torch.Tensor):
                     del dest[name]  # a module's extra state (get_extra_state): not weights
         elif tensordict is not None and isinstance(target, tensordict.TensorDictBase):

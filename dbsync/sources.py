@@ -27,6 +27,7 @@ from .format import (
     DTYPE_SIZES,
     MANIFEST_FILE,
     READERS_DIR,
+    is_extra_state,
     is_supported_dtype,
     name_problem,
     unwrap_compiled,
@@ -106,7 +107,10 @@ def pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
             transient = non_persistent_buffers(weights)
             return [(name, t) for name, t in _tensordict_pairs(TensorDict.from_module(weights))
                     if name not in transient]
-        return list(weights.state_dict().items())
+        # (a submodule's ``get_extra_state`` that is no tensor is not weights: a receiver's
+        # load into a module leaves it alone too)
+        return [(name, value) for name, value in weights.state_dict().items()
+                if isinstance(value, torch.Tensor) or not is_extra_state(name)]
     tensordict = sys.modules.get("tensordict")  # no TensorDict exists unless it was imported
     if tensordict is not None and isinstance(weights, tensordict.TensorDictBase):
         return _tensordict_pairs(weights)

@@ -785,6 +785,16 @@ def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lan
         assert rx.load(module) == 1
         for name, want in weights.items():
             assert torch.equal(module.state_dict()[name], want), name
+        # ... and pushed from such a module: its tensors, not its extra state (before:
+        # refused as "a dict, not a tensor ... a training checkpoint?")
+        with torch.no_grad():
+            module.a.add_(5)
+        with dbsync.Sender(root) as sender:
+            assert sender.push(module) == 2
+        published = {e.name for e in rx.manifest().tensors}
+        assert published == set(weights), published
+        again = WithExtraState()
+        assert rx.load(again) == 2 and torch.equal(again.a, weights["a"] + 5)
 
 
 def test_strided_views_that_share_bytes_are_refused_and_interleaved_ones_load(root):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .format import TensorEntry, describe_name, torch_dtype
-from .memspans import Span, partial_overlaps, span_of
+from .memspans import Span, partial_overlaps, read_only, span_of
 from .scatter import MAX_GAP, MAX_IOVECS, SCRATCH_ADDRESS, Read
 from .tensorstate import ADDRESS, CONTIGUOUS, DTYPE, SHAPE, States
 
@@ -57,6 +57,7 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
     iov = array.array("Q")
     end = run_bytes = 0
     spans: list[Span] = []
+    host_spans: list[Span] = []  # (of CPU tensors: their memory must be writable)
     for entry in entries:
         tensor = get(entry.name)
         if (not isinstance(tensor, torch.Tensor) or tensor.shape != entry.shape
@@ -76,6 +77,8 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
                 by_torch.append((tensor, entry))
                 if (span := span_of(entry.name, tensor)) is not None:
                     spans.append(span)
+                    if tensor.is_cpu:
+                        host_spans.append(span)
                 continue
             return None
         nbytes = entry.nbytes
@@ -87,6 +90,7 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
             continue
         raw_destinations.append(tensor)
         spans.append(Span(address, address + nbytes, entry.name))
+        host_spans.append(spans[-1])
         offset = entry.offset
         fresh = entry.shard != shard
         if fresh:
@@ -107,7 +111,7 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
         run_bytes += nbytes + gap
     if strict and len(dest) != len(entries):
         return None
-    if partial_overlaps(spans):
+    if partial_overlaps(spans) or read_only(host_spans):
         return None
     return CopyPlan(raw, raw_destinations, by_torch)
 
@@ -145,6 +149,8 @@ def fit_problems(published: Sequence[tuple[str, Any, Any]], dest: Mapping[str, A
     for name, why in partial_overlaps(spans).items():
         problems.setdefault(name, why + " (views of one buffer): nothing can copy both; give "
                             "each tensor memory of its own")
+    for name, why in read_only([s for s in spans if dest[s.name].is_cpu]).items():
+        problems.setdefault(name, why)
     return problems
 
 

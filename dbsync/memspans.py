@@ -113,8 +113,12 @@ def partial_overlaps(spans: list[Span]) -> dict[str, str]:
     docstring)."""
     found: dict[str, str] = {}
     active: list[Span] = []
+    reach = -1  # the furthest end of the active spans
     exact = 0
-    for span in sorted(spans, key=lambda s: (s.lo, s.hi)):
+    for span in sorted(spans):
+        if span.lo >= reach:  # (the common case: no span before reaches this one)
+            active, reach = [span], span.hi
+            continue
         active = [a for a in active if a.hi > span.lo]
         for other in active:
             if _tied(other, span):
@@ -127,4 +131,42 @@ def partial_overlaps(spans: list[Span]) -> dict[str, str]:
             found.setdefault(other.name,
                              f"shares part of its memory with {span.name} in the target")
         active.append(span)
+        reach = max(reach, span.hi)
+    return found
+
+
+#: why a destination whose memory is not writable is refused
+READ_ONLY = ("its memory is read-only (a read-only mapping, such as a tensor made from a file "
+             "mapped for reading): load into tensors with memory of their own (.clone())")
+
+
+def read_only(spans: list[Span]) -> dict[str, str]:
+    """{name: ``READ_ONLY``} for spans of this process's memory (CPU tensors only) that do not
+    lie wholly in writable mappings (``/proc/self/maps``; where it cannot be read, {}): a
+    copy into them would fail part way (EFAULT) or crash the process."""
+    import bisect
+
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    starts: list[int] = []
+    ends: list[int] = []
+    for line in lines:
+        bounds, _, rest = line.partition(b" ")
+        if rest[1:2] != b"w":
+            continue
+        lo, _, hi = bounds.partition(b"-")
+        start, end = int(lo, 16), int(hi, 16)
+        if ends and ends[-1] == start:  # (adjacent writable mappings: one range)
+            ends[-1] = end
+        else:
+            starts.append(start)
+            ends.append(end)
+    found = {}
+    for span in spans:
+        k = bisect.bisect_right(starts, span.lo) - 1
+        if k < 0 or span.hi > ends[k]:
+            found[span.name] = READ_ONLY
     return found

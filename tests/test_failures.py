@@ -797,6 +797,31 @@ def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lan
         assert rx.load(again) == 2 and torch.equal(again.a, weights["a"] + 5)
 
 
+def test_destinations_in_read_only_memory_are_refused_before_any_byte_lands(root, tmp_path):
+    """A destination in a read-only file mapping is refused, named, nothing copied (before:
+    a bare "[Errno 14] Bad address" after the other destination had taken the new version;
+    a non-contiguous view of it crashed the process in torch's copy)."""
+    import mmap
+
+    import numpy as np
+
+    with dbsync.Sender(root) as sender:
+        sender.push({"b": torch.ones(4), "a": torch.arange(6.0).reshape(2, 3)})
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"\0" * 4096)
+    with open(path, "rb") as f, dbsync.Receiver(root) as rx:
+        mapped = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)  # (closed when collected)
+        with pytest.warns(UserWarning):  # (torch: "the given NumPy array is not writable")
+            flat = torch.from_numpy(np.frombuffer(mapped, dtype=np.float32, count=6))
+        for view in (flat.reshape(2, 3), flat.reshape(3, 2).t()):
+            b = torch.zeros(4)
+            with pytest.raises(dbsync.IncompatibleWeightsError) as refused:
+                rx.load({"a": view, "b": b})
+            assert set(refused.value.problems) == {"a"}, refused.value.problems
+            assert "read-only" in refused.value.problems["a"]
+            assert torch.equal(b, torch.zeros(4)) and not flat.any()
+
+
 def test_strided_views_that_share_bytes_are_refused_and_interleaved_ones_load(root):
     """A row and a column of one matrix share an element: refused, named, nothing copied
     (before: loaded, the column holding [1, 2, 2, 2] for [2, 2, 2, 2]). Two views at one

@@ -890,7 +890,7 @@ class Sender:
         if isinstance(exc, DBSyncError):
             return None  # (said plainly already)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            what, todo = self._what_ran_out(exc.errno)
+            what, todo = self.store.what_ran_out(exc.errno)
             return StoreFullError(
                 f"{what} while writing version {version} ({nbytes} bytes); nothing was "
                 f"published and {after}. {todo}, then push again", exc.errno)
@@ -901,22 +901,6 @@ class Sender:
                 "nothing was published. Make it writable, then push again", exc.errno)
         return None
 
-    def _what_ran_out(self, code: int) -> tuple[str, str]:
-        """(what ran out, what to do) for an ENOSPC or EDQUOT: space, or files (inodes:
-        ``df -h`` then shows space left), or this user's quota."""
-        root = self.store.root
-        if code == errno.EDQUOT:
-            return (f"this user's disk quota on the filesystem of {root} is exhausted",
-                    "Free space within the quota (or raise it)")
-        try:
-            st = os.statvfs(root)
-            out_of_files = st.f_files > 0 and st.f_favail == 0 and st.f_bavail > 0
-        except OSError:
-            out_of_files = False
-        if out_of_files:
-            return (f"no free inodes left on the filesystem of {root} (it has free space; "
-                    "`df -i` shows inodes)", "Remove files there")
-        return f"no space left on the filesystem of {root}", "Free space there"
 
     def _check_space(self, slot: str, shard_sizes: list[int]) -> None:
         """Refuse before writing anything if the new shards cannot fit (files reused in place

@@ -45,6 +45,7 @@ from .errors import (
     FormatError,
     NothingPublishedError,
     StoreBusyError,
+    StoreFullError,
     StoreNotFoundError,
     StoreReadOnlyError,
     StoreUnreachableError,
@@ -111,11 +112,40 @@ class Store:
         self._parsed: dict[str, Index] = {}  # index checksum -> parsed index (the last two)
         if create:
             self._refuse_foreign_directory()
-            self._create_layout()
+            try:
+                self._create_layout()
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise self.full_error(exc.errno, "the store's directories cannot be "
+                                      "created") from None
         else:
             error = root_error(self.root)
             if error is not None:
                 raise error
+
+    def what_ran_out(self, code: int) -> tuple[str, str]:
+        """(what ran out, what to do) for an ENOSPC or EDQUOT: space, or files (inodes:
+        ``df -h`` then shows space left), or this user's quota."""
+        root = self.root
+        if code == errno.EDQUOT:
+            return (f"this user's disk quota on the filesystem of {root} is exhausted",
+                    "Free space within the quota (or raise it)")
+        try:
+            st = os.statvfs(root if os.path.isdir(root) else os.path.dirname(root))
+            out_of_files = st.f_files > 0 and st.f_favail == 0 and st.f_bavail > 0
+        except OSError:
+            out_of_files = False
+        if out_of_files:
+            return (f"no free inodes left on the filesystem of {root} (it has free space; "
+                    "`df -i` shows inodes)", "Remove files there")
+        return f"no space left on the filesystem of {root}", "Free space there"
+
+    def full_error(self, code: int, what_failed: str) -> StoreFullError:
+        """A ``StoreFullError`` for an ENOSPC or EDQUOT met while ``what_failed``."""
+        what, todo = self.what_ran_out(code)
+        return StoreFullError(f"{what}: {what_failed}; nothing was published. {todo}, then "
+                              "push again", code)
 
     def _refuse_foreign_directory(self) -> None:
         """Refuse to make a store of a directory that holds other files (a checkpoint
@@ -539,6 +569,9 @@ class Store:
                         errno.ENXIO: "a socket or device"}.get(exc.errno)
                 if kind is not None:
                     raise self._not_regular((WRITER_LOCK_FILE,), kind) from None
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise self.full_error(exc.errno, f"its {WRITER_LOCK_FILE} cannot be "
+                                          "created") from None
                 if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise OSError(exc.errno, exc.strerror,
                                   os.path.join(self.root, WRITER_LOCK_FILE)) from None
@@ -588,8 +621,12 @@ class Store:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        try:  # (who holds it, for the message of a refused writer: informational only; on
+            # a full filesystem the push itself says so, with what to do)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        except OSError as exc:
+            log.info("could not record this writer in %s (%s)", WRITER_LOCK_FILE, exc)
         return fd
 
     @staticmethod

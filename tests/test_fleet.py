@@ -308,6 +308,41 @@ def test_a_store_out_of_inodes_says_so(tmp_path):
             receiver.close()
 
 
+@needs_root
+def test_a_new_store_on_a_full_filesystem_says_so_and_works_once_there_is_room(tmp_path):
+    """A new ROOT on a filesystem with no inodes left: ``Sender(root)`` fails with a
+    StoreFullError that says what ran out (before: a bare "No space left on device", and the
+    process kept the writer lock, so every later Sender and `dbsync push` there was refused
+    as "another writer" until it exited). With no space left (inodes free) the Sender opens
+    and the push says what ran out. Once there is room both work, in the same process."""
+    with tmpfs(tmp_path / "full", "4m", "nr_inodes=32") as full:
+        fillers = []
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.path.join(full, f"f{len(fillers)}"))
+                open(fillers[-1], "w").close()
+        root = os.path.join(full, "store")
+        with pytest.raises(dbsync.StoreFullError, match="no free inodes") as caught:
+            dbsync.Sender(root)
+        assert "nothing was published" in str(caught.value)
+        for filler in fillers:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(filler)
+        with open(os.path.join(full, "space"), "wb") as f:  # now no space, inodes free
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            with dbsync.Sender(root) as sender:
+                with pytest.raises(dbsync.StoreFullError, match="Free space there"):
+                    sender.push(weights_for(1))
+                os.unlink(os.path.join(full, "space"))
+                f.truncate(0)
+                assert sender.push(weights_for(1)) == 1
+        with dbsync.Sender(root) as again:
+            assert again.push(weights_for(2)) == 2
+
+
 # ---- 3. read-only views ----------------------------------------------------------------------
 @needs_root
 @pytest.mark.parametrize("how", ["bind", "bindfs"])

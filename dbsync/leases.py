@@ -99,13 +99,22 @@ _UNSAFE_IN_ID = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this PID namespace runs. A zombie (killed, not yet reaped
+    by its parent: a reader a trainer started and has not waited for) does not: it holds
+    nothing and reads nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError, ValueError):
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # (no /proc here: kill's answer stands)
+    # "pid (comm) S ...": the state follows the last ")" (a command name may hold one)
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X")
 
 
 def held_slots(lease: dict[str, Any]) -> set[str]:

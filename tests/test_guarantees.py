@@ -90,10 +90,11 @@ def test_live_reader_blocks_reuse_of_its_slot(root):
         assert future.result(timeout=10) == 3
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped"])
+@pytest.mark.parametrize("how", ["killed", "killed, not reaped", "stopped"])
 def test_dead_reader_stops_blocking_the_writer(root, tmp_path, worker_env, how):
-    """A killed reader (pid gone) frees its slot at once; a frozen one (SIGSTOP: alive but no
-    heartbeat) after the lease timeout, measured on the writer's clock."""
+    """A killed reader (pid gone) frees its slot at once, also while its parent has not
+    reaped it (a zombie: before, taken for alive for its whole lease timeout); a frozen one
+    (SIGSTOP: alive but no heartbeat) after the lease timeout, on the writer's clock."""
     timeout = 2.0
     with dbsync.Sender(root, lease_timeout=timeout) as sender:
         sender.push({"w": torch.ones(4)})
@@ -105,6 +106,12 @@ def test_dead_reader_stops_blocking_the_writer(root, tmp_path, worker_env, how):
             if how == "killed":
                 holder.kill()
                 holder.wait()  # reaped, as a dead reader on another process tree would be
+            elif how == "killed, not reaped":
+                holder.kill()
+                deadline = time.monotonic() + 30
+                while (open(f"/proc/{holder.pid}/stat").read().rpartition(")")[2].split()[0]
+                       != "Z" and time.monotonic() < deadline):
+                    time.sleep(0.01)  # (until the kernel made it a zombie)
             else:
                 holder.send_signal(signal.SIGSTOP)
             sender.push({"w": torch.full((4,), 2.0)})
@@ -114,7 +121,7 @@ def test_dead_reader_stops_blocking_the_writer(root, tmp_path, worker_env, how):
         finally:
             holder.send_signal(signal.SIGKILL)
             holder.wait()
-    if how == "killed":
+    if how.startswith("killed"):
         assert waited < 1.0
     else:
         assert timeout * 0.9 <= waited < timeout + 3.0

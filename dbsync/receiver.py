@@ -145,21 +145,12 @@ class Receiver:
                                     report_loaded)
         _warn_if_under_an_overlay(self.store.root)
         self.read_only = self._decide_read_only(read_only)
+        #: whether a receiver that found the store read-only looks again at each open (a
+        #: statvfs and an access check: microseconds), to register once it can write
+        self._may_register = read_only is None and self.read_only
+        self._registering = threading.Lock()
         if not self.read_only:
-            try:
-                self._keeper.claim = claim_reader_id(self.store, self.reader_id)
-            except ReaderIdInUse as exc:
-                raise DBSyncError(
-                    f"reader id {self.reader_id!r} is in use in {self.store.root}: {exc}. Two "
-                    "receivers sharing an id overwrite each other's lease, and the writer may "
-                    "then reuse a slot one of them still reads: give each receiver its own "
-                    "reader_id (or leave it unset for a unique one)") from None
-            try:
-                self._keeper.write()
-                self._keeper.start()
-            except BaseException:
-                release_reader_id(self._keeper.claim)
-                raise
+            self._register()
         #: worker threads kept from one load to the next (see ``workers``)
         self.workers = WorkerPools("dbsync-read")
         self._closed = threading.Event()
@@ -167,6 +158,47 @@ class Receiver:
         self._waits: set[threading.Event] = set()  # events of the wait() calls under way
         self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()  # started by watch()
         self._finalizer = weakref.finalize(self, _close_parts, self._keeper, self.workers)
+
+    def _register(self) -> None:
+        """Claim the reader id, write the lease and start its heartbeat."""
+        try:
+            self._keeper.claim = claim_reader_id(self.store, self.reader_id)
+        except ReaderIdInUse as exc:
+            raise DBSyncError(
+                f"reader id {self.reader_id!r} is in use in {self.store.root}: {exc}. Two "
+                "receivers sharing an id overwrite each other's lease, and the writer may "
+                "then reuse a slot one of them still reads: give each receiver its own "
+                "reader_id (or leave it unset for a unique one)") from None
+        try:
+            self._keeper.write()
+            self._keeper.start()
+        except BaseException:
+            release_reader_id(self._keeper.claim)
+            raise
+
+    def _register_if_writable(self) -> None:
+        """A receiver that started on a store it could not write (remounted read-only for a
+        while, ``readers/`` with the wrong permissions until an operator fixed them) looks
+        again now and then, and registers once it can: the writer then sees it and its
+        loads count."""
+        if not self._may_register or not self._registering.acquire(blocking=False):
+            return
+        try:
+            if not self._may_register or not self.store.writable():
+                return
+            try:
+                self._register()
+            except (OSError, DBSyncError) as exc:
+                self._may_register = False
+                log.info("%s is writable again but reader %s could not register (%s); it "
+                         "goes on without a lease", self.store.root, self.reader_id, exc)
+                return
+            self._may_register = False
+            self.read_only = False
+            log.info("%s is writable now: reader %s registered (a lease, loads acknowledged)",
+                     self.store.root, self.reader_id)
+        finally:
+            self._registering.release()
 
     def _decide_read_only(self, forced: bool | None) -> bool:
         if forced is not None:
@@ -213,6 +245,7 @@ class Receiver:
         Raises ``StoreRewoundError`` if the head went backwards within one run (a restored
         older copy); a new run id is followed (logged) instead."""
         self._check_open()
+        self._register_if_writable()
         self._release_orphans()
         if head is not None:
             version = head.version

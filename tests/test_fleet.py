@@ -345,6 +345,29 @@ def test_a_new_store_on_a_full_filesystem_says_so_and_works_once_there_is_room(t
 
 # ---- 3. read-only views ----------------------------------------------------------------------
 @needs_root
+def test_a_receiver_started_while_its_store_was_read_only_registers_once_writable(tmp_path):
+    """A store briefly read-only (a failover, a remount) when a receiver starts: it loads
+    without a lease, and registers at a load once the store is writable again, so the
+    trainer counts it (before: never, for its whole life)."""
+    base = str(tmp_path / "base")
+    with dbsync.Sender(base) as sender:
+        sender.push(weights_for(1))
+        with read_only_view(base, base):  # (the store's own path, read-only for a while)
+            receiver = dbsync.Receiver(base, reader_id="engine-1", lease_timeout=1.0)
+            assert receiver.read_only
+            assert load(receiver) == (1, [1.0])
+        try:
+            version = sender.push(weights_for(2))
+            assert load(receiver) == (2, [2.0])
+            assert not receiver.read_only
+            assert sender.wait_for_receivers(version, count=1, timeout=10)
+            status = json.loads(cli("status", base, "--json").stdout)
+            assert _state(status, "engine-1") == "idle", status["receivers"]
+        finally:
+            receiver.close()
+
+
+@needs_root
 @pytest.mark.parametrize("how", ["bind", "bindfs"])
 def test_read_only_view_serves_load_wait_watch_status_verify(tmp_path, how):
     base = str(tmp_path / "base")

@@ -222,37 +222,46 @@ def _finish_background_pushes() -> None:
     for sender in list(_LIVE_SENDERS):
         if os.getpid() != sender._pid or sender._lock_fd[0] is None:
             continue
-        try:
-            pending = sender._publisher.submit(int)  # (runs after every push queued before it)
-        except RuntimeError:
-            continue
-        if pending.done():
-            continue
-        log.info("finishing the background push(es) into %s before exiting",
-                 sender.store.root)
-        told = False
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                try:
-                    pending.result(timeout=max(0.0, min(left, EXIT_QUIET_SECONDS)))
-                    break
-                except TimeoutError:
-                    if left <= EXIT_QUIET_SECONDS:
-                        raise
-                    if not told:
-                        told = True
-                        log.warning("exiting waits (%.0f s at most) for a background push into "
-                                    "%s to be published; it waits for readers or a lag bound "
-                                    "(Ctrl-C abandons it, publishing nothing)",
-                                    EXIT_WAIT_SECONDS, sender.store.root)
-        except BaseException as exc:  # (past the bound, or Ctrl-C: never raised out of exit)
-            for abort in list(getattr(sender, "_live_aborts", ())):
-                abort.set()
-            log.warning("abandoned the background push(es) into %s at exit (%s): nothing more "
-                        "was published; it still serves version %s", sender.store.root,
-                        "interrupted" if isinstance(exc, KeyboardInterrupt) else
-                        f"not done within {EXIT_WAIT_SECONDS:.0f} s", sender._version)
+        _finish_pending_pushes(sender, deadline, "exiting", "at exit")
+
+
+def _pool_threads(pool: ThreadPoolExecutor) -> set[threading.Thread]:
+    return set(getattr(pool, "_threads", ()))
+
+
+def _finish_pending_pushes(sender: Sender, deadline: float, who: str, when: str) -> None:
+    """Wait for ``sender``'s pending pushes until ``deadline``; past it, or on Ctrl-C, stop
+    them before their flip (nothing more is published) and say so. Never raises."""
+    try:
+        pending = sender._publisher.submit(int)  # (runs after every push queued before it)
+    except RuntimeError:
+        return
+    if pending.done():
+        return
+    log.info("finishing the background push(es) into %s (%s)", sender.store.root, who)
+    told = False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                pending.result(timeout=max(0.0, min(left, EXIT_QUIET_SECONDS)))
+                break
+            except TimeoutError:
+                if left <= EXIT_QUIET_SECONDS:
+                    raise
+                if not told:
+                    told = True
+                    log.warning("%s waits (%.0f s at most) for a background push into %s to "
+                                "be published; it waits for readers or a lag bound (Ctrl-C "
+                                "abandons it, publishing nothing)", who,
+                                max(0.0, deadline - time.monotonic()), sender.store.root)
+    except BaseException as exc:  # (past the bound, or Ctrl-C: never raised from here)
+        for abort in list(getattr(sender, "_live_aborts", ())):
+            abort.set()
+        log.warning("abandoned the background push(es) into %s %s (%s): nothing more was "
+                    "published; it still serves version %s", sender.store.root, when,
+                    "interrupted" if isinstance(exc, KeyboardInterrupt) else
+                    f"not done within {EXIT_WAIT_SECONDS:.0f} s", sender._version)
 
 
 # (threading's exit hooks run newest first: this one before concurrent.futures' own, which
@@ -999,13 +1008,21 @@ class Sender:
         return wait_for_receivers(self.store, version, count, timeout)
 
     def close(self) -> None:
-        """Finish the pending push (its errors stay in its future), release the writer lock.
-        Not from a ``progress`` callback (a writer thread of the push it would wait for)."""
+        """Finish the pending pushes (their errors stay in their futures), release the writer
+        lock. Waits ``EXIT_WAIT_SECONDS`` at most: a push still waiting then (for receivers to
+        catch up under ``max_lag``, or for a slot a reader holds) is abandoned before its flip
+        (nothing published; a WARNING says so), as on Ctrl-C here. Not from a ``progress``
+        callback (a writer thread of the push it would wait for)."""
         if any(sender is self for sender in getattr(_in_progress, "senders", ())):
             raise DBSyncError("Sender.close() was called from a push's progress callback, which "
                               "runs in the push's own writer threads and would wait for "
                               "itself; raise an exception there to stop the push, and close "
                               "the Sender from the thread that called push()")
+        if (self._finalizer.alive and os.getpid() == self._pid
+                and threading.current_thread() not in _pool_threads(self._publisher)):
+            # (bounded: a push waiting for a lag bound or a held slot may never finish)
+            _finish_pending_pushes(self, time.monotonic() + EXIT_WAIT_SECONDS, "close()",
+                                   "by close()")
         self._finalizer()
 
     def __enter__(self) -> Sender:

@@ -68,6 +68,27 @@ def test_max_lag_does_not_wait_for_a_receiver_that_refused_the_newest_version(ro
     assert any("refused version 2" in r.getMessage() for r in caplog.records)
 
 
+def test_close_abandons_a_push_waiting_for_a_lag_bound_after_its_bound(root, monkeypatch,
+                                                                       caplog):
+    """``max_lag`` with no timeout and a receiver that does not load: ``close()`` waits for
+    the pending push at most ``EXIT_WAIT_SECONDS`` (before: for ever), then abandons it
+    before its flip, saying so; nothing more is published."""
+    monkeypatch.setattr(dbsync.sender, "EXIT_WAIT_SECONDS", 1.0)
+    sender = dbsync.Sender(root, max_lag=0)
+    with dbsync.Receiver(root, reader_id="idle-engine") as engine:
+        sender.push({"w": torch.ones(2)})
+        assert engine.load(lambda pairs: None) == 1
+        sender.push({"w": torch.full((2,), 2.0)})
+        waiting = sender.push({"w": torch.full((2,), 3.0)}, blocking=False)
+        start = time.monotonic()
+        sender.close()
+        assert time.monotonic() - start < 10
+        with pytest.raises(Exception, match="nothing was published"):
+            waiting.result(timeout=10)
+        assert engine.latest_version() == 2
+    assert any("abandoned the background push" in r.getMessage() for r in caplog.records)
+
+
 def test_refusal_makes_push_wait_for_fail_at_once(root, tmp_path, worker_env):
     from safetensors.torch import save_file
 

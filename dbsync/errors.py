@@ -26,10 +26,34 @@ def check_seconds(value: object, what: str, none: str | None = None) -> float | 
         return None
     if (isinstance(value, int | float) and not isinstance(value, bool)
             and 0 <= value < float("inf")):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # (an int beyond any float: longer than the universe's age)
+            if none is not None:
+                return None
     allowed = "" if none is None else f" (or None: {none})"
     raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0{allowed}, "
                                f"not {value!r}")
+
+
+def check_int(value: object, what: str, least: int, none: str | None = None) -> int | None:
+    """``value`` as an int >= ``least`` (None allowed where ``none`` says what it means);
+    else ``InvalidArgumentError`` naming ``what`` (a bool, a float or a string are refused)."""
+    if none is not None and value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= least:
+        return int(value)
+    allowed = "" if none is None else f" (or None: {none})"
+    raise InvalidArgumentError(f"{what} must be an integer >= {least}{allowed}, not {value!r}")
+
+
+def check_flag(value: object, what: str, none: str | None = None) -> bool | None:
+    """``value`` if it is a bool (or None where ``none`` says what it means); else
+    ``InvalidArgumentError`` (a string such as "false" would read as true)."""
+    if isinstance(value, bool) or (none is not None and value is None):
+        return value  # type: ignore[return-value]
+    allowed = "" if none is None else f" (or None: {none})"
+    raise InvalidArgumentError(f"{what} must be True or False{allowed}, not {value!r}")
 
 
 class NothingPublishedError(DBSyncError):

@@ -30,6 +30,7 @@ import errno
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -47,6 +48,8 @@ from .errors import (
     LeaseExpiredError,
     StoreNotFoundError,
     StoreRewoundError,
+    check_flag,
+    check_int,
     check_seconds,
 )
 from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id
@@ -115,6 +118,9 @@ class Receiver:
         report_loaded: bool = True,
         read_only: bool | None = None,
     ):
+        check_flag(read_only, "read_only", none="decided from the store's mount")
+        check_flag(verify, "verify")
+        check_flag(report_loaded, "report_loaded")
         self.store = Store(root, create=False)
         self.reader_id = check_reader_id(reader_id or default_reader_id(),
                                          InvalidArgumentError)
@@ -245,6 +251,7 @@ class Receiver:
         Raises ``StoreRewoundError`` if the head went backwards within one run (a restored
         older copy); a new run id is followed (logged) instead."""
         self._check_open()
+        check_int(version, "version", 1, none="the current version")
         self._register_if_writable()
         self._release_orphans()
         if head is not None:
@@ -381,6 +388,9 @@ class Receiver:
         (copied into in place, in ``threads`` parallel threads, names and shapes checked
         first; see ``Snapshot.copy_into``)."""
         self._check_open()
+        _check_target(target)
+        check_flag(verify, "verify", none="the receiver's own setting")
+        check_int(threads, "threads", 1)
         verify = self.verify if verify is None else verify
         if callable(target) and not _is_tensor_container(target):
             return self._load(target, verify, threads)  # the callback's objects: not ours
@@ -469,6 +479,7 @@ class Receiver:
 
         self._check_open()
         timeout = check_seconds(timeout, "timeout", none="wait as long as it takes")
+        check_int(newer_than, "newer_than", -1, none="the loaded version")
         floor = self.loaded_version if newer_than is None else newer_than
         floor = 0 if floor is None else floor
         run = self.loaded_run_id
@@ -569,6 +580,23 @@ class Receiver:
 def _close_parts(keeper: LeaseKeeper, workers: WorkerPools) -> None:
     keeper.close()
     workers.close()
+
+
+def _check_target(target: Any) -> None:
+    """Refuse (before anything is read or reported) a load target that is none of the kinds
+    ``load`` takes."""
+    tensordict = sys.modules.get("tensordict")
+    if callable(target) or _is_tensor_container(target) or (
+            tensordict is not None and isinstance(target, tensordict.TensorDictBase)):
+        return
+    raise InvalidArgumentError(
+        f"load() takes a load_weights callable, an nn.Module, a dict of tensors or a "
+        f"TensorDict, not {type(target).__name__} {_short_repr(target)}; nothing was read")
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_tensor_container(target: Any) -> bool:

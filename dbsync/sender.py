@@ -46,6 +46,7 @@ from .errors import (
     StoreFullError,
     StoreReadOnlyError,
     UnsupportedFormatError,
+    check_flag,
     check_seconds,
 )
 from .format import (
@@ -372,7 +373,7 @@ class Sender:
         max_lag: int | None = None,
         max_lag_timeout: float | None = None,
     ):
-        sources.check_target_dtype(dtype, DBSyncError)
+        sources.check_target_dtype(dtype, InvalidArgumentError)
         if strategy not in sources.STRATEGIES:
             raise InvalidArgumentError(f"strategy must be one of {sources.STRATEGIES}, not "
                                        f"{strategy!r}")
@@ -593,6 +594,10 @@ class Sender:
                 "pushes (the parent's must be closed first: one writer per store)")
         if self._lock_fd[0] is None:
             raise DBSyncError("this Sender is closed; create a new one")
+        check_flag(blocking, "blocking")
+        if progress is not None and not callable(progress):
+            raise InvalidArgumentError(f"progress must be a callable taking (bytes_done, "
+                                       f"bytes_total), not {progress!r}; nothing was written")
         future: Future[int] | None = None
         try:
             with self._push_lock:

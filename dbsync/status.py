@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from .errors import DBSyncError, ReceiverRefusedError, check_seconds
+from .errors import DBSyncError, ReceiverRefusedError, check_int, check_seconds
 from .format import SLOTS_DIR
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
@@ -144,6 +144,8 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
     refused or failed to apply ``version`` (or newer), naming it and the reason. Needs no
     writer lock: any process may wait."""
     timeout = check_seconds(timeout, "timeout", none="wait as long as it takes")
+    check_int(version, "version", 1)
+    check_int(count, "count", 0)
     deadline = None if timeout is None else time.monotonic() + timeout
     run = _current_run(store)  # (loads of an earlier run at this path do not count)
     while True:

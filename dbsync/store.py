@@ -108,7 +108,7 @@ class Store:
         if not os.fspath(root):  # ("" would be the current directory: an unset variable?)
             raise StoreNotFoundError("the store path is empty (an unset variable?); give the "
                                      "path of the store directory")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(os.fsdecode(root))  # (a bytes path too)
         self._parsed: dict[str, Index] = {}  # index checksum -> parsed index (the last two)
         if create:
             self._refuse_foreign_directory()

@@ -189,6 +189,9 @@ class Watcher:
         head: Callable[[bytes], RunVersion] | None = None,
         safety_interval: float = SAFETY_POLL_INTERVAL,
     ):
+        if not callable(callback):
+            raise InvalidArgumentError(f"the watcher's callback must be callable (it is called "
+                                       f"with each new version), not {callback!r}")
         self.root = os.path.abspath(os.fspath(root))
         self.callback = callback
         interval = DEFAULT_POLL_INTERVAL if poll_interval is None else poll_interval

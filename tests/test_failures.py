@@ -990,6 +990,48 @@ def test_settings_and_versions_that_cannot_be_are_refused_clearly(root, tmp_path
             rx.open(version=99)
 
 
+def test_call_arguments_that_cannot_be_are_refused_before_anything_is_read(root):
+    """Each argument of the public calls that cannot be is an InvalidArgumentError (a
+    ValueError) naming it, before anything is read, reported or written (before: bare
+    TypeErrors, a NaN ``newer_than`` that waited for ever, "false" taken as true, a load
+    target of the wrong kind recorded as a refusal the trainer saw)."""
+    publish(root, {"w": torch.ones(2)})
+    with dbsync.Receiver(root, reader_id="args") as rx:
+        dest = {"w": torch.zeros(2)}
+        calls = [(lambda: rx.load(None), "load\\(\\) takes"),
+                 (lambda: rx.load([torch.ones(2)]), "load\\(\\) takes"),
+                 (lambda: rx.load("model"), "load\\(\\) takes"),
+                 (lambda: rx.load(dest, threads=-3), "threads must be"),
+                 (lambda: rx.load(dest, threads="8"), "threads must be"),
+                 (lambda: rx.load(dest, verify="no"), "verify must be True or False"),
+                 (lambda: rx.wait(newer_than=float("nan"), timeout=1), "newer_than must be"),
+                 (lambda: rx.open(version=-1), "version must be"),
+                 (lambda: rx.watch(None), "callback must be callable"),
+                 (lambda: dbsync.Receiver(root, read_only="false"), "read_only must be")]
+        for call, what in calls:
+            with pytest.raises(dbsync.InvalidArgumentError, match=what):
+                call()
+        assert (dbsync.store.Store(root).read_lease("args") or {}).get("refused") is None
+        assert torch.equal(dest["w"], torch.zeros(2))
+        assert rx.wait(newer_than=0, timeout=10**400) == 1  # (no bound: not an OverflowError)
+    with dbsync.Sender(root) as sender:
+        for call, what in [(lambda: sender.push({"w": torch.ones(2)}, blocking=None),
+                            "blocking must be True or False"),
+                           (lambda: sender.push({"w": torch.ones(2)}, progress=5),
+                            "progress must be a callable"),
+                           (lambda: sender.wait_for_receivers(1, count="1"), "count must be"),
+                           (lambda: sender.wait_for_receivers(1, count=-1), "count must be")]:
+            with pytest.raises(dbsync.InvalidArgumentError, match=what):
+                call()
+        assert sender.latest_version() == 1
+    with pytest.raises(dbsync.InvalidArgumentError, match="16 bits or more"):
+        dbsync.Sender(root, dtype="bf16")
+    with dbsync.Sender(os.fsencode(root)) as sender:  # a bytes path is a path
+        assert sender.push({"w": torch.ones(2)}) == 2
+    with dbsync.Receiver(os.fsencode(root)) as rx:
+        assert rx.latest_version() == 2
+
+
 def test_a_receiver_started_before_the_first_push_creates_only_its_lease_directory(tmp_path):
     empty = tmp_path / "not-yet-a-store"
     empty.mkdir()

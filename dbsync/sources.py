@@ -162,6 +162,10 @@ def materialize_all(pairs: Pairs, dtype: torch.dtype | None) -> Pairs:
     return out
 
 
+#: entries a refusal names (a listing of 100,000 bad entries would be megabytes of text)
+SHOWN_PROBLEMS = 50
+
+
 def validate(pairs: list[tuple[Any, Any]]) -> None:
     """Raise one ``InvalidWeightsError`` naming every entry that cannot be published."""
     if not pairs:
@@ -196,12 +200,19 @@ def validate(pairs: list[tuple[Any, Any]]) -> None:
                           "subclass such as DTensor): convert it to a plain tensor first, "
                           "e.g. .full_tensor()")
         if why:
-            problems.append(f"{name!r}: {why}")
+            problems.append(f"{_short_repr(name)}: {why}")
     if problems:
+        more = len(problems) - SHOWN_PROBLEMS
         raise InvalidWeightsError(
             f"{len(problems)} entr{'y' if len(problems) == 1 else 'ies'} cannot be published; "
-            "nothing was written:\n  " + "\n  ".join(problems)
+            "nothing was written:\n  " + "\n  ".join(problems[:SHOWN_PROBLEMS])
+            + (f"\n  ... and {more} more" if more > 0 else "")
         )
+
+
+def _short_repr(name: Any) -> str:
+    text = repr(name)
+    return text if len(text) <= 200 else f"{text[:150]}... ({len(text)} characters)"
 
 
 def _all_fine(pairs: list[tuple[Any, Any]]) -> bool:

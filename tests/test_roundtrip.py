@@ -166,6 +166,18 @@ def test_a_nested_tensor_is_named_among_every_bad_entry(root, blocking):
     assert dbsync.Receiver(root).latest_version() is None
 
 
+def test_a_refusal_of_many_bad_entries_stays_readable(root):
+    """100,000 bad entries: the refusal counts them all and names the first 50 (before: a
+    message of 8 million characters); a 10,000-character name is cut short in it."""
+    bad = {"x" * 10_000: None, **{f"step{i}": i for i in range(100_000)}}
+    with dbsync.Sender(root) as sender, pytest.raises(dbsync.InvalidWeightsError) as refused:
+        sender.push(bad)
+    said = str(refused.value)
+    assert said.startswith("100001 entries cannot be published") and "and 99951 more" in said
+    assert len(said) < 10_000 and "(10002 characters)" in said, len(said)
+    assert dbsync.Receiver(root).latest_version() is None
+
+
 def test_module_tensordict_and_checkpoint_sources(root, tmp_path):
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     with dbsync.Sender(root) as sender:

@@ -15,7 +15,7 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .format import TensorEntry, describe_name, torch_dtype
+from .format import TensorEntry, castable, describe_name, torch_dtype
 from .memspans import Span, partial_overlaps, read_only, span_of
 from .scatter import MAX_GAP, MAX_IOVECS, SCRATCH_ADDRESS, Read
 from .tensorstate import ADDRESS, CONTIGUOUS, DTYPE, SHAPE, States
@@ -71,9 +71,7 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
         if not (type(tensor) in plain and tensor.dtype is want and tensor.is_cpu
                 and tensor.is_contiguous() and not tensor.is_neg()
                 and not (want.is_complex and tensor.is_conj())):
-            if (tensor.dtype is want or (want.is_floating_point
-                                         and tensor.dtype.is_floating_point)
-                    ) and not overlaps_itself(tensor):
+            if castable(want, tensor.dtype) and not overlaps_itself(tensor):
                 by_torch.append((tensor, entry))
                 if (span := span_of(entry.name, tensor)) is not None:
                     spans.append(span)
@@ -124,9 +122,10 @@ def fit_problems(published: Sequence[tuple[str, Any, Any]], dest: Mapping[str, A
                  strict: bool) -> dict[str, str]:
     """Every reason why ``dest`` (name -> tensor) cannot take the tensors ``published`` ((name,
     shape, torch dtype) of each) in place, name -> why: a name it lacks, a tensor nothing can
-    be copied into, another shape, a dtype no cast reaches (floating dtypes cast to each
-    other), memory shared in part with another destination; with ``strict``, also a tensor
-    of ``dest`` the version lacks (``MISSING``; see ``tied_to_published``)."""
+    be copied into, another shape, a dtype no cast reaches (floating dtypes of 16 bits or
+    more cast to each other: ``format.castable``), memory shared in part with another
+    destination or read-only; with ``strict``, also a tensor of ``dest`` the version lacks
+    (``MISSING``; see ``tied_to_published``)."""
 
     problems: dict[str, str] = {}
     for name, shape, dtype in published:
@@ -137,10 +136,12 @@ def fit_problems(published: Sequence[tuple[str, Any, Any]], dest: Mapping[str, A
             problems[name] = why
         elif tuple(shape) != tuple(tensor.shape):
             problems[name] = f"shape {list(shape)} != the target's {list(tensor.shape)}"
-        elif dtype != tensor.dtype and not (dtype.is_floating_point
-                                            and tensor.dtype.is_floating_point):
+        elif not castable(dtype, tensor.dtype):
+            eight = (" (no cast to or from float8: its values mean nothing without their "
+                     "scales)" if dtype.is_floating_point and tensor.dtype.is_floating_point
+                     else "")
             problems[name] = (f"dtype {str(dtype).removeprefix('torch.')} != the target's "
-                              f"{tensor.dtype}")
+                              f"{tensor.dtype}{eight}")
     if strict:
         names = {name for name, _, _ in published}
         problems.update((name, MISSING) for name in dest if name not in names)

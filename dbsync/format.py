@@ -31,6 +31,15 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 EXTRA_STATE = "_extra_state"
 
 
+def castable(published: Any, target: Any) -> bool:
+    """Whether a load may copy tensors of torch dtype ``published`` into ``target``: the same
+    dtype, or floating dtypes of 16 bits or more both (a float8 value means nothing without
+    its scale: a cast to or from one would load other numbers than were trained)."""
+    return published == target or (
+        published.is_floating_point and target.is_floating_point
+        and published.itemsize >= 2 and target.itemsize >= 2)
+
+
 def is_extra_state(name: str) -> bool:
     return name == EXTRA_STATE or name.endswith("." + EXTRA_STATE)
 

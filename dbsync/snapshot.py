@@ -493,7 +493,7 @@ class Snapshot:
             raise IncompatibleWeightsError(
                 f"version {self.version} does not fit the target {problem_listing(problems)}; "
                 "nothing was copied. Load into tensors of the published names, shapes and "
-                "dtypes (floating dtypes are cast)", problems)
+                "dtypes (floating dtypes of 16 bits or more are cast)", problems)
         return plan
 
     def _check_shared(self, shared: list[tuple[Any, Any]]) -> None:

@@ -990,6 +990,23 @@ def test_settings_and_versions_that_cannot_be_are_refused_clearly(root, tmp_path
             rx.open(version=99)
 
 
+def test_no_load_casts_to_or_from_float8(root):
+    """A float32 version into a float8 destination (and back) is refused, named, nothing
+    copied (before: saturated silently, 1000 -> 448; float8 values loaded unscaled), as a
+    Sender refuses to publish in float8; bfloat16 into float32 is still cast."""
+    publish(root, {"w": torch.tensor([1000.0, 0.001, -3.3]), "h": torch.ones(2)})
+    with dbsync.Receiver(root) as rx:
+        dest = {"w": torch.zeros(3, dtype=torch.float8_e4m3fn),
+                "h": torch.zeros(2, dtype=torch.bfloat16)}
+        with pytest.raises(dbsync.IncompatibleWeightsError) as refused:
+            rx.load(dest)
+        assert set(refused.value.problems) == {"w"}, refused.value.problems
+        assert "float8" in refused.value.problems["w"]
+        assert not dest["w"].float().any() and not dest["h"].float().any()
+        dest["w"] = torch.zeros(3)
+        assert rx.load(dest) == 1 and torch.equal(dest["h"], torch.ones(2, dtype=torch.bfloat16))
+
+
 def test_call_arguments_that_cannot_be_are_refused_before_anything_is_read(root):
     """Each argument of the public calls that cannot be is an InvalidArgumentError (a
     ValueError) naming it, before anything is read, reported or written (before: bare

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..errors import DBSyncError
+from ..format import castable
 from ..leases import DEFAULT_LEASE_TIMEOUT
 from ..receiver import Receiver
 from . import checksum, paced
@@ -158,9 +159,10 @@ class BroadcastReceiver:
 
         ``load_weights``: a callable, called once with (name, tensor) pairs; or a plain
         ``nn.Module`` / dict of tensors, whose existing tensors receive the bytes in place
-        (every name and shape must match; floating dtypes are cast). The second is the fast
-        path on GPUs: each bucket is verified and copied in on part of the GPU while the
-        stream goes on (``paced``); no byte is written before its checksum row verified.
+        (every name and shape must match; floating dtypes of 16 bits or more are cast). The
+        second is the fast path on GPUs: each bucket is verified and copied in on part of the
+        GPU while the stream goes on (``paced``); no byte is written before its checksum row
+        verified.
 
         Hazard: after a damaged bucket the tensors hold parts of two versions until the
         version is re-applied from the filesystem, which this call does before it returns; if
@@ -420,8 +422,7 @@ def _destinations(target: Any, header: Header) -> dict[str, torch.Tensor] | bool
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != entry.shape:
             return False
         want = entry.torch_dtype
-        if tensor.dtype != want and not (want.is_floating_point
-                                         and tensor.dtype.is_floating_point):
+        if not castable(want, tensor.dtype):
             return False
     return dest
 

@@ -533,7 +533,9 @@ class LeaseMonitor:
             sleep = time.sleep if stop is None else stop.wait
         start = self.clock()
         told = 0  # 1: said at INFO; 2: warned (a reader holds the slot for long)
+        held_by: list[str] = []
         while not (stop is not None and stop.is_set()) and (holding := self.holders(slot)):
+            held_by = holding
             waited = self.clock() - start
             if told < 1 and waited > 1.0:
                 log.info("waiting for reader(s) %s to release slot %s", ", ".join(holding), slot)
@@ -551,4 +553,12 @@ class LeaseMonitor:
             # a small margin past the expiry, so the look that follows finds it dead
             sleep(interval if due is None else min(interval, due + 0.005))
             interval = min(interval * 1.5, 0.25)
+        if told and not (stop is not None and stop.is_set()):
+            dead = [r for r in held_by if r not in self._live]
+            log.info("slot %s of %s is free after %.1f s: %s", slot, self.store.root,
+                     self.clock() - start, "; ".join(
+                         [f"{', '.join(dead)} judged dead (its lease timeout passed, or its "
+                          "process is gone): a snapshot it still reads is no longer "
+                          "protected"] * bool(dead)
+                         + [f"{r} released it" for r in held_by if r not in dead]))
         return self.clock() - start

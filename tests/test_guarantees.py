@@ -1,6 +1,7 @@
 """The protocol guarantees of docs/FORMAT.md, each shown with real processes and files."""
 
 import json
+import logging
 import os
 import random
 import signal
@@ -91,11 +92,12 @@ def test_live_reader_blocks_reuse_of_its_slot(root):
 
 
 @pytest.mark.parametrize("how", ["killed", "killed, not reaped", "stopped"])
-def test_dead_reader_stops_blocking_the_writer(root, tmp_path, worker_env, how):
+def test_dead_reader_stops_blocking_the_writer(root, tmp_path, worker_env, how, caplog):
     """A killed reader (pid gone) frees its slot at once, also while its parent has not
     reaped it (a zombie: before, taken for alive for its whole lease timeout); a frozen one
     (SIGSTOP: alive but no heartbeat) after the lease timeout, on the writer's clock."""
     timeout = 2.0
+    caplog.set_level(logging.INFO, logger="dbsync")
     with dbsync.Sender(root, lease_timeout=timeout) as sender:
         sender.push({"w": torch.ones(4)})
         ready = tmp_path / "ready"
@@ -125,6 +127,9 @@ def test_dead_reader_stops_blocking_the_writer(root, tmp_path, worker_env, how):
         assert waited < 1.0
     else:
         assert timeout * 0.9 <= waited < timeout + 3.0
+        # the wait's outcome is said, not only its start
+        assert any("is free after" in r.getMessage() and "judged dead" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_default_lease_timeout_is_30_seconds(root):

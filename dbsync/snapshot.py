@@ -563,12 +563,15 @@ class Snapshot:
         stamp = self.receiver.store.read_stamp(self.manifest.slot)
         if stamp != (self.version, self.run_id):
             cls = SlotReused if not self.leased else LeaseExpiredError
+            error = self.receiver._keeper.error
+            expired = ("stalled longer than the lease timeout" if error is None else
+                       f"it could not be renewed: {error.strerror or error}")
             raise cls(
                 f"slot {self.manifest.slot} no longer holds version {self.version} (its stamp "
                 f"says {stamp[0]!r}): "
                 + ("a writer reused it while this reader held no lease" if not self.leased else
-                   "a writer reused it after this reader's lease expired (stalled longer than "
-                   "the lease timeout), or the stamp file was damaged")
+                   f"a writer reused it after this reader's lease expired ({expired}), or the "
+                   "stamp file was damaged")
                 + ". What was read cannot be trusted: load again"
             )
         keeper = self.receiver._keeper

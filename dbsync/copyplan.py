@@ -87,7 +87,7 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
             by_torch.append((tensor, entry))
             continue
         raw_destinations.append(tensor)
-        spans.append(Span(address, address + nbytes, entry.name))
+        spans.append(Span(address, address + nbytes, entry.name, None, tensor))
         host_spans.append(spans[-1])
         offset = entry.offset
         fresh = entry.shard != shard

@@ -69,6 +69,9 @@ _MAX_INT = 2**62  # any size or offset beyond this is garbage (and beyond what t
 #: the highest version a head may name (readers refuse a head beyond it as garbage)
 MAX_VERSION = _MAX_INT
 _MAX_DIMS = 64
+#: the most dimensions a published tensor may have, and the largest size of one (readers
+#: refuse an index past them)
+MAX_DIMS, MAX_DIM_SIZE = _MAX_DIMS, _MAX_INT
 
 DTYPE_SIZES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,

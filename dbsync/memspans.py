@@ -28,6 +28,8 @@ class Span(NamedTuple):
     name: str
     #: the tensor, when it does not fill its span (None: it does)
     strided: Any = None
+    #: the tensor (looked at only when another span has the same bounds: tied weights?)
+    tensor: Any = None
 
 
 def span_of(name: str, tensor: Any) -> Span | None:
@@ -42,7 +44,7 @@ def span_of(name: str, tensor: Any) -> Span | None:
         return None
     size = tensor.element_size()
     if tensor.is_contiguous():
-        return Span(address, address + numel * size, name)
+        return Span(address, address + numel * size, name, None, tensor)
     low = high = 0
     for stride, dim in zip(tensor.stride(), tensor.shape, strict=True):
         reach = stride * (dim - 1)
@@ -52,7 +54,7 @@ def span_of(name: str, tensor: Any) -> Span | None:
             high += reach
     lo, hi = address + low * size, address + (high + 1) * size
     dense = hi - lo == numel * size  # (elements never overlap: expanded tensors are refused)
-    return Span(lo, hi, name, None if dense else tensor)
+    return Span(lo, hi, name, None if dense else tensor, tensor)
 
 
 def _runs(tensor: Any) -> tuple[Any, int] | None:
@@ -97,13 +99,13 @@ def _share_bytes(a: Span, b: Span) -> bool:
 
 
 def _tied(a: Span, b: Span) -> bool:
+    """One tensor under two names: the same memory seen the same way (dtype, shape,
+    strides; a span with no tensor given is taken as its contiguous bytes)."""
     if (a.lo, a.hi) != (b.lo, b.hi):
         return False
-    if a.strided is None and b.strided is None:
-        return True
-    if a.strided is None or b.strided is None:
-        return False
-    x, y = a.strided, b.strided
+    x, y = a.tensor, b.tensor
+    if x is None or y is None:
+        return x is y and a.strided is None and b.strided is None
     return (x.data_ptr() == y.data_ptr() and x.dtype == y.dtype and x.shape == y.shape
             and x.stride() == y.stride())
 

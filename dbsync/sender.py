@@ -595,6 +595,11 @@ class Sender:
         if self._lock_fd[0] is None:
             raise DBSyncError("this Sender is closed; create a new one")
         check_flag(blocking, "blocking")
+        if blocking and any(sender is self for sender in getattr(_in_progress, "senders", ())):
+            raise DBSyncError("a blocking push was called from a push's progress callback, "
+                              "which runs in the push's own writer threads: it would wait for "
+                              "the push it runs in. Push after push() returns, or with "
+                              "blocking=False")
         if progress is not None and not callable(progress):
             raise InvalidArgumentError(f"progress must be a callable taking (bytes_done, "
                                        f"bytes_total), not {progress!r}; nothing was written")

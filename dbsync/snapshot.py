@@ -34,6 +34,7 @@ from .errors import (
     IncompatibleWeightsError,
     LeaseExpiredError,
     StoreUnreachableError,
+    check_int,
 )
 from .fileio import ShardView, checksum, settle, wait_all
 from .format import Manifest, describe_name, is_extra_state, shard_file, unwrap_compiled
@@ -131,6 +132,7 @@ class Snapshot:
         a leased slot) kills this process with SIGBUS. ``by_reading=True`` hashes what
         ``preadv`` returns instead (a little slower: one more copy); a shard that shrank is
         then reported as damaged (``dbsync verify`` reads this way)."""
+        check_int(threads, "threads", 1)
         self._start_verify(threads, by_reading)()
 
     def _start_verify(self, threads: int, by_reading: bool = False) -> Callable[[], None]:
@@ -340,10 +342,10 @@ class Snapshot:
         parameters and buffers by ``state_dict`` name, a dict of tensors, or a TensorDict by
         its keys joined with '.'), in parallel
         threads; names and shapes are checked before the first byte is copied. Floating dtypes
-        are cast. Returns the bytes copied. ``verify`` (default: the receiver's setting):
-        check every checksum first (as ``verify()``, in other threads while the copy is
-        planned); damage is reported before a mismatch of names or shapes, and nothing is
-        copied after either.
+        of 16 bits or more are cast. Returns the bytes copied. ``verify`` (default: the
+        receiver's setting): check every checksum first (as ``verify()``, in other threads
+        while the copy is planned); damage is reported before a mismatch of names or shapes,
+        and nothing is copied after either.
 
         Tensors of the same dtype land by scatter reads from the shard files (leased) or
         memory copies from the verified private copy (leaseless); the rest through torch.
@@ -357,6 +359,8 @@ class Snapshot:
         planned. Do not replace, resize or move the destination tensors (``p.data = ...``,
         ``.to()``, ``load_state_dict(assign=True)``) from another thread while it runs."""
         import torch
+
+        check_int(threads, "threads", 1)
 
         self._check_open()
         if verify is None:

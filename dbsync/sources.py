@@ -26,6 +26,8 @@ from .errors import InvalidWeightsError, first_line
 from .format import (
     DTYPE_SIZES,
     MANIFEST_FILE,
+    MAX_DIM_SIZE,
+    MAX_DIMS,
     READERS_DIR,
     is_extra_state,
     is_supported_dtype,
@@ -195,6 +197,9 @@ def validate(pairs: list[tuple[Any, Any]]) -> None:
             why = why or f"dtype {value.dtype} is not supported"
         elif value.device.type == "meta":
             why = why or "is on the meta device and has no data"
+        elif value.dim() > MAX_DIMS or any(d > MAX_DIM_SIZE for d in value.shape):
+            why = why or (f"has shape {_short_repr(list(value.shape))}: a published tensor has "
+                          f"at most {MAX_DIMS} dimensions of at most 2**62 each (reshape it)")
         elif value.numel() and not value.data_ptr():
             why = why or (f"is {_a(type(value).__name__)} with no memory of its own (a wrapper "
                           "subclass such as DTensor): convert it to a plain tensor first, "
@@ -230,7 +235,10 @@ def _all_fine(pairs: list[tuple[Any, Any]]) -> bool:
     supported = _SUPPORTED_DTYPES
     for _, value in pairs:  # (subclasses take the per-entry checks)
         if not (type(value) in plain and value.layout is strided
-                and value.dtype in supported and not value.is_meta and not value.is_nested):
+                and value.dtype in supported and not value.is_meta and not value.is_nested
+                and value.dim() <= MAX_DIMS and (value.numel() or not value.dim())):
+            # (an empty tensor takes the per-entry checks: only it can have a dimension past
+            # 2**62)
             return False
     return True
 

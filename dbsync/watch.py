@@ -195,8 +195,9 @@ class Watcher:
         self.root = os.path.abspath(os.fspath(root))
         self.callback = callback
         interval = DEFAULT_POLL_INTERVAL if poll_interval is None else poll_interval
-        if not (isinstance(interval, int | float) and interval == interval):  # (NaN)
-            raise InvalidArgumentError(f"poll_interval must be a number of seconds, not "
+        if not (isinstance(interval, int | float) and not isinstance(interval, bool)
+                and interval >= 0):  # (NaN fails the comparison)
+            raise InvalidArgumentError(f"poll_interval must be a number of seconds >= 0, not "
                                        f"{poll_interval!r}")
         self.poll_interval = min(max(interval, MIN_CHECK_INTERVAL), MAX_POLL_INTERVAL)
         self.safety_interval = max(safety_interval, self.poll_interval)

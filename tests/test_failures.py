@@ -279,18 +279,22 @@ def test_ctrl_c_on_one_push_leaves_an_earlier_background_push_alone(root):
     assert torch.equal(got["w"], torch.ones(4))
 
 
-def test_close_from_a_progress_callback_is_refused_and_stops_only_that_push(root):
-    """``Sender.close()`` called from a push's progress callback (a writer thread of the push
-    it would wait for) deadlocked forever. It is refused there: that push stops, publishing
-    nothing, and the Sender goes on. (The push runs in a thread joined with a bound, so a
-    deadlock fails this test instead of hanging the suite.)"""
+@pytest.mark.parametrize("call", ["close", "blocking push"])
+def test_close_from_a_progress_callback_is_refused_and_stops_only_that_push(root, call):
+    """``Sender.close()``, or a blocking push, called from a push's progress callback (a
+    writer thread of the push it would wait for) deadlocked forever. It is refused there:
+    that push stops, publishing nothing, and the Sender goes on. (The push runs in a thread
+    joined with a bound, so a deadlock fails this test instead of hanging the suite.)"""
     import threading
 
     outcome: dict[str, object] = {}
     sender = dbsync.Sender(root, num_threads=2)
 
     def progress(done: int, total: int) -> None:
-        sender.close()
+        if call == "close":
+            sender.close()
+        else:
+            sender.push({"w": torch.zeros(1000)})
 
     def run() -> None:
         try:
@@ -307,7 +311,7 @@ def test_close_from_a_progress_callback_is_refused_and_stops_only_that_push(root
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(60)
-    assert not thread.is_alive(), "push() deadlocked when its progress callback called close()"
+    assert not thread.is_alive(), f"push() deadlocked when its progress callback called {call}"
     assert isinstance(outcome["error"], dbsync.DBSyncError)
     assert "progress callback" in str(outcome["error"])
     assert outcome["next"] == 1  # nothing was published by the stopped push
@@ -795,6 +799,30 @@ def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lan
         assert published == set(weights), published
         again = WithExtraState()
         assert rx.load(again) == 2 and torch.equal(again.a, weights["a"] + 5)
+
+
+def test_the_same_bytes_seen_another_way_are_not_tied_weights(root):
+    """Two destinations over exactly the same bytes seen with other strides (``buf`` and
+    ``buf.t()``) or another shape (``buf.view(4)``) are refused as sharing memory (before:
+    loaded, the last one copied overwriting the other); the same tensor under two names
+    still loads as tied weights."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"a": torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+                     "b": torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+                     "c": torch.tensor([5.0, 6.0, 7.0, 8.0])})
+    with dbsync.Receiver(root) as rx:
+        for alias in (lambda buf: {"b": buf.t(), "c": torch.zeros(4)},
+                      lambda buf: {"b": torch.zeros(2, 2), "c": buf.view(4)}):
+            buf = torch.zeros(2, 2)
+            dest = {"a": buf, **alias(buf)}
+            with pytest.raises(dbsync.IncompatibleWeightsError) as refused:
+                rx.load(dest)
+            assert "a" in refused.value.problems, refused.value.problems
+            assert "shares part of its memory" in refused.value.problems["a"]
+            assert not buf.any()
+        buf = torch.zeros(2, 2)
+        assert rx.load({"a": buf, "b": buf, "c": torch.zeros(4)}) == 1  # tied, equal
+        assert torch.equal(buf, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
 
 
 def test_destinations_in_read_only_memory_are_refused_before_any_byte_lands(root, tmp_path):

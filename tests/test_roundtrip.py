@@ -178,6 +178,20 @@ def test_a_refusal_of_many_bad_entries_stays_readable(root):
     assert dbsync.Receiver(root).latest_version() is None
 
 
+def test_shapes_no_reader_takes_are_refused_before_any_write(root):
+    """65 dimensions, or an empty tensor with a dimension past 2**62: refused by name (before:
+    published, then refused by every reader as an invalid index, "publish again"); 64
+    dimensions round-trip."""
+    with dbsync.Sender(root) as sender:
+        for bad in (torch.zeros([1] * 65), torch.empty(0, 2**62 + 1)):
+            with pytest.raises(dbsync.InvalidWeightsError, match="at most 64 dimensions"):
+                sender.push({"a": bad, "ok": torch.ones(2)})
+        assert dbsync.Receiver(root).latest_version() is None
+        assert sender.push({"a": torch.full([1] * 64, 3.0)}) == 1
+    _, got = load_all(root)
+    assert got["a"].shape == (1,) * 64 and float(got["a"].flatten()[0]) == 3.0
+
+
 def test_module_tensordict_and_checkpoint_sources(root, tmp_path):
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     with dbsync.Sender(root) as sender:

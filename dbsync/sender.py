@@ -816,6 +816,10 @@ class Sender:
         # then holds nothing usable either, and is freed like any failed push.
         try:
             self.store.write_stamp(slot, WRITING, None, durable=False)
+            # Shards this layout does not use go first: the space check counted them as room
+            # (a model whose shards are fewer than before fits where the old ones were).
+            keep = {INDEX_FILE, *(shard_file(i) for i in range(len(shard_sizes)))}
+            self.store.remove_slot_files(slot, keep)
             # The index is built while the shards are being fsynced: at tens of thousands of
             # tensors that Python work would otherwise add to the push.
             index = b""
@@ -829,8 +833,6 @@ class Sender:
 
             self._write(slot, layout, progress, make_index, abort)
             t2 = time.perf_counter()
-            keep = {INDEX_FILE, *(shard_file(i) for i in range(len(shard_sizes)))}
-            self.store.remove_slot_files(slot, keep)
             self.store.write_index(slot, index, durable=self.durable)
             self.store.write_stamp(slot, version, self._run_id, durable=self.durable,
                                    sync_dir=False)
@@ -934,10 +936,24 @@ class Sender:
         reclaim = sum(n for name, n in have.items() if name.startswith("shard-") and name not in
                       {shard_file(i) for i in range(len(shard_sizes))})
         if need > free + reclaim:
+            version_bytes = sum(shard_sizes)
+            try:
+                st = os.statvfs(self.store.root)
+                capacity = st.f_blocks * st.f_frsize
+            except OSError:
+                capacity = 0
+            two = ""
+            if capacity and 2 * version_bytes > capacity:
+                # (the other slot holds the current version while this one is written)
+                two = (f" A store keeps two versions (the current one is served while the next "
+                       f"is written): it needs about {2 * version_bytes} bytes, and this "
+                       f"filesystem holds {capacity} in all. Give the store a larger "
+                       "filesystem, or publish in a smaller dtype.")
             raise StoreFullError(
                 f"version {self._version + 1} needs {need} more bytes in {self.store.root} but "
-                f"its filesystem has {free} free; nothing was written. Free space there (or "
-                "publish in a smaller dtype), then push again", errno.ENOSPC)
+                f"its filesystem has {free} free; nothing was written." + (two or (
+                    " Free space there (or publish in a smaller dtype), then push again")),
+                errno.ENOSPC)
 
     def _free_slot(self, slot: str) -> None:
         try:  # (first: a stamp naming a version that was never flipped to would make the

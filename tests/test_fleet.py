@@ -279,6 +279,26 @@ def test_full_store_frees_a_failed_push_and_keeps_serving(tmp_path):
 
 
 @needs_root
+def test_a_push_with_fewer_shards_fits_where_the_old_ones_were(tmp_path):
+    """A nearly full store whose model changed to fewer, larger shards: the push fits once the
+    slot's unused shards are gone, as the space check counted (before: "no space left ...
+    Free space there", and a retry with nothing freed worked)."""
+    with tmpfs(tmp_path / "small", "20m") as small:
+        with dbsync.Sender(os.path.join(small, "store")) as sender:
+            sender.shard_bytes = 2 * 2**20
+            old = {f"w{i}": torch.full((2**19,), float(i)) for i in range(4)}  # 4 x 2 MiB
+            sender.push(old)
+            sender.push(old)
+            assert sender.push({"big": torch.ones(9 * 2**18)}) == 3  # one 9 MiB shard
+            # a version more than half the filesystem: the advice says two versions are kept
+            # (before: "Free space there" on a filesystem holding nothing but the store)
+            with pytest.raises(dbsync.StoreFullError, match="keeps two versions"):
+                sender.push({"big": torch.ones(3 * 2**20)})
+            with dbsync.Receiver(os.path.join(small, "store")) as rx:
+                assert rx.latest_version() == 3
+
+
+@needs_root
 def test_a_store_out_of_inodes_says_so(tmp_path):
     """A filesystem with space left but no free inodes (``df -h`` shows room) fails a push
     that needs new files with a StoreFullError that names inodes, not space; the current

@@ -89,8 +89,10 @@ class LeaseKeeper:
                                                           errno.EPERM) else logging.WARNING
                     log.log(level, "reader %s cannot write its lease in %s (%s): loads go on "
                             "without a lease (private verified copies); the writer and `dbsync "
-                            "status` do not see this reader meanwhile", self.reader_id,
-                            self.store.root, err.strerror or err)
+                            "status` do not see this reader meanwhile, and a snapshot it has "
+                            "open is no longer protected once its lease times out (its views "
+                            "may change; reading them raises LeaseExpiredError)",
+                            self.reader_id, self.store.root, err.strerror or err)
                 self.error = err
                 return False
             if self.error is not None:

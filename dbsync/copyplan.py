@@ -141,7 +141,7 @@ def fit_problems(published: Sequence[tuple[str, Any, Any]], dest: Mapping[str, A
                      "scales)" if dtype.is_floating_point and tensor.dtype.is_floating_point
                      else "")
             problems[name] = (f"dtype {str(dtype).removeprefix('torch.')} != the target's "
-                              f"{tensor.dtype}{eight}")
+                              f"{str(tensor.dtype).removeprefix('torch.')}{eight}")
     if strict:
         names = {name for name, _, _ in published}
         problems.update((name, MISSING) for name in dest if name not in names)

@@ -961,13 +961,14 @@ class Sender:
             self.store.write_stamp(slot, WRITING, None, durable=False)
         except OSError as exc:
             log.info("could not mark slot %s of %s as free: %s", slot, self.store.root, exc)
-            try:
-                untouched = self.store.read_stamp(slot)[0] not in (WRITING, None)
-            except (OSError, FormatError):
-                untouched = False
-            if untouched:  # (the push failed before its first write: the slot still holds
-                # the older version it was stamped with, complete; its files stay)
-                return
+            if exc.errno == errno.EROFS:
+                try:
+                    untouched = self.store.read_stamp(slot)[0] not in (WRITING, None)
+                except (OSError, FormatError):
+                    untouched = False
+                if untouched:  # (read-only before the push's first write: the slot still
+                    # holds the older version it is stamped with, and nothing can be removed)
+                    return
         try:
             freed = self.store.remove_slot_files(slot)
             log.info("push into %s failed: removed %d bytes of partial files from slot %s",

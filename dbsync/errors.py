@@ -36,6 +36,13 @@ def check_seconds(value: object, what: str, none: str | None = None) -> float | 
                                f"not {value!r}")
 
 
+def short_repr(value: object, limit: int = 200) -> str:
+    """``repr(value)`` for a message, cut short past ``limit`` characters (a 10,000-character
+    name, a list of tensors) and saying how long it was."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit * 3 // 4]}... ({len(text)} characters)"
+
+
 def check_int(value: object, what: str, least: int, none: str | None = None) -> int | None:
     """``value`` as an int >= ``least`` (None allowed where ``none`` says what it means);
     else ``InvalidArgumentError`` naming ``what`` (a bool, a float or a string are refused)."""

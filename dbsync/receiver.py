@@ -51,6 +51,7 @@ from .errors import (
     check_flag,
     check_int,
     check_seconds,
+    short_repr,
 )
 from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id
 from .leasekeeper import LeaseKeeper
@@ -591,12 +592,7 @@ def _check_target(target: Any) -> None:
         return
     raise InvalidArgumentError(
         f"load() takes a load_weights callable, an nn.Module, a dict of tensors or a "
-        f"TensorDict, not {type(target).__name__} {_short_repr(target)}; nothing was read")
-
-
-def _short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+        f"TensorDict, not {type(target).__name__} {short_repr(target, 60)}; nothing was read")
 
 
 def _is_tensor_container(target: Any) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import fileio
-from .errors import InvalidWeightsError, first_line
+from .errors import InvalidWeightsError, first_line, short_repr
 from .format import (
     DTYPE_SIZES,
     MANIFEST_FILE,
@@ -198,14 +198,14 @@ def validate(pairs: list[tuple[Any, Any]]) -> None:
         elif value.device.type == "meta":
             why = why or "is on the meta device and has no data"
         elif value.dim() > MAX_DIMS or any(d > MAX_DIM_SIZE for d in value.shape):
-            why = why or (f"has shape {_short_repr(list(value.shape))}: a published tensor has "
+            why = why or (f"has shape {short_repr(list(value.shape))}: a published tensor has "
                           f"at most {MAX_DIMS} dimensions of at most 2**62 each (reshape it)")
         elif value.numel() and not value.data_ptr():
             why = why or (f"is {_a(type(value).__name__)} with no memory of its own (a wrapper "
                           "subclass such as DTensor): convert it to a plain tensor first, "
                           "e.g. .full_tensor()")
         if why:
-            problems.append(f"{_short_repr(name)}: {why}")
+            problems.append(f"{short_repr(name)}: {why}")
     if problems:
         more = len(problems) - SHOWN_PROBLEMS
         raise InvalidWeightsError(
@@ -213,11 +213,6 @@ def validate(pairs: list[tuple[Any, Any]]) -> None:
             "nothing was written:\n  " + "\n  ".join(problems[:SHOWN_PROBLEMS])
             + (f"\n  ... and {more} more" if more > 0 else "")
         )
-
-
-def _short_repr(name: Any) -> str:
-    text = repr(name)
-    return text if len(text) <= 200 else f"{text[:150]}... ({len(text)} characters)"
 
 
 def _all_fine(pairs: list[tuple[Any, Any]]) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import inspect
 import logging
 import math
 import os
@@ -48,6 +49,7 @@ from .errors import (
     UnsupportedFormatError,
     check_flag,
     check_seconds,
+    short_repr,
 )
 from .format import (
     FORMAT_VERSION,
@@ -275,6 +277,23 @@ if _register_exit_hook is not None:
 #: the Senders whose ``progress`` callback the current thread is running (a thread-local
 #: mark: a pool's set of threads is filled only after a new thread has started working)
 _in_progress = threading.local()
+
+
+def _inside_progress_of(sender: object) -> bool:
+    """Whether the current thread is running a ``progress`` callback of ``sender``'s push."""
+    return any(other is sender for other in getattr(_in_progress, "senders", ()))
+
+
+def _takes_progress_arguments(progress: Callable[..., Any]) -> bool:
+    """Whether ``progress`` can be called as ``progress(bytes_done, bytes_total)`` (True when
+    Python cannot tell, as for some builtins)."""
+    try:
+        inspect.signature(progress).bind(0, 0)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read
+        return True
+    return True
 
 
 def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor], pid: int) -> None:
@@ -595,14 +614,16 @@ class Sender:
         if self._lock_fd[0] is None:
             raise DBSyncError("this Sender is closed; create a new one")
         check_flag(blocking, "blocking")
-        if blocking and any(sender is self for sender in getattr(_in_progress, "senders", ())):
+        if blocking and _inside_progress_of(self):
             raise DBSyncError("a blocking push was called from a push's progress callback, "
                               "which runs in the push's own writer threads: it would wait for "
                               "the push it runs in. Push after push() returns, or with "
                               "blocking=False")
-        if progress is not None and not callable(progress):
+        if progress is not None and not (callable(progress)
+                                         and _takes_progress_arguments(progress)):
             raise InvalidArgumentError(f"progress must be a callable taking (bytes_done, "
-                                       f"bytes_total), not {progress!r}; nothing was written")
+                                       f"bytes_total), not {short_repr(progress)}; nothing "
+                                       "was written")
         future: Future[int] | None = None
         try:
             with self._push_lock:
@@ -1047,7 +1068,7 @@ class Sender:
         catch up under ``max_lag``, or for a slot a reader holds) is abandoned before its flip
         (nothing published; a WARNING says so), as on Ctrl-C here. Not from a ``progress``
         callback (a writer thread of the push it would wait for)."""
-        if any(sender is self for sender in getattr(_in_progress, "senders", ())):
+        if _inside_progress_of(self):
             raise DBSyncError("Sender.close() was called from a push's progress callback, which "
                               "runs in the push's own writer threads and would wait for "
                               "itself; raise an exception there to stop the push, and close "

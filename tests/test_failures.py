@@ -1064,6 +1064,9 @@ def test_call_arguments_that_cannot_be_are_refused_before_anything_is_read(root)
                             "blocking must be True or False"),
                            (lambda: sender.push({"w": torch.ones(2)}, progress=5),
                             "progress must be a callable"),
+                           (lambda: sender.push({"w": torch.ones(2)},
+                                                progress=lambda done: None),
+                            "progress must be a callable taking \\(bytes_done, bytes_total"),
                            (lambda: sender.wait_for_receivers(1, count="1"), "count must be"),
                            (lambda: sender.wait_for_receivers(1, count=-1), "count must be")]:
             with pytest.raises(dbsync.InvalidArgumentError, match=what):

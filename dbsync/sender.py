@@ -228,8 +228,13 @@ def _finish_background_pushes() -> None:
         _finish_pending_pushes(sender, deadline, "exiting", "at exit")
 
 
-def _pool_threads(pool: ThreadPoolExecutor) -> set[threading.Thread]:
-    return set(getattr(pool, "_threads", ()))
+#: in a Sender's publisher thread, ``owner`` is that Sender's ``_publisher_token`` (a plain
+#: object: the thread keeps no Sender alive)
+_publisher_mark = threading.local()
+
+
+def _mark_publisher_thread(token: object) -> None:
+    _publisher_mark.owner = token
 
 
 def _finish_pending_pushes(sender: Sender, deadline: float, who: str, when: str) -> None:
@@ -418,7 +423,10 @@ class Sender:
         self._locked_root = _identity(self.store.root)  # (it exists: its lock was taken)
         self._pid = os.getpid()
         self._io = ThreadPoolExecutor(num_threads.__index__(), thread_name_prefix=_WRITER_THREADS)
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dbsync-publish")
+        self._publisher_token = object()
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dbsync-publish",
+                                             initializer=_mark_publisher_thread,
+                                             initargs=(self._publisher_token,))
         self._finalizer = weakref.finalize(self, _release, self._lock_fd,
                                            [self._publisher, self._io], self._pid)
         _LIVE_SENDERS.add(self)
@@ -1074,7 +1082,7 @@ class Sender:
                               "itself; raise an exception there to stop the push, and close "
                               "the Sender from the thread that called push()")
         if (self._finalizer.alive and os.getpid() == self._pid
-                and threading.current_thread() not in _pool_threads(self._publisher)):
+                and getattr(_publisher_mark, "owner", None) is not self._publisher_token):
             # (bounded: a push waiting for a lag bound or a held slot may never finish)
             _finish_pending_pushes(self, time.monotonic() + EXIT_WAIT_SECONDS, "close()",
                                    "by close()")

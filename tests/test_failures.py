@@ -279,6 +279,22 @@ def test_ctrl_c_on_one_push_leaves_an_earlier_background_push_alone(root):
     assert torch.equal(got["w"], torch.ones(4))
 
 
+def test_close_from_a_background_push_done_callback_releases_the_store(root):
+    """A background push's done callback runs in the Sender's publisher thread; ``close()``
+    there must not wait for that thread's own queue: it returns, the version stays published
+    and the writer lock is free for the next Sender."""
+    import threading
+
+    closed = threading.Event()
+    sender = dbsync.Sender(root)
+    future = sender.push({"w": torch.ones(4)}, blocking=False)
+    future.add_done_callback(lambda _: (sender.close(), closed.set()))
+    assert closed.wait(60), "close() from the push's done callback did not return"
+    assert future.result(timeout=60) == 1
+    with dbsync.Sender(root) as again:  # (the lock was released)
+        assert again.push({"w": torch.zeros(4)}) == 2
+
+
 @pytest.mark.parametrize("call", ["close", "blocking push"])
 def test_close_from_a_progress_callback_is_refused_and_stops_only_that_push(root, call):
     """``Sender.close()``, or a blocking push, called from a push's progress callback (a

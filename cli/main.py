@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from dbsync import __version__
-from dbsync.errors import DBSyncError
+from dbsync.errors import DBSyncError, resource_limit
 
 from . import pipes
 from .fmt import human_age, human_bytes, human_time, json_line, table
@@ -107,7 +107,13 @@ class _Group(click.Group):
             if pipes.is_closed_pipe(exc):
                 pipes.silence()
                 raise click.exceptions.Exit(pipes.CLOSED_PIPE_EXIT) from None
-            raise Failure(_describe_os_error(exc)) from None
+            named = resource_limit(exc, f"dbsync {ctx.info_name}", "the store is as it was")
+            raise Failure(str(named) if named else _describe_os_error(exc)) from None
+        except (MemoryError, RuntimeError) as exc:  # (out of memory or threads, else a bug)
+            named = resource_limit(exc, f"dbsync {ctx.info_name}", "the store is as it was")
+            if named is None:
+                raise _unexpected(exc) from None
+            raise Failure(str(named)) from None
         except ModuleNotFoundError as exc:
             missing = (exc.name or "").partition(".")[0]
             if missing not in _REQUIRED or os.environ.get("DBSYNC_DEBUG"):

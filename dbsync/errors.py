@@ -3,6 +3,10 @@ says what to do about it."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+from collections.abc import Iterator
+
 
 class DBSyncError(Exception):
     """Base class of every error dbsync raises on purpose."""
@@ -153,6 +157,64 @@ class StoreFullError(_StoreOSError):
 class StoreReadOnlyError(_StoreOSError):
     """The store's filesystem is read-only (also an ``OSError``: ``errno`` is EROFS), mounted
     so or remounted read-only after an error. Nothing was published."""
+
+
+class ResourceLimitError(_StoreOSError):
+    """This process ran out of something it needs (memory or address space, memory mappings,
+    open files, threads): a limit of the process or host, not damage in the store. Nothing
+    was applied and nothing is recorded against the version; raise the limit (the message
+    names it) or free some, then try again. Also an ``OSError`` (``errno`` ENOMEM, EMFILE,
+    ENFILE or EAGAIN)."""
+
+
+#: errno -> what ran out, and the limit to look at
+_RESOURCES = {
+    errno.ENOMEM: "memory or address space (the `ulimit -v` limit, the container's memory "
+                  "limit, or the `vm.max_map_count` limit on memory mappings)",
+    errno.EMFILE: "open files (the `ulimit -n` limit of this process)",
+    errno.ENFILE: "open files on this host (the `fs.file-max` limit)",
+    errno.EAGAIN: "threads (the `ulimit -u` limit, or the container's pids.max)",
+}
+
+
+_NOT_DAMAGE = ("nothing is known to be damaged, and nothing was applied or recorded against "
+               "the version")
+
+
+def resource_limit(exc: BaseException, doing: str, outcome: str = _NOT_DAMAGE
+                   ) -> ResourceLimitError | None:
+    """The ``ResourceLimitError`` for ``exc`` if it says the process ran out of a resource
+    (``MemoryError``, an ``OSError`` of ENOMEM / EMFILE / ENFILE, a thread that could not be
+    started), else None. ``doing``: what failed, e.g. "opening version 3"."""
+    if isinstance(exc, ResourceLimitError):
+        return exc
+    if isinstance(exc, MemoryError):
+        code: int | None = errno.ENOMEM
+    elif isinstance(exc, OSError):  # (not EAGAIN: a busy lock or socket says that too)
+        code = exc.errno if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE) else None
+    elif isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        code = errno.EAGAIN
+    else:
+        return None
+    what = _RESOURCES.get(code)  # type: ignore[arg-type]
+    if what is None:
+        return None
+    return ResourceLimitError(
+        f"{doing}: this process ran out of {what}; {outcome}: raise that limit or free some, "
+        "then try again", code)
+
+
+@contextlib.contextmanager
+def resources_named(doing: str, outcome: str = _NOT_DAMAGE) -> Iterator[None]:
+    """Turn running out of a resource inside the block into a ``ResourceLimitError`` that
+    names the limit (see ``resource_limit``); other errors pass unchanged."""
+    try:
+        yield
+    except (MemoryError, OSError, RuntimeError) as exc:
+        named = resource_limit(exc, doing, outcome)
+        if named is None or named is exc:
+            raise
+        raise named from exc
 
 
 class StoreRewoundError(DBSyncError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import gcpause
-from .errors import FormatError, UnsupportedFormatError
+from .errors import FormatError, UnsupportedFormatError, resource_limit
 
 FORMAT_NAME = "dbsync"
 INDEX_FORMAT_NAME = "dbsync-index"
@@ -139,7 +139,9 @@ def loads_json(raw: bytes, source: str) -> Any:
     long) becomes one ``FormatError``."""
     try:
         return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:
+    except MemoryError as exc:  # not the file's fault: this process's memory limit
+        raise resource_limit(exc, f"reading {source} ({len(raw)} bytes)") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(
             f"{source} is not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); dbsync "
             "replaces it atomically, so something other than dbsync wrote it or the disk is "
@@ -806,3 +808,17 @@ def unwrap_compiled(module: Any) -> Any:
     if inner is not None and type(module).__name__ == "OptimizedModule":
         return inner
     return module
+
+
+def is_tensordict(value: Any) -> bool:
+    """Whether ``value`` is a ``tensordict.TensorDictBase``, without importing tensordict (no
+    TensorDict exists unless it was imported) and without reading the package's attributes:
+    while another thread imports it, ``tensordict`` is in ``sys.modules`` half-initialized,
+    without ``TensorDictBase`` yet."""
+    return is_tensordict_class(type(value))
+
+
+def is_tensordict_class(cls: type) -> bool:
+    """Whether ``cls`` is ``tensordict.TensorDictBase`` or a subclass (see ``is_tensordict``)."""
+    return any(base.__name__ == "TensorDictBase" and base.__module__.startswith("tensordict")
+               for base in cls.__mro__)

@@ -21,13 +21,16 @@ import threading
 import time
 from typing import Any
 
-from .errors import FormatError
+from .errors import FormatError, resource_limit
 from .leases import IDLE, READING, host_identity, release_reader_id
 from .store import Store
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LeaseKeeper"]
+
+#: a lease write failing with these is this process's limit (open files, memory), not the store
+_PROCESS_LIMITS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
 class LeaseKeeper:
@@ -84,6 +87,13 @@ class LeaseKeeper:
                 self.store.write_lease(self.reader_id, self.record())
             except (OSError, FormatError) as exc:
                 err = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
+                if err.errno in _PROCESS_LIMITS:  # (the process's limit, not the store's)
+                    if self.error is None or self.error.errno != err.errno:
+                        log.warning("reader %s cannot write its lease in %s: %s",
+                                    self.reader_id, self.store.root,
+                                    resource_limit(err, "writing the lease"))
+                    self.error = err
+                    return False
                 if self.error is None or self.error.errno != err.errno:
                     level = logging.INFO if err.errno in (errno.EROFS, errno.EACCES,
                                                           errno.EPERM) else logging.WARNING
@@ -113,7 +123,17 @@ class LeaseKeeper:
             if self._closing:
                 return False
             self.held[token] = (slot, version, run_id)
-        return self.write()
+        if self.write():
+            return True
+        error = self.error
+        if error is not None and error.errno in _PROCESS_LIMITS:
+            # Not a store that cannot be written: reading on without a lease would make a
+            # private copy of the version, in a process already short of memory or files.
+            with self.lock:
+                self.held.pop(token, None)
+            raise resource_limit(error, f"holding version {version} (writing reader "
+                                        f"{self.reader_id}'s lease)") from None
+        return False
 
     def release(self, token: int) -> None:
         if os.getpid() != self._pid:

@@ -30,7 +30,6 @@ import errno
 import itertools
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -51,9 +50,10 @@ from .errors import (
     check_flag,
     check_int,
     check_seconds,
+    resources_named,
     short_repr,
 )
-from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id
+from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id, is_tensordict
 from .leasekeeper import LeaseKeeper
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
@@ -177,8 +177,10 @@ class Receiver:
                 "then reuse a slot one of them still reads: give each receiver its own "
                 "reader_id (or leave it unset for a unique one)") from None
         try:
-            self._keeper.write()
-            self._keeper.start()
+            with resources_named(f"starting reader {self.reader_id} of {self.store.root}",
+                                 "nothing was registered"):
+                self._keeper.write()
+                self._keeper.start()
         except BaseException:
             release_reader_id(self._keeper.claim)
             raise
@@ -393,10 +395,11 @@ class Receiver:
         check_flag(verify, "verify", none="the receiver's own setting")
         check_int(threads, "threads", 1)
         verify = self.verify if verify is None else verify
-        if callable(target) and not _is_tensor_container(target):
-            return self._load(target, verify, threads)  # the callback's objects: not ours
-        with gcpause.paused():
-            return self._load(target, verify, threads)
+        with resources_named(f"loading from {self.store.root}"):
+            if callable(target) and not _is_tensor_container(target):
+                return self._load(target, verify, threads)  # the callback's objects: not ours
+            with gcpause.paused():
+                return self._load(target, verify, threads)
 
     def _load(self, target: LoadWeights | Any, verify: bool, threads: int) -> int:
         for attempt in range(_LEASELESS_RETRIES):
@@ -586,9 +589,7 @@ def _close_parts(keeper: LeaseKeeper, workers: WorkerPools) -> None:
 def _check_target(target: Any) -> None:
     """Refuse (before anything is read or reported) a load target that is none of the kinds
     ``load`` takes."""
-    tensordict = sys.modules.get("tensordict")
-    if callable(target) or _is_tensor_container(target) or (
-            tensordict is not None and isinstance(target, tensordict.TensorDictBase)):
+    if callable(target) or _is_tensor_container(target) or is_tensordict(target):
         return
     raise InvalidArgumentError(
         f"load() takes a load_weights callable, an nn.Module, a dict of tensors or a "

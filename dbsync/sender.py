@@ -49,6 +49,7 @@ from .errors import (
     UnsupportedFormatError,
     check_flag,
     check_seconds,
+    resource_limit,
     short_repr,
 )
 from .format import (
@@ -685,6 +686,10 @@ class Sender:
                                                         abort)
                     except RuntimeError as exc:  # (shut down: close() from another thread won,
                         # or the interpreter is exiting)
+                        named = resource_limit(exc, "starting the push's thread",
+                                               "nothing was published")
+                        if named is not None:  # (the process's thread limit)
+                            raise named from None
                         if "interpreter shutdown" in str(exc) or sys.is_finalizing():
                             raise DBSyncError("the interpreter is exiting: no push can start "
                                               "now; nothing was published (push before the "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,9 +34,17 @@ from .errors import (
     LeaseExpiredError,
     StoreUnreachableError,
     check_int,
+    resource_limit,
 )
 from .fileio import ShardView, checksum, settle, wait_all
-from .format import Manifest, describe_name, is_extra_state, shard_file, unwrap_compiled
+from .format import (
+    Manifest,
+    describe_name,
+    is_extra_state,
+    is_tensordict,
+    shard_file,
+    unwrap_compiled,
+)
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -106,7 +113,13 @@ class Snapshot:
                     f"{exc.strerror or exc} for this process (uid {os.getuid()}); nothing is "
                     "known to be damaged: read the store as a user who may read its files"
                 ) from None
-            except (OSError, FormatError) as exc:
+            except (OSError, MemoryError) as exc:
+                named = resource_limit(exc, f"opening version {manifest.version}'s shard {i}")
+                if named is not None:  # not damage: this process's limit (ulimit -v / -n...)
+                    self.close()
+                    raise named from exc
+                bad_shards[i] = f"shard {i}: {exc}"
+            except FormatError as exc:
                 bad_shards[i] = f"shard {i}: {exc}"
         if bad_shards:
             for entry in manifest.tensors:
@@ -366,7 +379,6 @@ class Snapshot:
         if verify is None:
             verify = self.receiver.verify
         holds = _owns_its_tensors(target)  # (the copy's references may go before it ends)
-        tensordict = sys.modules.get("tensordict")  # (no TensorDict unless it was imported)
         if isinstance(target, torch.nn.Module):
             inner = unwrap_compiled(target)  # (a compiled module: its own names, unless the
             tensors = self.manifest.tensors  # version was published under the wrapper's)
@@ -376,7 +388,7 @@ class Snapshot:
             for name in [k for k in dest if is_extra_state(k)]:
                 if not isinstance(dest[name], torch.Tensor):
                     del dest[name]  # a module's extra state (get_extra_state): not weights
-        elif tensordict is not None and isinstance(target, tensordict.TensorDictBase):
+        elif is_tensordict(target):
             dest = dict(target.flatten_keys(".").items())  # (its own leaves, names as pushed)
         else:
             dest = target if type(target) is dict else dict(target)
@@ -596,11 +608,13 @@ class Snapshot:
         if self._closed:
             return
         self._closed = True
-        for shard in self._shards.values():
-            shard.close()
-        self._shards.clear()
-        self._dropped.detach()
-        self.receiver._keeper.release(self._token)
+        try:
+            for shard in self._shards.values():
+                shard.close()
+        finally:  # (the hold ends whatever happened above)
+            self._shards.clear()
+            self._dropped.detach()
+            self.receiver._keeper.release(self._token)
 
     def __enter__(self) -> Snapshot:
         return self

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +30,8 @@ from .format import (
     READERS_DIR,
     is_extra_state,
     is_supported_dtype,
+    is_tensordict,
+    is_tensordict_class,
     name_problem,
     unwrap_compiled,
 )
@@ -113,8 +114,7 @@ def pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
         # load into a module leaves it alone too)
         return [(name, value) for name, value in weights.state_dict().items()
                 if isinstance(value, torch.Tensor) or not is_extra_state(name)]
-    tensordict = sys.modules.get("tensordict")  # no TensorDict exists unless it was imported
-    if tensordict is not None and isinstance(weights, tensordict.TensorDictBase):
+    if is_tensordict(weights):
         return _tensordict_pairs(weights)
     if isinstance(weights, Mapping):
         return list(weights.items())
@@ -133,9 +133,7 @@ def _tensordict_pairs(td: Any) -> list[tuple[Any, Any]]:
 
 
 def _is_leaf(cls: type) -> bool:
-    from tensordict import TensorDictBase
-
-    return not issubclass(cls, TensorDictBase)
+    return not is_tensordict_class(cls)
 
 
 def materialize(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -29,24 +29,35 @@ _QUEUE: list[Any] = [None, 0]  # [the queue, the pid that started its thread]
 def drop_later(buffer: Any) -> None:
     """Hand over a reference to ``buffer`` (an ``mmap`` or a ``bytearray``), to be dropped in
     the dropping thread. The caller must hold no other reference it means to drop itself: the
-    point is that the last one goes away there."""
-    _queue().put(buffer)
+    point is that the last one goes away there. (Where no thread can be started, at a
+    process's thread limit, it is dropped when the caller lets go of it, as before.)"""
+    items = _queue()
+    if items is not None:
+        items.put(buffer)
 
 
 def dropped(timeout: float | None = None) -> bool:
     """Wait until everything handed to ``drop_later`` before this call has been dropped;
     False if ``timeout`` seconds passed first."""
+    items = _queue()
+    if items is None:
+        return True  # (no dropping thread: nothing was handed over)
     done = threading.Event()
-    _queue().put(done)
+    items.put(done)
     return done.wait(timeout)
 
 
-def _queue() -> queue.SimpleQueue:
+def _queue() -> queue.SimpleQueue | None:
+    """The dropping thread's queue, starting the thread on first use; None when no thread can
+    be started (the process's thread limit)."""
     with _LOCK:
         if _QUEUE[0] is None or _QUEUE[1] != os.getpid():
             items: queue.SimpleQueue = queue.SimpleQueue()
-            threading.Thread(target=_drop_forever, args=(items,), name="dbsync-unmap",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=_drop_forever, args=(items,), name="dbsync-unmap",
+                                 daemon=True).start()
+            except RuntimeError:  # can't start new thread: the caller drops it itself
+                return None
             _QUEUE[:] = [items, os.getpid()]
         return _QUEUE[0]
 

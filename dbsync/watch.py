@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DBSyncError, InvalidArgumentError
+from .errors import DBSyncError, InvalidArgumentError, resources_named
 from .format import MANIFEST_FILE, Head
 from .inotify import APPEARS, LOST, DirectoryWatch
 from .store import Store
@@ -257,12 +257,21 @@ class Watcher:
         return None if self._head is None else self._head.run_id
 
     def start(self) -> Watcher:
+        """Start watching. Raises ``ResourceLimitError`` (naming the limit) where the process
+        cannot start the watcher's threads; nothing is left running then."""
         if self.skip_current:
             self._check(notify=False)
-        if not self.polling:
-            self._start_observer()
-        self._thread = threading.Thread(target=self._run, name="dbsync-watch", daemon=True)
-        self._thread.start()
+        with resources_named(f"starting a watcher of {self.root}", "nothing is watched"):
+            try:
+                if not self.polling:
+                    self._start_observer()
+                self._thread = threading.Thread(target=self._run, name="dbsync-watch",
+                                                daemon=True)
+                self._thread.start()
+            except BaseException:
+                self._thread = None
+                self._stop_observer()
+                raise
         return self
 
     def stop(self) -> None:
@@ -296,11 +305,13 @@ class Watcher:
                 self._choose_mode_again()
             if identity is not None:
                 self._root_identity = identity
-            if not self.polling and (self._rewatch.is_set() or identity is None
+            rewatching = self._rewatch.is_set()  # (a look follows a watch set up again)
+            if not self.polling and (rewatching or identity is None
                                      or identity != self._watched):
                 self._restart_observer()
             now = clock()
-            if woken or moved or self.polling or self._rewatch.is_set() or now >= safety_due:
+            if (woken or moved or self.polling or rewatching or self._rewatch.is_set()
+                    or now >= safety_due):
                 self._check()
                 safety_due = now + self.safety_interval
             last = clock()

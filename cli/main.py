@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from dbsync import __version__
-from dbsync.errors import DBSyncError, resource_limit
+from dbsync.errors import DBSyncError, UnsupportedFormatError, resource_limit
 
 from . import pipes
 from .fmt import human_age, human_bytes, human_time, json_line, table
@@ -97,7 +97,11 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", None)  # (serve-vllm: SIGTERM/SIGHUP at start-up)
+            if signum is not None:
+                click.echo(f"\nstopped by {exc} while starting", err=True)
+                raise click.exceptions.Exit(128 + signum) from None
             _interrupted("\ninterrupted")
         except DBSyncError as exc:  # (may quote a store's text: a refusal reason, a host)
             from dbsync.status import printable
@@ -351,12 +355,17 @@ def _wait_for(store: Store, root: str, version: int, count: int,
               timeout: float | None) -> None:
     from dbsync.status import printable, receivers_at, wait_for_receivers
 
+    from .interrupt import SigintFlag
+
+    flag = SigintFlag(None)  # (SIGTERM too: told apart in the message and the exit status)
     try:  # the Ctrl-C a reader of this line sends may arrive while it is being printed
-        click.echo(f"waiting for {count} receiver(s) to load version {version} ...", err=True)
-        done = wait_for_receivers(store, version, count, timeout)
+        with flag:
+            click.echo(f"waiting for {count} receiver(s) to load version {version} ...",
+                       err=True)
+            done = wait_for_receivers(store, version, count, timeout)
     except KeyboardInterrupt:
         _interrupted(f"\ninterrupted while waiting for receivers; version {version} is "
-                     f"published in {store.root} (see `dbsync status {root}`)")
+                     f"published in {store.root} (see `dbsync status {root}`)", flag)
     loaded = receivers_at(store, version)
     if not done:
         fail(f"version {version} is published, but only {len(loaded)} of {count} "
@@ -482,9 +491,11 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
         click.echo(f"nothing is published at {root} yet; waiting for the first version "
                    "(Ctrl-C to stop)", err=True)
     interrupted = False
-    with Watcher(store.root, on_version, poll_interval=poll_interval):
+    with Watcher(store.root, on_version, poll_interval=poll_interval) as watcher:
         try:
             while not done.wait(0.5):
+                if isinstance(watcher.last_error, UnsupportedFormatError):
+                    raise watcher.last_error  # (only upgrading dbsync here helps: exit 1)
                 if pipes.stdout_reader_gone():  # (`| head -1`: gone after the first line,
                     # though nothing may be published for hours)
                     closed.append(BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)))
@@ -502,6 +513,8 @@ def _nothing_published(store: Store) -> bool:
     reports it)."""
     try:
         return store.read_head() is None
+    except UnsupportedFormatError:
+        raise  # (not transient: only upgrading dbsync here helps)
     except (DBSyncError, OSError):
         return False
 

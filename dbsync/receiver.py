@@ -47,6 +47,7 @@ from .errors import (
     LeaseExpiredError,
     StoreNotFoundError,
     StoreRewoundError,
+    UnsupportedFormatError,
     check_flag,
     check_int,
     check_seconds,
@@ -524,8 +525,13 @@ class Receiver:
             event.clear()
 
     def _read_head_quietly(self) -> Head | None:
+        """The head, or None while it cannot be read (a transient problem: a mount away, a
+        head being replaced). A head of a newer format is not transient: it raises
+        ``UnsupportedFormatError`` (upgrade dbsync here)."""
         try:
             return self.store.read_head()
+        except UnsupportedFormatError:
+            raise
         except (DBSyncError, OSError) as exc:
             log.debug("cannot read the head of %s: %s", self.store.root, exc)
             return None

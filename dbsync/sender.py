@@ -268,9 +268,10 @@ def _finish_pending_pushes(sender: Sender, deadline: float, who: str, when: str)
         for abort in list(getattr(sender, "_live_aborts", ())):
             abort.set()
         log.warning("abandoned the background push(es) into %s %s (%s): nothing more was "
-                    "published; it still serves version %s", sender.store.root, when,
+                    "published; it still serves %s", sender.store.root, when,
                     "interrupted" if isinstance(exc, KeyboardInterrupt) else
-                    f"not done within {EXIT_WAIT_SECONDS:.0f} s", sender._version)
+                    f"not done within {EXIT_WAIT_SECONDS:.0f} s",
+                    f"version {sender._version}" if sender._version else "no version")
 
 
 # (threading's exit hooks run newest first: this one before concurrent.futures' own, which

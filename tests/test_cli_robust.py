@@ -163,7 +163,10 @@ def test_ctrl_c_while_waiting_for_a_reader_publishes_nothing(store2, st_file, si
     assert torch.equal(got["w"], torch.full((4,), 3.0))  # version 3 still serves, intact
 
 
-def test_ctrl_c_after_the_flip_says_what_was_published(store2, st_file):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_after_the_flip_says_what_was_published(store2, st_file, signum):
+    """Stopped while waiting for receivers: the version stays published, and the push says so
+    (SIGTERM used to kill it without a word)."""
     proc = subprocess.Popen(cli_cmd("push", st_file, store2, "--wait-for", "1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=cli_env(), cwd=REPO)
@@ -171,14 +174,15 @@ def test_ctrl_c_after_the_flip_says_what_was_published(store2, st_file):
     try:
         assert out.wait_for("3").strip() == "3"  # published; now waiting for receivers
         err.wait_for("waiting for 1 receiver")
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == 128 + signum
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     stderr = err.rest()
     assert "version 3 is published" in stderr and "Traceback" not in stderr
+    assert ("terminated (SIGTERM) while waiting" in stderr) == (signum == signal.SIGTERM)
     assert version_of(store2) == 3
 
 

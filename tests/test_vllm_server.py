@@ -4,6 +4,7 @@ empty store; versions pushed while it runs. The tests run in file order and shar
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import urllib.error
@@ -21,6 +22,7 @@ from tests.vllm_helpers import (
     reference,
     running_server,
     tiny_model,
+    wait_until,
 )
 
 pytest.importorskip("vllm")
@@ -169,3 +171,56 @@ def test_ctrl_c_stops_cleanly_with_exit_status_130(server: Server) -> None:
     after = server.tail(10_000_000)[start:]
     for noise in ("Traceback", "EngineDeadError", " ERROR "):
         assert noise not in after, after[-3000:]
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live processes below ``pid`` (from /proc: parent ids)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process not yet reaped, a zombie, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_sigterm_while_the_engine_starts_stops_its_processes_too(
+        store: Path, sender: Any, tmp_path: Path) -> None:
+    """SIGTERM (``timeout``, a supervisor, a test harness's ``terminate()``) while the engine
+    loads, before vLLM's own handlers are in place: the default action killed the server
+    alone, and vLLM's engine and worker processes ran on (on a GPU, holding its memory). Now
+    the start-up is cancelled as Ctrl-C cancels it: exit 143, nothing left running."""
+    import signal
+
+    srv = Server(store, tiny_model("A"), tmp_path / "starting.log")
+    try:
+        # the handshake: the engine's processes exist (the server is loading, not serving)
+        wait_until(lambda: len(_descendants(srv.proc.pid)) >= 2 or srv.proc.poll() is not None,
+                   180, 0.2, "the engine's processes to start")
+        assert srv.proc.poll() is None, srv.tail()
+        engine = _descendants(srv.proc.pid)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(120) == 128 + signal.SIGTERM, srv.tail()
+        assert "stopped by SIGTERM while starting" in srv.tail()
+        wait_until(lambda: not any(_alive(p) for p in engine), 60, 0.2,
+                   "the engine's processes to end")
+    finally:
+        srv.stop()

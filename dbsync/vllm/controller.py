@@ -378,6 +378,11 @@ class SwapController:
                                     poll_interval=self.poll_interval).start()
         return self._watcher
 
+    @property
+    def stopping(self) -> bool:
+        """True once the server began shutting down (``stop_applying``)."""
+        return self._stopping.is_set()
+
     def stop_applying(self) -> None:
         """Start no swap from now on, and abandon the engine calls of one under way
         (``ops.close()``, where the ops have it): the server is shutting down. Never blocks;

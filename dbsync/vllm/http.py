@@ -8,6 +8,7 @@ import contextlib
 import difflib
 import logging
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -123,13 +124,34 @@ def remove_stop_callback(callback: Callable[[], None]) -> None:
         _ON_STOP_SIGNAL.remove(callback)
 
 
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while the server was starting (before vLLM's own handlers were in
+    place): the start-up was cancelled as Ctrl-C cancels it, and the engine's processes
+    already started were stopped on the way out instead of being left running."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+#: stop signals the server handles from its start (SIGINT is asyncio's own)
+_STARTUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def run_until_stopped(main: Any) -> None:
     """Run the server coroutine ``main`` on uvloop until it returns. Raises
     ``KeyboardInterrupt`` after a clean stop that Ctrl-C (SIGINT) asked for: vLLM's handlers
-    stop on SIGINT and SIGTERM alike, and an interrupted server must still exit 130."""
+    stop on SIGINT and SIGTERM alike, and an interrupted server must still exit 130.
+
+    Before vLLM's handlers are in place (the engine loading, tens of seconds), SIGTERM and
+    SIGHUP are passed on as SIGINT, which asyncio turns into cancelling ``main`` (its
+    ``finally`` blocks stop the engine), and then raise ``StopSignal``: their default action
+    killed this process alone and left the engine's processes running (on a GPU, holding its
+    memory). Once serving, SIGHUP stops the server as SIGTERM does."""
     import uvloop
 
     stops: list[int] = []
+    early: list[int] = []
 
     class Loop(uvloop.Loop):  # type: ignore[misc, name-defined]
         def add_signal_handler(self, sig: int, callback: Any, *args: Any) -> None:
@@ -143,7 +165,27 @@ def run_until_stopped(main: Any) -> None:
                 callback(*given)
 
             super().add_signal_handler(sig, noted, *args)
+            if sig == signal.SIGTERM:  # (a hang-up stops the server as SIGTERM does)
+                super().add_signal_handler(signal.SIGHUP, noted, *args)
 
-    uvloop.run(main, loop_factory=Loop)
+    def as_ctrl_c(signum: int, frame: Any) -> None:
+        early.append(signum)
+        signal.raise_signal(signal.SIGINT)
+
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _STARTUP_SIGNALS:
+            previous[signum] = signal.signal(signum, as_ctrl_c)
+    try:
+        uvloop.run(main, loop_factory=Loop)
+    except KeyboardInterrupt:
+        if early:
+            raise StopSignal(early[0]) from None
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if early:
+        raise StopSignal(early[0])
     if signal.SIGINT in stops:
         raise KeyboardInterrupt

@@ -265,19 +265,24 @@ def _quiet_shutdown(engine_client: Any) -> None:
 
 
 class _UnhealthyGate:
-    """503 for inference routes and /health while the engine may hold a mix of versions."""
+    """503 for inference routes and /health while the engine may hold a mix of versions, and
+    once the server is shutting down (SIGTERM: requests in flight finish, new ones are sent
+    elsewhere by a load balancer that reads /health, instead of failing with 500)."""
 
     def __init__(self, inner: Any, controller: SwapController):
         self.inner = inner
         self.controller = controller
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if (scope["type"] == "http" and not self.controller.healthy
+        controller = self.controller
+        if (scope["type"] == "http" and (controller.stopping or not controller.healthy)
                 and scope["path"].startswith(_GATED_PREFIXES)):
             from fastapi.responses import JSONResponse
 
-            message = ("dbsync: the engine is unhealthy until a complete version is applied: "
-                       f"{self.controller.state.last_error}")
+            message = ("dbsync: the server is shutting down; send requests to another "
+                       "replica" if controller.stopping else
+                       "dbsync: the engine is unhealthy until a complete version is applied: "
+                       f"{controller.state.last_error}")
             response = JSONResponse(
                 {"error": {"message": message, "type": "ServiceUnavailable", "code": 503}},
                 status_code=503)
@@ -350,8 +355,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DBSyncError as exc:
         print(f"dbsync serve-vllm: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        _exit_now(130)
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", None)  # (StopSignal: SIGTERM/SIGHUP at start-up)
+        if signum is not None:
+            print(f"dbsync serve-vllm: stopped by {exc} while starting; the engine was shut "
+                  "down", file=sys.stderr)
+        _exit_now(130 if signum is None else 128 + signum)
     except RuntimeError as exc:
         if "Engine core initialization failed" not in str(exc):
             raise

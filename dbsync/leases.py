@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import InvalidArgumentError
-from .format import READERS_DIR, FormatError, is_reader_id
+from .format import READERS_DIR, SLOTS, FormatError, is_reader_id
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -420,6 +420,13 @@ def _wait_until_unused(store: Store, reader_id: str, sleep: Callable[[float], No
              reader_id, store.root, timeout)
 
 
+def _holding_everything(reader_id: str) -> dict[str, Any]:
+    """A stand-in for a lease that exists but was never read: it holds every slot (whatever
+    version), renews nothing, and names no process this host could look up."""
+    return {"reader_id": reader_id, "host": "(lease unreadable)", "pid": 1, "beat": None,
+            "held": [[slot, None, None] for slot in SLOTS], "updated_at": 0.0}
+
+
 class LeaseMonitor:
     """The writer's view of reader leases: which live readers hold a slot."""
 
@@ -436,6 +443,9 @@ class LeaseMonitor:
         self._unremovable: set[str] = set()
         self._timeouts: dict[str, float] = {}  # reader_id -> its lease's own timeout
         self._live: dict[str, dict[str, Any]] = {}  # the live leases of the last holders()
+        #: reader id -> its lease as last read (stands in while its file cannot be read)
+        self._last_read: dict[str, dict[str, Any]] = {}
+        self._unreadable_told: set[str] = set()  # (logged once per spell)
 
     def _dead_for(self, reader_id: str, lease: dict[str, Any], now: float) -> float | None:
         """Seconds past death (>= 0) if the lease is dead, else None."""
@@ -464,7 +474,21 @@ class LeaseMonitor:
         """(live reader id -> its lease record, dead reader ids). Removes leases that have
         been dead for longer than the grace period."""
         now = self.clock()
-        leases = self.store.read_leases()
+        unreadable: dict[str, str] = {}
+        leases = self.store.read_leases(unreadable)
+        self._last_read.update(leases)
+        for reader_id, why in unreadable.items():
+            # Not "gone": that reader may be alive and hold a slot. It counts as its lease
+            # last read (dead once that stops changing for its timeout), or, never read, as
+            # holding every slot until then; its file is never removed while unreadable.
+            leases[reader_id] = self._last_read.get(reader_id) or _holding_everything(reader_id)
+            if reader_id not in self._unreadable_told:
+                self._unreadable_told.add(reader_id)
+                log.warning("cannot read the lease of reader %s in %s (%s); counting it as "
+                            "holding what it held when last read (every slot if never read) "
+                            "until it reads well or its lease timeout passes",
+                            reader_id, self.store.readers_dir, why)
+        self._unreadable_told &= set(unreadable)
         live: dict[str, dict[str, Any]] = {}
         dead: list[str] = []
         for reader_id, lease in leases.items():
@@ -482,7 +506,7 @@ class LeaseMonitor:
                 continue
             dead.append(reader_id)
             if (overdue >= DEAD_LEASE_GRACE * lease_timeout_of(lease, self.timeout)
-                    and reader_id not in self._unremovable):
+                    and reader_id not in self._unremovable and reader_id not in unreadable):
                 log.info("removing the lease of dead reader %s (host %s, pid %s)", reader_id,
                          lease.get("host"), lease.get("pid"))
                 try:
@@ -499,6 +523,8 @@ class LeaseMonitor:
                 self._seen.pop(reader_id, None)
         for gone in set(self._seen) - set(leases):
             del self._seen[gone]
+        for gone in set(self._last_read) - set(leases):
+            del self._last_read[gone]
         for gone in set(self._timeouts) - set(leases):
             del self._timeouts[gone]
         self._unremovable &= set(leases)

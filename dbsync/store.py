@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 
 #: pauses before a record (head, stamp) read cut short is read again (``Store.read_record``)
 REREAD_PAUSES = (0.05, 0.25, 1.0)
+#: pauses between the tries of a writer's read of a lease that fails (EIO, ESTALE)
+LEASE_READ_PAUSES = (0.02, 0.08)
 
 WRITING = "writing"
 DIR_MODE = 0o755
@@ -712,8 +714,13 @@ class Store:
             return None  # removed, being replaced, or not a lease: the next look sees it
         return record if isinstance(record, dict) else None
 
-    def read_leases(self) -> dict[str, dict[str, Any]]:
-        """reader id -> lease record, for every readable lease (damaged ones are skipped)."""
+    def read_leases(self, unreadable: dict[str, str] | None = None
+                    ) -> dict[str, dict[str, Any]]:
+        """reader id -> lease record, for every readable lease (damaged ones are skipped).
+        ``unreadable``: filled with reader id -> why, for each lease that exists but could not
+        be read (an I/O error, ``ESTALE``: tried three times in ~0.1 s); without it, such
+        leases are skipped as damaged ones are. A writer must not take "unreadable" for
+        "gone": that reader may hold a slot."""
         leases: dict[str, dict[str, Any]] = {}
         try:
             with self.dir_fd(READERS_DIR) as dfd:
@@ -722,10 +729,36 @@ class Store:
             return leases
         for name in names:
             if name.endswith(".json") and not name.startswith("."):
-                record = self._read_lease_file(name)
+                if unreadable is None:
+                    record = self._read_lease_file(name)
+                else:
+                    try:
+                        record = self._read_lease_retrying(name)
+                    except OSError as exc:
+                        unreadable[name[: -len(".json")]] = exc.strerror or str(exc)
+                        continue
                 if record is not None:
                     leases[name[: -len(".json")]] = record
         return leases
+
+    def _read_lease_retrying(self, name: str) -> dict[str, Any] | None:
+        """The lease ``name`` (None: removed meanwhile, or no lease); raises the ``OSError``
+        of a third failed read (the pauses between: ``LEASE_READ_PAUSES``)."""
+        for pause in (*LEASE_READ_PAUSES, None):
+            try:
+                raw = self.read_small((READERS_DIR, name), MAX_LEASE_BYTES)
+                record = None if raw is None else loads_json(raw, name)
+            except FileNotFoundError:
+                return None  # removed meanwhile (a reader that closed)
+            except FormatError:
+                return None  # no lease (the monitor's look at it decides nothing)
+            except OSError:
+                if pause is None:
+                    raise
+                time.sleep(pause)
+                continue
+            return record if isinstance(record, dict) else None
+        return None
 
     def writable(self) -> bool:
         """Whether this process can write leases here (False on read-only mounts)."""

@@ -1,0 +1,73 @@
+"""What a writer and readers do when the store's mount fails some operations, as NFS and Lustre
+clients do (``EIO``, ``ESTALE``). The faults are injected where the store reads a file (its
+``read_small``), everything else is the real store on a real filesystem."""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+import torch
+
+import dbsync
+from dbsync.leases import DEAD_LEASE_GRACE, DEFAULT_LEASE_TIMEOUT, LeaseMonitor
+from dbsync.store import Store
+
+
+class LeaseReadsFail(Store):
+    """A store whose reads of ``readers/<reader>.json`` fail with ``code`` (``failures`` times
+    in a row, then read well; None: for ever)."""
+
+    def __init__(self, root: str, reader: str, code: int, failures: int | None = None):
+        super().__init__(root, create=False)
+        self.lease_name = f"{reader}.json"
+        self.code = code
+        self.failures = failures
+
+    def read_small(self, parts: tuple[str, ...], *args: Any, **kwargs: Any) -> bytes | None:
+        if parts[-1] == self.lease_name and (self.failures is None or self.failures > 0):
+            if self.failures is not None:
+                self.failures -= 1
+            raise OSError(self.code, os.strerror(self.code))
+        return super().read_small(parts, *args, **kwargs)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_unreadable_lease_still_holds_its_slot(root):
+    """One failed read of a live reader's lease (EIO, ESTALE) made the writer take it for
+    gone and overwrite the slot that reader held. An unreadable lease now counts as it read
+    last (or, never read, as holding every slot) until its lease timeout passes; its file is
+    not removed meanwhile; a read that fails twice and then works is simply retried."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(4)})
+    with dbsync.Receiver(root, reader_id="rdr", lease_timeout=5.0) as rx, rx.open() as snap:
+        slot = snap.manifest.slot
+        for code in (errno.EIO, errno.ESTALE):
+            clock = Clock()
+            flaky = LeaseMonitor(LeaseReadsFail(root, "rdr", code, failures=2), clock=clock)
+            assert flaky.holders(slot) == ["rdr"]  # (retried within the same look)
+
+            store = LeaseReadsFail(root, "rdr", code, failures=0)
+            monitor = LeaseMonitor(store, clock=clock)
+            assert monitor.holders(slot) == ["rdr"]
+            store.failures = None  # from now on the lease cannot be read
+            assert monitor.holders(slot) == ["rdr"]  # as read last
+
+            never = LeaseMonitor(LeaseReadsFail(root, "rdr", code), clock=clock)
+            assert never.holders(slot) == ["rdr"]  # never read: holds every slot
+            other = "b" if slot == "a" else "a"
+            assert never.holders(other) == []  # (the other slot is empty: nothing to hold)
+
+            # past the timeouts (its own 5 s; the writer's default for one never read) and grace
+            clock.now += DEFAULT_LEASE_TIMEOUT * (DEAD_LEASE_GRACE + 2)
+            assert never.holders(slot) == [] and monitor.holders(slot) == []
+            assert os.path.exists(os.path.join(root, "readers", "rdr.json"))  # not removed
+        assert torch.equal(dict(snap.tensors())["w"], torch.ones(4))

@@ -288,35 +288,58 @@ def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: flo
                  now: float, timeout: float, times: dict[str, float]) -> bool:
     """For ``prune_abandoned``: whether the reader of an old-looking lease is gone for sure
     (see there); notes the lease for a later writer when that cannot be told yet. ``times``:
-    the file times of ``readers/``."""
+    the file times of ``readers/``.
+
+    How long ago a note was left is read from this host's monotonic clock, recorded in the
+    note, never from file times: where clients stamp files with their own clocks (Lustre), a
+    note left by a writer whose clock lagged looked old at once, and the next writer removed
+    a live reader's lease that had not beaten since (it renews every ``timeout / 4``). A
+    note left on another host (or boot) says nothing of the time passed: it is noted again."""
     if lease and same_pid_namespace(lease) and not pid_alive(lease["pid"]):
         return True
     # (a live pid here may be another process's by now: the beat decides, as elsewhere)
     seen = {"beat": lease.get("beat"), "mtime": mtime}
     note = _STALE_NOTE + reader_id
-    note_time = times.get(note)
-    # (the note's writer and this one may stamp files with clocks of their own: the margin
-    # for skew applies here too)
-    if note_time is not None and now - note_time >= timeout + ABANDONED_MARGIN:
+    clock = _monotonic_clock_id()
+    if note in times:
         try:
             raw = store.read_small((READERS_DIR, note), MAX_NOTE_BYTES)
             noted = None if raw is None else json.loads(raw)
         except (OSError, ValueError, RecursionError, FormatError):
             noted = None  # unreadable or garbled: written again below
-        if noted == seen:
-            return True
-        if isinstance(noted, dict) and noted.get("beat") != seen["beat"]:
+        if isinstance(noted, dict) and {k: noted.get(k) for k in seen} == seen:
+            noted_at = noted.get("noted_at")
+            if (clock is not None and noted.get("clock") == clock
+                    and isinstance(noted_at, int | float) and not isinstance(noted_at, bool)):
+                # (stood still since it was noted, by this host's clock: gone once a timeout
+                # and the margin for a loaded host's heartbeats passed; else a later writer)
+                return time.monotonic() - noted_at >= timeout + ABANDONED_MARGIN
+        elif isinstance(noted, dict) and noted.get("beat") != seen["beat"]:
             log.warning("reader %s renews its lease in %s, but its file was last written %.0f "
                         "s ago by the store's clock: kept. Check the clocks of its host and of "
                         "the file server (NTP)", reader_id, store.readers_dir, now - mtime)
-    elif note_time is not None:
-        return False  # noted less than a timeout ago: a later writer decides
+    if clock is None:
+        return False  # (no clock to measure the time passed: such leases stay)
     try:
-        store.write_reader_file(note, json.dumps(seen).encode())
+        store.write_reader_file(note, json.dumps(
+            {**seen, "clock": clock, "noted_at": time.monotonic()}).encode())
     except OSError as exc:
         log.info("could not note reader %s's old-looking lease in %s (%s); it stays",
                  reader_id, store.readers_dir, exc)
     return False
+
+
+def _monotonic_clock_id() -> list[Any] | None:
+    """What ``time.monotonic()`` values are comparable across: this host, boot and time
+    namespace (None where the boot cannot be told)."""
+    me = host_identity()
+    if me["boot_id"] is None:
+        return None
+    try:
+        timens = os.stat("/proc/self/ns/time").st_ino
+    except OSError:
+        timens = None
+    return [me["host"], me["boot_id"], timens]
 
 
 class ReaderIdInUse(Exception):

@@ -699,7 +699,10 @@ def test_a_starting_writer_removes_reader_files_abandoned_long_ago(root):
         note = os.path.join(readers, ".stale-far-host-4242-0a1b2c3d")
         assert os.path.exists(abandoned) and os.path.exists(note)  # noted, not yet removed
         assert not os.path.exists(old_tmp)  # (a temp file goes on age alone)
-        os.utime(note, (time.time() - 120, time.time() - 120))  # that writer started 2 min ago
+        with open(note) as f:  # that writer started 2 min ago (on this host's clock)
+            noted = json.load(f)
+        with open(note, "w") as f:
+            json.dump(dict(noted, noted_at=time.monotonic() - 120), f)
         dbsync.Sender(root, lease_timeout=1.0).close()  # the next `dbsync push`
 
         assert not os.path.exists(abandoned) and not os.path.exists(note)
@@ -709,6 +712,39 @@ def test_a_starting_writer_removes_reader_files_abandoned_long_ago(root):
         after = json.loads(cli("status", root, "--json").stdout)
         assert [r["id"] for r in after["receivers"]] == [live.reader_id]
         os.unlink(in_flight)
+
+
+def test_a_note_left_by_a_writer_with_a_lagging_clock_removes_no_lease(root):
+    """Where clients stamp files with their own clocks (Lustre), a starting writer whose clock
+    lagged left a note that looked old at once, and the next writer, seconds later, removed
+    the lease of a live reader (not renewed since: it renews every timeout / 4) and could
+    overwrite its slot. The time since a note is now read from the noting host's monotonic
+    clock: a note seconds old, or one left on another host, removes nothing."""
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+    readers = os.path.join(root, "readers")
+    with dbsync.Receiver(root, lease_timeout=1.0) as holder, holder.open() as snap:
+        lease = os.path.join(readers, f"{holder.reader_id}.json")
+        note = os.path.join(readers, f".stale-{holder.reader_id}")
+        an_hour_ago = time.time() - 3600
+        with holder._keeper.lock:  # (no renewal meanwhile: the beat stands still)
+            os.utime(lease, (an_hour_ago, an_hour_ago))  # (its host's clock lags an hour)
+            dbsync.Sender(root, lease_timeout=1.0).close()  # writer X notes it ...
+            assert os.path.exists(note)
+            os.utime(note, (an_hour_ago, an_hour_ago))  # ... by a clock that lags too
+            dbsync.Sender(root, lease_timeout=1.0).close()  # writer Y, seconds later
+            assert os.path.exists(lease), "a live reader's lease was removed"
+            with open(note) as f:
+                noted = json.load(f)
+            with open(note, "w") as f:  # noted long ago, but on another host's clock
+                json.dump(dict(noted, clock=["far-host", "other-boot", None],
+                               noted_at=time.monotonic() - 3600), f)
+            dbsync.Sender(root, lease_timeout=1.0).close()
+            assert os.path.exists(lease), "a live reader's lease was removed"
+        with dbsync.Sender(root, lease_timeout=1.0) as sender:
+            assert sender.push(weights_for(2)) == 2  # (the other slot)
+        assert {float(t.flatten()[0]) for _, t in snap.tensors()} == {1.0}
+        snap.check_unchanged()
 
 
 def test_a_starting_writer_keeps_old_looking_leases_of_live_readers(root, caplog):
@@ -730,6 +766,13 @@ def test_a_starting_writer_keeps_old_looking_leases_of_live_readers(root, caplog
 
     def start_a_writer() -> None:  # `dbsync push` starting up
         dbsync.Sender(root, lease_timeout=1.0).close()
+
+    def noted_ago(seconds: float, *notes: str) -> None:  # (by this host's monotonic clock)
+        for note in notes:
+            with open(note) as f:
+                noted = json.load(f)
+            with open(note, "w") as f:
+                json.dump(dict(noted, noted_at=time.monotonic() - seconds), f)
 
     with dbsync.Receiver(root, lease_timeout=1.0) as holder, holder.open() as snap:
         lease = os.path.join(readers, f"{holder.reader_id}.json")
@@ -767,7 +810,7 @@ def test_a_starting_writer_keeps_old_looking_leases_of_live_readers(root, caplog
         with holder._keeper.lock:  # their file times still look old
             beat = Store(root).read_leases()[holder.reader_id]["beat"]
             backdate(lease)
-            backdate(own_note, far_note, when=time.time() - 120)  # noted 2 min ago
+            noted_ago(120, own_note, far_note)  # noted 2 min ago
             with caplog.at_level(logging.WARNING, logger="dbsync"):
                 start_a_writer()
             assert os.path.exists(lease), "a live reader's lease was removed"
@@ -775,7 +818,7 @@ def test_a_starting_writer_keeps_old_looking_leases_of_live_readers(root, caplog
         warned = [r.getMessage() for r in caplog.records if "renews its lease" in r.getMessage()]
         assert len(warned) == 2 and all("clock" in w for w in warned), warned
 
-        backdate(far_note, when=time.time() - 120)
+        noted_ago(120, far_note)
         start_a_writer()  # the far lease stood still since it was noted: gone now
         assert not os.path.exists(far) and not os.path.exists(far_note)
         assert os.path.exists(lease)

@@ -47,6 +47,7 @@ from .errors import (
     LeaseExpiredError,
     StoreNotFoundError,
     StoreRewoundError,
+    StoreUnreachableError,
     UnsupportedFormatError,
     check_flag,
     check_int,
@@ -54,7 +55,15 @@ from .errors import (
     resources_named,
     short_repr,
 )
-from .format import SLOT_STAMP_FILE, Head, Manifest, check_reader_id, is_tensordict
+from .format import (
+    MAX_STAMP_BYTES,
+    SLOT_STAMP_FILE,
+    SLOTS_DIR,
+    Head,
+    Manifest,
+    check_reader_id,
+    is_tensordict,
+)
 from .leasekeeper import LeaseKeeper
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
@@ -80,6 +89,8 @@ LoadWeights = Callable[[Iterable[tuple[str, Any]]], Any]
 _LEASELESS_RETRIES = 5
 #: head records a receiver keeps of versions it opened or waited for (the newest)
 KEPT_HEADS = 4
+#: pauses between reads of a slot stamp that its mount fails to read (ESTALE, EIO)
+STAMP_REREAD_PAUSES = (0.05, 0.25, 1.0)
 
 
 _OVERLAY_CHECKED: set[str] = set()  # roots this process looked at (receivers come per swap)
@@ -152,6 +163,10 @@ class Receiver:
         self._keeper = LeaseKeeper(self.store, self.reader_id, self.lease_timeout,
                                     report_loaded)
         _warn_if_under_an_overlay(self.store.root)
+        #: the store is on a network or FUSE mount (read errors happen there: leased
+        #: snapshots verify by reading, never by touching their mappings; see
+        #: ``Snapshot.verify``)
+        self.on_network_mount = _on_network_mount(self.store.root)
         self.read_only = self._decide_read_only(read_only)
         #: whether a receiver that found the store read-only looks again at each open (a
         #: statvfs and an access check: microseconds), to register once it can write
@@ -325,8 +340,11 @@ class Receiver:
         if again is None or (again.run_id, again.version) != (head.run_id, head.version):
             return
         stamp = self.store.read_stamp(head.slot, absent=NO_STAMP)
-        if stamp == (head.version, head.run_id) or stamp == (None, None):
-            return  # stamped right after all, or not readable now (an I/O error): again
+        if stamp == (None, None):
+            self._check_stamp_readable(head.slot)
+            return  # not readable then, readable now (a passing I/O error): again
+        if stamp == (head.version, head.run_id):
+            return  # stamped right after all: again
         if stamp is NO_STAMP:
             stamp = (None, None)
         path = os.path.join(self.store.slot_dir(head.slot), SLOT_STAMP_FILE)
@@ -340,6 +358,24 @@ class Receiver:
             "`dbsync verify ROOT` and publish again from the trainer", {"<slot stamp>": why})
         error.version = head.version  # (refused by callers as a damaged version is)
         raise error
+
+    def _check_stamp_readable(self, slot: str) -> None:
+        """Raise ``StoreUnreachableError`` if ``slot``'s stamp stays unreadable through its
+        mount (ESTALE, EIO) for ~1.3 s: opening again and again could not help (it ended in
+        "the head changed 100 times" before)."""
+        failure: StoreUnreachableError | None = None
+        for pause in (*STAMP_REREAD_PAUSES, None):
+            try:
+                self.store.read_record((SLOTS_DIR, slot, SLOT_STAMP_FILE), MAX_STAMP_BYTES)
+                return
+            except StoreUnreachableError as exc:
+                failure = exc
+            except (OSError, FormatError):
+                return  # (the next look says what it is)
+            if pause is not None:
+                time.sleep(pause)
+        assert failure is not None
+        raise failure
 
     def _gone(self, version: int) -> DBSyncError:
         return DBSyncError(f"version {version} is no longer held in {self.store.root} (the "
@@ -590,6 +626,12 @@ class Receiver:
 def _close_parts(keeper: LeaseKeeper, workers: WorkerPools) -> None:
     keeper.close()
     workers.close()
+
+
+def _on_network_mount(root: str) -> bool:
+    from .watch import needs_polling
+
+    return needs_polling(root)
 
 
 def _check_target(target: Any) -> None:

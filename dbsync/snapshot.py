@@ -45,6 +45,7 @@ from .format import (
     shard_file,
     unwrap_compiled,
 )
+from .store import mount_read_error
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -113,12 +114,20 @@ class Snapshot:
                     f"{exc.strerror or exc} for this process (uid {os.getuid()}); nothing is "
                     "known to be damaged: read the store as a user who may read its files"
                 ) from None
-            except (OSError, MemoryError) as exc:
-                named = resource_limit(exc, f"opening version {manifest.version}'s shard {i}")
-                if named is not None:  # not damage: this process's limit (ulimit -v / -n...)
-                    self.close()
-                    raise named from exc
-                bad_shards[i] = f"shard {i}: {exc}"
+            except OSError as exc:  # the mount or this process's limit is no damage either
+                failed = (mount_read_error(
+                    os.path.join(store.slot_dir(manifest.slot), shard_file(i)), exc,
+                    f"reading version {manifest.version}")
+                    or resource_limit(exc, f"opening version {manifest.version}'s shard {i}"))
+                if failed is None:
+                    bad_shards[i] = f"shard {i}: {exc}"
+                    continue
+                self.close()
+                raise failed from exc
+            except MemoryError as exc:  # not damage: this process's limit (ulimit -v)
+                self.close()
+                raise resource_limit(exc, f"opening version {manifest.version}'s shard "
+                                          f"{i}") from exc
             except FormatError as exc:
                 bad_shards[i] = f"shard {i}: {exc}"
         if bad_shards:
@@ -136,7 +145,7 @@ class Snapshot:
     def run_id(self) -> str:
         return self.manifest.run_id
 
-    def verify(self, threads: int = 4, by_reading: bool = False) -> None:
+    def verify(self, threads: int = 4, by_reading: bool | None = None) -> None:
         """Check every checksum; raise one ``DamagedVersionError`` naming every bad tensor.
         Reads each byte once (which also warms the page cache for the apply).
 
@@ -144,15 +153,22 @@ class Snapshot:
         truncated meanwhile (only a process breaking the protocol can: a writer never touches
         a leased slot) kills this process with SIGBUS. ``by_reading=True`` hashes what
         ``preadv`` returns instead (a little slower: one more copy); a shard that shrank is
-        then reported as damaged (``dbsync verify`` reads this way)."""
+        then reported as damaged (``dbsync verify`` reads this way), and a read the mount
+        fails (a soft NFS mount's or a FUSE daemon's EIO, which in a mapping is SIGBUS too)
+        raises ``StoreUnreachableError``. The default (None) reads so on network and FUSE
+        mounts, where such errors happen (the apply then finds the bytes in the page
+        cache), and hashes the mappings elsewhere."""
         check_int(threads, "threads", 1)
         self._start_verify(threads, by_reading)()
 
-    def _start_verify(self, threads: int, by_reading: bool = False) -> Callable[[], None]:
+    def _start_verify(self, threads: int, by_reading: bool | None = None
+                      ) -> Callable[[], None]:
         """Start ``verify`` (hashing in the receiver's worker threads) and return the call
         that waits for it and raises as ``verify`` does; it must be called."""
         if self._closed:
             raise DBSyncError(f"version {self.version}'s snapshot is closed; open it again")
+        if by_reading is None:
+            by_reading = self.receiver.on_network_mount
         ranges = self.manifest.ranges
         present = self._shards
         todo = [i for i, r in enumerate(ranges) if r.shard in present]
@@ -267,6 +283,12 @@ class Snapshot:
                 bad.update((i, "its shard file was removed while the version was held")
                            for shard in batch for i in by_shard[shard])
                 continue
+            except OSError as exc:
+                failed = mount_read_error(self.receiver.store.slot_dir(self.manifest.slot),
+                                          exc, f"verifying version {self.version}")
+                if failed is None:
+                    raise
+                raise failed from exc
             futures: list[Any] = []
             try:
                 for shard in batch:
@@ -276,6 +298,13 @@ class Snapshot:
                 wait_all(futures)
                 for future in futures:
                     bad.update(future.result())
+            except OSError as exc:
+                settle(futures)  # (before the files close: no task may read a closed fd)
+                failed = mount_read_error(self.receiver.store.slot_dir(self.manifest.slot), exc,
+                                          f"verifying version {self.version}")
+                if failed is None:
+                    raise
+                raise failed from exc
             except BaseException:
                 settle(futures)  # (before the files close: no task may read a closed fd)
                 raise

@@ -268,13 +268,18 @@ class Store:
         try:
             try:
                 fd = self.open_regular(parts)
+                if exact is not None:
+                    data = fileio.read_to_end(fd, min(exact, limit) + 1)
+                    return data if len(data) == exact else b""
+                size = os.fstat(fd).st_size
+                data = b"" if size > limit else fileio.read_to_end(fd, limit + 1)
             except FileNotFoundError:
                 return None
-            if exact is not None:
-                data = fileio.read_to_end(fd, min(exact, limit) + 1)
-                return data if len(data) == exact else b""
-            size = os.fstat(fd).st_size
-            data = b"" if size > limit else fileio.read_to_end(fd, limit + 1)
+            except OSError as exc:  # (ESTALE, EIO: said as the mount's, not a bare errno)
+                failed = mount_read_error(os.path.join(self.root, *parts), exc, "reading it")
+                if failed is None:
+                    raise
+                raise failed from exc
             if size > limit or len(data) > limit:
                 raise FormatError(
                     f"{os.path.join(self.root, *parts)} is {max(size, len(data))} bytes, more "
@@ -831,6 +836,25 @@ def _unreachable(root: str, exc: OSError) -> StoreUnreachableError:
         f"{root} cannot be reached ({exc.strerror or exc}): its mount is dead or hung (a FUSE "
         "daemon or NFS server gone?); check the mount, then try again (a remounted store is "
         "read again)", exc.errno)
+
+
+#: a read that failed with these failed in the store's disk or mount, not in its content
+MOUNT_READ_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT,
+                               errno.EHOSTDOWN, errno.EHOSTUNREACH})
+
+
+def mount_read_error(path: str, exc: BaseException, doing: str
+                     ) -> StoreUnreachableError | None:
+    """The ``StoreUnreachableError`` for a read of ``path`` that failed in the disk or mount
+    (``MOUNT_READ_ERRNOS``: an NFS server's ``ESTALE``, a soft mount's or a dying disk's
+    ``EIO``), else None. Such a failure says nothing of the version's bytes: it is not called
+    damage, and is not recorded as a refusal."""
+    if not isinstance(exc, OSError) or exc.errno not in MOUNT_READ_ERRNOS:
+        return None
+    return StoreUnreachableError(
+        f"{path}: {exc.strerror or exc} while {doing}: the store's mount or disk failed this "
+        "read; nothing is known to be damaged. Check the mount, then try again (if it "
+        "persists, `dbsync verify ROOT` tells damage from a failing mount)", exc.errno)
 
 
 def _first_unreadable(path: str) -> str:

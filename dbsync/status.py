@@ -65,8 +65,9 @@ def refusal_of(lease: dict[str, Any]) -> tuple[int, str] | None:
 def state_of(lease: dict[str, Any], now: float | None = None) -> str:
     """live (holding a slot), idle, refused, or dead: its process is gone (checked only where
     its pid means something here: same host, boot and PID namespace), or it was not
-    refreshed for twice its own lease timeout (judged by wall clocks, so only for display;
-    the writer never uses this)."""
+    refreshed for twice its own lease timeout (judged by ``updated_at``, which ``receivers``
+    takes from the store's clock where it can, so only for display; the writer never uses
+    this)."""
     now = time.time() if now is None else now
     pid = lease.get("pid")
     if same_pid_namespace(lease) and isinstance(pid, int) and not isinstance(pid, bool) and (
@@ -92,6 +93,7 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
     current = None if head is None else head.version
     out = []
     now = time.time()
+    ages = _ages_by_store_clock(store)
     for reader_id, lease in sorted(store.read_leases().items()):
         problem = lease_problem(lease)
         if problem is not None:
@@ -101,6 +103,10 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
         loaded = lease.get("loaded_version")
         refused = refusal_of(lease)
         updated = lease.get("updated_at")
+        age = ages.get(f"{reader_id}.json")
+        if age is not None:  # (its host's clock may differ from this one's: not trusted)
+            updated = now - age
+            lease = dict(lease, updated_at=updated)
         out.append({
             "id": reader_id,
             "host": lease.get("host"),
@@ -116,6 +122,18 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
             "lease_timeout": lease.get("lease_timeout"),
         })
     return out
+
+
+def _ages_by_store_clock(store: Store) -> dict[str, float]:
+    """Seconds since each reader file was written, by the store's own clock (its files'
+    mtimes against a probe's: on NFS the server stamps both, so a reader host whose clock
+    lags is not shown "dead"); empty where this process cannot write a probe there (then
+    the leases' own ``updated_at`` against this host's clock is all there is)."""
+    storage_now = store.storage_time()
+    if storage_now is None:
+        return {}
+    return {name: max(0.0, storage_now - mtime)
+            for name, mtime in store.reader_file_times().items()}
 
 
 def _head_or_none(store: Store) -> Any:

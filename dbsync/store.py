@@ -393,6 +393,16 @@ class Store:
                 time.sleep(pause)
             if self.read_head() != head or self.read_index(slot, head) is not None:
                 return False
+        stamp_version, stamp_run = self.read_stamp(slot)
+        if (isinstance(stamp_version, int) and stamp_run == head.run_id
+                and stamp_version > head.version):
+            # (no damage: the slot moved on to a later version of the same run, so the head
+            # this mount shows is outdated, cached longer than the pauses above)
+            raise StoreUnreachableError(
+                f"{self.manifest_path} names version {head.version} in slot {slot}, but that "
+                f"slot already holds version {stamp_version}: this mount shows an outdated "
+                "head (attribute caching of NFS or FUSE: lower actimeo / attr_timeout); "
+                "nothing is damaged, try again", errno.ESTALE)
         return True
 
     def manifest_in_slot(self, slot: str, head: Head) -> Manifest | None:

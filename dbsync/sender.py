@@ -46,6 +46,7 @@ from .errors import (
     StalenessError,
     StoreFullError,
     StoreReadOnlyError,
+    StoreUnreachableError,
     UnsupportedFormatError,
     check_flag,
     check_seconds,
@@ -73,7 +74,7 @@ from .leases import (
 )
 from .pushlayout import LayoutCache, PushLayout
 from .status import loaded_versions, printable, refusal_of, wait_for_receivers
-from .store import WRITING, Store
+from .store import MOUNT_READ_ERRNOS, WRITING, Store
 
 log = logging.getLogger(__name__)
 
@@ -955,6 +956,11 @@ class Sender:
                 f"the filesystem of {self.store.root} is read-only (mounted so, or remounted "
                 f"read-only after an error: see the kernel log) while writing version {version}; "
                 "nothing was published. Make it writable, then push again", exc.errno)
+        if exc.errno in MOUNT_READ_ERRNOS:  # (EIO, ESTALE: a write the mount or disk failed)
+            return StoreUnreachableError(
+                f"{self.store.root}: {exc.strerror or exc} while writing version {version}: "
+                f"the store's mount or disk failed a write; nothing was published and "
+                f"{after}. Check the mount (and the kernel log), then push again", exc.errno)
         return None
 
 

@@ -71,3 +71,48 @@ def test_an_unreadable_lease_still_holds_its_slot(root):
             assert never.holders(slot) == [] and monitor.holders(slot) == []
             assert os.path.exists(os.path.join(root, "readers", "rdr.json"))  # not removed
         assert torch.equal(dict(snap.tensors())["w"], torch.ones(4))
+
+
+class OpensFail(Store):
+    """A store whose opens of files named ``name`` fail with ``code`` (until ``healed``)."""
+
+    def __init__(self, root: str, name: str, code: int):
+        super().__init__(root, create=False)
+        self.name, self.code, self.healed = name, code, False
+
+    def open_regular(self, parts: tuple[str, ...], *args: Any, **kwargs: Any) -> int:
+        if not self.healed and parts[-1].startswith(self.name):
+            raise OSError(self.code, os.strerror(self.code))
+        return super().open_regular(parts, *args, **kwargs)
+
+
+def test_reads_the_mount_fails_are_not_called_damage(root):
+    """ESTALE or EIO from the mount on a shard, an index, a stamp or the head: before, the
+    version was "damaged ... publish again" (and recorded as refused, so the trainer's
+    ``wait_for_receivers`` failed), an unreadable stamp ended in "the head changed 100 times
+    ... a writer publishing in a tight loop?", others were bare OSErrors. Now each says the
+    mount failed the read and names the file; nothing is recorded; the next load, once the
+    mount works, applies the version exactly."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.arange(8.0)})
+    cases = [("shard-", errno.ESTALE, "shard-00000.bin"), ("shard-", errno.EIO, "shard-00000"),
+             ("index.json", errno.EIO, "index.json"),
+             ("dbsync-slot.json", errno.ESTALE, "dbsync-slot.json"),
+             ("dbsync.json", errno.ESTALE, "dbsync.json")]
+    for name, code, named in cases:
+        with dbsync.Receiver(root, reader_id="rdr") as rx:
+            rx.store = faulty = OpensFail(root, name, code)
+            got: dict[str, torch.Tensor] = {}
+            try:
+                rx.load(lambda pairs, got=got: got.update((n, t.clone()) for n, t in pairs))
+            except dbsync.StoreUnreachableError as exc:
+                assert exc.errno == code and named in str(exc), (name, str(exc))
+                assert "mount" in str(exc) and "publish again" not in str(exc)
+            else:
+                raise AssertionError(f"a load with {name} failing returned")
+            assert not got
+            assert (Store(root).read_lease("rdr") or {}).get("refused") is None
+            faulty.healed = True
+            assert rx.load(lambda pairs, got=got: got.update(
+                (n, t.clone()) for n, t in pairs)) == 1
+            assert torch.equal(got["w"], torch.arange(8.0))

@@ -170,11 +170,40 @@ def _current_version(root: str) -> int | None:
     return None if manifest is None else manifest.version
 
 
+#: the choices of ``--log-level``
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dbsync")
-def cli() -> None:
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
+              envvar="DBSYNC_LOG_LEVEL", default=None,
+              help="Show the library's log lines of this level and above on stderr (info: "
+                   "each wait for readers, retry and removal; debug: more). Default: warnings "
+                   "only (serve-vllm: info). Also DBSYNC_LOG_LEVEL.")
+def cli(log_level: str | None) -> None:
     """Publish trainer weights into a shared directory (ROOT) and hot-swap them into running
-    vLLM engines."""
+    vLLM engines.
+
+    Exit status: 0 done, 1 an error (one line saying what to do), 2 a usage error, 130
+    interrupted (Ctrl-C), 143 stopped by SIGTERM, 141 the reader of the output went away."""
+    if log_level is not None:
+        _log_to_stderr(log_level)
+
+
+def _log_to_stderr(level: str) -> None:
+    """Send the ``dbsync`` logger's lines of ``level`` and above to stderr, each with its
+    level (serve-vllm keeps this handler instead of its own)."""
+    import logging
+
+    logger = logging.getLogger("dbsync")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "(dbsync) %(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level.upper())
 
 
 # ---- push ----------------------------------------------------------------------------------

@@ -390,3 +390,20 @@ def test_impossible_times_and_numbers_in_a_store_still_print(store2):
     assert strict["version"] == 2 and "odd" in strict["malformed_reader_files"]
     watched = run("watch", store2, "--count", "1")
     assert watched.exit_code == 0 and watched.stdout.startswith("version 2"), watched.output
+
+
+def test_log_level_shows_the_library_lines_a_user_asks_for(store2, st_file, tmp_path):
+    """``--log-level`` (or DBSYNC_LOG_LEVEL) shows the library's own lines, each with its
+    level; before, only warnings came out, through Python's last-resort handler, without
+    one. A level that is none is a usage error (exit 2) that names the choices."""
+    env = dict(cli_env(), DBSYNC_LOG_LEVEL="debug")
+    shown = subprocess.run(cli_cmd("push", st_file, store2), capture_output=True, text=True,
+                           env=env, cwd=REPO, timeout=120)
+    quiet = subprocess.run(cli_cmd("--log-level", "error", "push", st_file, store2),
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert shown.returncode == quiet.returncode == 0, shown.stderr + quiet.stderr
+    assert "(dbsync) DEBUG" in shown.stderr or "(dbsync) INFO" in shown.stderr, shown.stderr
+    assert "(dbsync)" not in quiet.stderr  # (the option wins over the environment)
+    bad = subprocess.run(cli_cmd("--log-level", "loud", "status", store2), capture_output=True,
+                         text=True, env=cli_env(), cwd=REPO, timeout=120)
+    assert bad.returncode == 2 and "debug" in bad.stderr and "Traceback" not in bad.stderr

@@ -294,6 +294,8 @@ def test_status_fleet_view_live_idle_dead_refused(store2):
                   "loaded_version": 2, "beat": 1, "updated_at": now}
         record.update(fields)
         store.write_lease(reader_id, record)
+        written = record["updated_at"]  # (its file written then, as the store's clock says)
+        os.utime(store.lease_path(reader_id), (written, written))
 
     lease("local-gone", **host_identity(), pid=finished.pid)
     lease("remote-stale", updated_at=now - 130, lease_timeout=60)

@@ -40,7 +40,13 @@ from typing import Any
 from ..errors import DBSyncError, NothingPublishedError, StoreNotFoundError
 from ..store import Store
 from ..watch import Watcher
-from .http import parse_server_args, run_until_stopped, serve_app
+from .http import (
+    on_stop_signal,
+    parse_server_args,
+    remove_stop_callback,
+    run_until_stopped,
+    serve_app,
+)
 from .lora import AdapterRefusedError, AdapterVersion, AdapterVersions, expected_of
 
 log = logging.getLogger(__name__)
@@ -260,6 +266,17 @@ class LoRAServing:
         """As ``SwapController.store_problem``: the store gone or the lease not written."""
         return self.versions.receiver.store_problem()
 
+    @property
+    def stopping(self) -> bool:
+        """True once the server began shutting down (``stop_applying`` or ``stop``)."""
+        return self._stop.is_set()
+
+    def stop_applying(self) -> None:
+        """Apply no new adapter version from now on: the server is shutting down (a stop
+        signal). Never blocks; ``stop`` does the rest."""
+        self._stop.set()
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -352,6 +369,7 @@ async def _serve(args: Any, root: str, name: str, max_loras: int,
             supported_tasks = await engine_client.get_supported_tasks()
             app = build_app(args, supported_tasks, engine_client.model_config)
             install_routes(app, serving)  # type: ignore[arg-type]
+            on_stop_signal(serving.stop_applying)  # (503 and no new adapter while draining)
             await init_app_state(engine_client, app.state, args, supported_tasks)
             serving.list_by_name(app.state.openai_serving_models)
             try:
@@ -373,6 +391,7 @@ async def _serve(args: Any, root: str, name: str, max_loras: int,
     finally:
         if serving is not None:
             serving.stop()
+            remove_stop_callback(serving.stop_applying)
         sock.close()
 
 

@@ -233,8 +233,10 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
     - its pid is checkable here (same host, boot and PID namespace) and gone;
     - else the lease file must be exactly as a starting writer found it at least one lease
       timeout (and ``ABANDONED_MARGIN``) earlier (same beat, same file time), by a note that
-      writer left (``readers/.stale-<id>``): the second writer start after a reader died
-      removes its lease. A lease renewed since (another beat) is kept, with a WARNING about
+      writer left (``readers/.stale-<id>``), the time passed read from that writer's
+      monotonic clock: the second writer start on the same host (and boot) after a reader
+      died removes its lease; writers that start on other hosts each time leave such leases
+      to a long-lived writer's monitor (which judges beats on its own clock). A lease renewed since (another beat) is kept, with a WARNING about
       clocks, and its note goes once the lease's file time is recent again.
     Files that are no reader's lease (nothing honours them) go on age alone."""
     now = store.storage_time()
@@ -445,9 +447,12 @@ def _wait_until_unused(store: Store, reader_id: str, sleep: Callable[[float], No
 
 def _holding_everything(reader_id: str) -> dict[str, Any]:
     """A stand-in for a lease that exists but was never read: it holds every slot (whatever
-    version), renews nothing, and names no process this host could look up."""
+    version), renews nothing, names no process this host could look up, and has the longest
+    lease timeout a reader may set (a writer waits that long, with a WARNING, unless the file
+    reads well again or is removed)."""
     return {"reader_id": reader_id, "host": "(lease unreadable)", "pid": 1, "beat": None,
-            "held": [[slot, None, None] for slot in SLOTS], "updated_at": 0.0}
+            "held": [[slot, None, None] for slot in SLOTS], "updated_at": 0.0,
+            "lease_timeout": MAX_LEASE_TIMEOUT}  # (its own, perhaps long, is not known)
 
 
 class LeaseMonitor:
@@ -508,9 +513,10 @@ class LeaseMonitor:
             if reader_id not in self._unreadable_told:
                 self._unreadable_told.add(reader_id)
                 log.warning("cannot read the lease of reader %s in %s (%s); counting it as "
-                            "holding what it held when last read (every slot if never read) "
-                            "until it reads well or its lease timeout passes",
-                            reader_id, self.store.readers_dir, why)
+                            "holding what it held when last read (every slot, for up to %.0f s, "
+                            "if never read) until it reads well or its lease timeout passes; "
+                            "remove the file if no such reader runs",
+                            reader_id, self.store.readers_dir, why, MAX_LEASE_TIMEOUT)
         self._unreadable_told &= set(unreadable)
         live: dict[str, dict[str, Any]] = {}
         dead: list[str] = []

@@ -432,7 +432,10 @@ class Receiver:
         check_flag(verify, "verify", none="the receiver's own setting")
         check_int(threads, "threads", 1)
         verify = self.verify if verify is None else verify
-        with resources_named(f"loading from {self.store.root}"):
+        with resources_named(f"loading from {self.store.root}",
+                             "nothing is known to be damaged and nothing was recorded against "
+                             "the version (tensors being copied into when it came may hold "
+                             "parts of two versions until the next load)"):
             if callable(target) and not _is_tensor_container(target):
                 return self._load(target, verify, threads)  # the callback's objects: not ours
             with gcpause.paused():

@@ -863,8 +863,8 @@ def mount_read_error(path: str, exc: BaseException, doing: str
         return None
     return StoreUnreachableError(
         f"{path}: {exc.strerror or exc} while {doing}: the store's mount or disk failed this "
-        "read; nothing is known to be damaged. Check the mount, then try again (if it "
-        "persists, `dbsync verify ROOT` tells damage from a failing mount)", exc.errno)
+        "read (no checksum was compared). Check the mount, then try again; an error that "
+        "persists on a local disk means that disk is failing", exc.errno)
 
 
 def _first_unreadable(path: str) -> str:

@@ -77,6 +77,7 @@ from .errors import (
     IncompatibleWeightsError,
     InvalidWeightsError,
     StoreNotFoundError,
+    StoreUnreachableError,
 )
 from .receiver import Receiver
 from .sender import Sender
@@ -159,6 +160,8 @@ def _published_version(root: str) -> int | None:
     yet."""
     try:
         manifest = Store(root).read_manifest()
+    except StoreUnreachableError:
+        raise  # (there, but its mount failed a read: not "nothing published")
     except StoreNotFoundError:
         return None
     return None if manifest is None else manifest.version

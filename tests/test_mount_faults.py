@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import dbsync
-from dbsync.leases import DEAD_LEASE_GRACE, DEFAULT_LEASE_TIMEOUT, LeaseMonitor
+from dbsync.leases import DEAD_LEASE_GRACE, MAX_LEASE_TIMEOUT, LeaseMonitor
 from dbsync.store import Store
 
 
@@ -66,8 +66,9 @@ def test_an_unreadable_lease_still_holds_its_slot(root):
             other = "b" if slot == "a" else "a"
             assert never.holders(other) == []  # (the other slot is empty: nothing to hold)
 
-            # past the timeouts (its own 5 s; the writer's default for one never read) and grace
-            clock.now += DEFAULT_LEASE_TIMEOUT * (DEAD_LEASE_GRACE + 2)
+            # past the timeouts (its own 5 s; the longest a reader may set, for one never read)
+            # and the grace
+            clock.now += MAX_LEASE_TIMEOUT * (DEAD_LEASE_GRACE + 2)
             assert never.holders(slot) == [] and monitor.holders(slot) == []
             assert os.path.exists(os.path.join(root, "readers", "rdr.json"))  # not removed
         assert torch.equal(dict(snap.tensors())["w"], torch.ones(4))

@@ -152,6 +152,14 @@ def run_until_stopped(main: Any) -> None:
 
     stops: list[int] = []
     early: list[int] = []
+    # Signals this process was started ignoring stay ignored (``nohup`` ignores SIGHUP; a
+    # shell's background job, SIGINT). SIGTERM and SIGHUP are passed on as Ctrl-C only where
+    # Ctrl-C is Python's own (asyncio then cancels the start-up): elsewhere they keep what
+    # they did.
+    in_main = threading.current_thread() is threading.main_thread()
+    ignored = {s for s in (signal.SIGINT, *_STARTUP_SIGNALS)
+               if in_main and signal.getsignal(s) is signal.SIG_IGN}
+    ctrl_c_works = in_main and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
     class Loop(uvloop.Loop):  # type: ignore[misc, name-defined]
         def add_signal_handler(self, sig: int, callback: Any, *args: Any) -> None:
@@ -165,18 +173,19 @@ def run_until_stopped(main: Any) -> None:
                 callback(*given)
 
             super().add_signal_handler(sig, noted, *args)
-            if sig == signal.SIGTERM:  # (a hang-up stops the server as SIGTERM does)
-                super().add_signal_handler(signal.SIGHUP, noted, *args)
+            if sig == signal.SIGTERM and signal.SIGHUP not in ignored:
+                super().add_signal_handler(signal.SIGHUP, noted, *args)  # (as SIGTERM)
 
     def as_ctrl_c(signum: int, frame: Any) -> None:
         early.append(signum)
         signal.raise_signal(signal.SIGINT)
 
     previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in _STARTUP_SIGNALS:
-            previous[signum] = signal.signal(signum, as_ctrl_c)
     try:
+        if ctrl_c_works:
+            for signum in _STARTUP_SIGNALS:
+                if signum not in ignored:
+                    previous[signum] = signal.signal(signum, as_ctrl_c)
         uvloop.run(main, loop_factory=Loop)
     except KeyboardInterrupt:
         if early:

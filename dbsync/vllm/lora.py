@@ -62,6 +62,7 @@ from ..errors import (
     DBSyncError,
     IncompatibleWeightsError,
     NothingPublishedError,
+    StoreUnreachableError,
 )
 from ..receiver import Receiver, Snapshot
 from ..sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -573,8 +574,9 @@ class LoRAAttachment:
             prepared = None
         except (DBSyncError, OSError) as exc:
             # a damaged or unreadable new version: keep serving the current one, say so
-            if self.versions.current is None or isinstance(exc, NothingPublishedError):
-                raise
+            if self.versions.current is None or (isinstance(exc, NothingPublishedError) and
+                                                 not isinstance(exc, StoreUnreachableError)):
+                raise  # (nothing there at all; a mount's passing error keeps the current one)
             reason = f"{type(exc).__name__}: {exc}"
             if reason != self.last_error:
                 log.warning("dbsync: adapter %s: %s; version %d keeps serving",

@@ -236,7 +236,8 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
       writer left (``readers/.stale-<id>``), the time passed read from that writer's
       monotonic clock: the second writer start on the same host (and boot) after a reader
       died removes its lease; writers that start on other hosts each time leave such leases
-      to a long-lived writer's monitor (which judges beats on its own clock). A lease renewed since (another beat) is kept, with a WARNING about
+      to a long-lived writer's monitor (which judges beats on its own clock). A lease
+      renewed since (another beat) is kept, with a WARNING about
       clocks, and its note goes once the lease's file time is recent again.
     Files that are no reader's lease (nothing honours them) go on age alone."""
     now = store.storage_time()

@@ -41,6 +41,8 @@ LOAD_AT_A_LIMIT = """
     root, which = sys.argv[1], sys.argv[2]
     rx = dbsync.Receiver(root, reader_id="engine-0")
     rx.load(lambda pairs: None)  # (threads and caches warmed up: only the limit differs)
+    from dbsync import unmapping
+    assert unmapping.dropped(60)  # (that load's mapping is gone before VmSize is read)
     out = {}
     if which == "address space":
         size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024

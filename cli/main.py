@@ -196,14 +196,10 @@ def _log_to_stderr(level: str) -> None:
     level (serve-vllm keeps this handler instead of its own)."""
     import logging
 
-    logger = logging.getLogger("dbsync")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(
-            "(dbsync) %(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level.upper())
+    from dbsync.logsetup import add_stderr_handler
+
+    add_stderr_handler()
+    logging.getLogger("dbsync").setLevel(level.upper())
 
 
 # ---- push ----------------------------------------------------------------------------------

@@ -448,14 +448,10 @@ def _find_cause(exc: BaseException, kind: type[BaseException]) -> BaseException 
 def configure_logging() -> None:
     """Show dbsync's INFO lines in this process (vLLM configures only its own loggers), unless
     the ``dbsync`` logger already has a handler."""
-    logger = logging.getLogger("dbsync")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(
-            "(dbsync) %(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    from ..logsetup import add_stderr_handler
+
+    if add_stderr_handler():
+        logging.getLogger("dbsync").setLevel(logging.INFO)
 
 
 def _worker_rank() -> int:

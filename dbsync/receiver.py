@@ -75,7 +75,7 @@ from .leases import (
     release_reader_id,
 )
 from .snapshot import LeaseNotRenewed, SlotReused, Snapshot
-from .store import Store
+from .store import REREAD_PAUSES, Store
 from .workers import WorkerPools
 
 if TYPE_CHECKING:
@@ -89,8 +89,6 @@ LoadWeights = Callable[[Iterable[tuple[str, Any]]], Any]
 _LEASELESS_RETRIES = 5
 #: head records a receiver keeps of versions it opened or waited for (the newest)
 KEPT_HEADS = 4
-#: pauses between reads of a slot stamp that its mount fails to read (ESTALE, EIO)
-STAMP_REREAD_PAUSES = (0.05, 0.25, 1.0)
 
 
 _OVERLAY_CHECKED: set[str] = set()  # roots this process looked at (receivers come per swap)
@@ -364,7 +362,7 @@ class Receiver:
         mount (ESTALE, EIO) for ~1.3 s: opening again and again could not help (it ended in
         "the head changed 100 times" before)."""
         failure: StoreUnreachableError | None = None
-        for pause in (*STAMP_REREAD_PAUSES, None):
+        for pause in (*REREAD_PAUSES, None):  # (the store's own re-read pauses)
             try:
                 self.store.read_record((SLOTS_DIR, slot, SLOT_STAMP_FILE), MAX_STAMP_BYTES)
                 return

@@ -159,7 +159,26 @@ def problem_listing(problems: Mapping[str, str]) -> str:
     """'(N problem(s)): name: why; ...' (the first 12)."""
     shown = "; ".join(f"{describe_name(k)}: {v}" for k, v in list(problems.items())[:12])
     more = f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""
-    return f"({len(problems)} problem(s)): {shown}{more}"
+    return f"({len(problems)} problem(s)): {shown}{more}{_prefix_hint(problems)}"
+
+
+def _prefix_hint(problems: Mapping[str, str]) -> str:
+    """A hint when the names differ only by one prefix on one side (``module.`` of a model
+    wrapped in DDP when it was published, ``model.`` of another class)."""
+    published = [k for k, why in problems.items() if why == "not in the target"]
+    target = {k for k, why in problems.items() if why == MISSING}
+    for longer, shorter, side in ((published, target, "published"),
+                                  (sorted(target), set(published), "target's")):
+        if not longer or len(longer) != len(shorter):
+            continue
+        first = longer[0]
+        for candidate in [first[:len(first) - len(n)] for n in shorter if first.endswith(n)]:
+            if candidate and all(n.startswith(candidate) and n[len(candidate):] in shorter
+                                 for n in longer):
+                return (f". The {side} names carry an extra prefix {candidate!r} (a wrapper "
+                        "such as DDP's `module.`?): strip it, or publish and load the "
+                        "unwrapped model")
+    return ""
 
 
 def tied_to_published(problems: Mapping[str, str], dest: Mapping[str, Any],

@@ -103,6 +103,11 @@ class LeaseExpiredError(DBSyncError):
     what was read during that time cannot be trusted. Load again."""
 
 
+class SelfHeldSlotError(DBSyncError):
+    """A push would wait for ever: the thread that pushes holds the slot it must write open
+    itself (a snapshot of the same store, opened in the same thread)."""
+
+
 class StoreBusyError(DBSyncError):
     """Another writer holds the store's writer lock."""
 

@@ -800,14 +800,42 @@ def nbytes_of(dtype: Any, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+#: wrapper module class name -> the attribute holding the module it wraps
+_WRAPPERS = {"OptimizedModule": "_orig_mod", "DistributedDataParallel": "module",
+             "DataParallel": "module"}
+
+
 def unwrap_compiled(module: Any) -> Any:
-    """The module ``torch.compile`` wrapped, for ``module`` returned by it (its state_dict
-    names every tensor ``_orig_mod.<name>``: published so, they would fit only other compiled
-    modules); anything else as it is."""
-    inner = getattr(module, "_orig_mod", None)
-    if inner is not None and type(module).__name__ == "OptimizedModule":
-        return inner
+    """The module inside the wrappers around ``module``: ``torch.compile``'s (its state_dict
+    names every tensor ``_orig_mod.<name>``), DDP's and ``DataParallel``'s (``module.<name>``),
+    any number of them. Published under the wrappers' names, the tensors would fit only a
+    model wrapped the same way. Anything else as it is."""
+    for _ in range(16):
+        attr = _WRAPPERS.get(type(module).__name__)
+        inner = getattr(module, attr, None) if attr is not None else None
+        if inner is None:
+            break
+        module = inner
     return module
+
+
+def plain_state_dict(module: Any, keep_vars: bool = False) -> dict[str, Any]:
+    """``module.state_dict(keep_vars=...)`` under the names of the uncompiled model: a
+    submodule replaced by ``torch.compile(submodule)`` names its tensors
+    ``<path>._orig_mod.<name>``, which are given as ``<path>.<name>``."""
+    state = module.state_dict(keep_vars=keep_vars)
+    compiled = [name + "." for name, m in module.named_modules()
+                if name and type(m).__name__ == "OptimizedModule"]
+    if not compiled:
+        return state
+    compiled.sort(key=len, reverse=True)  # (the innermost first: nested compiled modules)
+    renamed = {}
+    for key, value in state.items():
+        for prefix in compiled:
+            if key.startswith(prefix + "_orig_mod."):
+                key = prefix + key[len(prefix) + len("_orig_mod."):]
+        renamed[key] = value
+    return renamed
 
 
 def is_tensordict(value: Any) -> bool:

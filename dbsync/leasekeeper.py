@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from .errors import FormatError, resource_limit
-from .leases import IDLE, READING, host_identity, release_reader_id
+from .leases import IDLE, READING, forget_hold, host_identity, note_hold, release_reader_id
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ class LeaseKeeper:
             if self._closing:
                 return False
             self.held[token] = (slot, version, run_id)
+            note_hold(self.claim, token, slot)
         if self.write():
             return True
         error = self.error
@@ -131,6 +132,7 @@ class LeaseKeeper:
             # private copy of the version, in a process already short of memory or files.
             with self.lock:
                 self.held.pop(token, None)
+                forget_hold(self.claim, token)
             raise resource_limit(error, f"holding version {version} (writing reader "
                                         f"{self.reader_id}'s lease)") from None
         return False
@@ -139,6 +141,7 @@ class LeaseKeeper:
         if os.getpid() != self._pid:
             return  # a forked child: the holds and the lease are its parent's
         with self.lock:
+            forget_hold(self.claim, token)
             if self.held.pop(token, None) is None:
                 return
             last = self._closing and not self.held

@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, SelfHeldSlotError
 from .format import READERS_DIR, SLOTS, FormatError, is_reader_id
 from .store import Store
 
@@ -355,10 +355,64 @@ _CLAIMED: set[tuple[Any, str]] = set()
 _CLAIMED_LOCK = threading.Lock()
 
 
+#: claim -> {hold token: (slot, the thread that took the hold)} of this process's receivers:
+#: a writer of this process learns from it that a slot it waits for is held by its own thread
+_HOLDS: dict[tuple[Any, str], dict[int, tuple[str, int]]] = {}
+
+
 def _forget_claims_in_child() -> None:  # a forked child has none of its parent's receivers
     global _CLAIMED_LOCK
     _CLAIMED.clear()
+    _HOLDS.clear()
+    _LOADERS.clear()
     _CLAIMED_LOCK = threading.Lock()
+
+
+def note_hold(claim: tuple[Any, str] | None, token: int, slot: str) -> None:
+    """Record that the calling thread holds ``slot`` under ``claim`` (a receiver's claim on its
+    reader id) with hold ``token``; ``forget_hold`` ends it."""
+    if claim is not None:
+        with _CLAIMED_LOCK:
+            _HOLDS.setdefault(claim, {})[token] = (slot, threading.get_ident())
+
+
+def forget_hold(claim: tuple[Any, str] | None, token: int) -> None:
+    if claim is not None:
+        with _CLAIMED_LOCK:
+            holds = _HOLDS.get(claim)
+            if holds is not None:
+                holds.pop(token, None)
+                if not holds:
+                    del _HOLDS[claim]
+
+
+def held_by_thread(store: Store, reader_id: str, slot: str, thread: int) -> bool:
+    """Whether thread ``thread`` of this process holds ``slot`` of ``store`` as ``reader_id``."""
+    key = (_directory_identity(store.root), reader_id)
+    with _CLAIMED_LOCK:
+        return any(h == (slot, thread) for h in _HOLDS.get(key, {}).values())
+
+
+#: claim -> the thread that last recorded a load under it (``note_loader``)
+_LOADERS: dict[tuple[Any, str], int] = {}
+
+
+def note_loader(claim: tuple[Any, str] | None) -> None:
+    """Record that the calling thread applied a version under ``claim``."""
+    if claim is not None:
+        with _CLAIMED_LOCK:
+            _LOADERS[claim] = threading.get_ident()
+
+
+def loaded_by_thread(store: Store, reader_id: str, thread: int) -> bool:
+    """Whether thread ``thread`` of this process made the last load of ``reader_id``."""
+    with _CLAIMED_LOCK:
+        return _LOADERS.get((_directory_identity(store.root), reader_id)) == thread
+
+
+def of_this_process(lease: dict[str, Any]) -> bool:
+    """Whether ``lease`` was written by this process (same host, boot, PID namespace, pid)."""
+    return same_pid_namespace(lease) and lease.get("pid") == os.getpid()
 
 
 os.register_at_fork(after_in_child=_forget_claims_in_child)
@@ -414,6 +468,8 @@ def release_reader_id(claim: tuple[Any, str] | None) -> None:
     if claim is not None:
         with _CLAIMED_LOCK:
             _CLAIMED.discard(claim)
+            _LOADERS.pop(claim, None)
+            _HOLDS.pop(claim, None)
 
 
 def _wait_until_unused(store: Store, reader_id: str, sleep: Callable[[float], None],
@@ -472,6 +528,7 @@ class LeaseMonitor:
         self._unremovable: set[str] = set()
         self._timeouts: dict[str, float] = {}  # reader_id -> its lease's own timeout
         self._live: dict[str, dict[str, Any]] = {}  # the live leases of the last holders()
+        self._dead: set[str] = set()  # the dead readers of the last holders()
         #: reader id -> its lease as last read (stands in while its file cannot be read)
         self._last_read: dict[str, dict[str, Any]] = {}
         self._unreadable_told: set[str] = set()  # (logged once per spell)
@@ -567,24 +624,31 @@ class LeaseMonitor:
         if lease.get("host") == me["host"] and not same_pid_namespace(lease):
             elsewhere = (" of another boot" if lease.get("boot_id") != me["boot_id"]
                          else " in another PID namespace")
+        if of_this_process(lease):
+            elsewhere = ": this process"
         return (f"{reader_id} (host {str(lease.get('host'))[:64]}, pid "
                 f"{str(lease.get('pid'))[:16]}{elsewhere}, holding version "
                 f"{str(lease.get('version'))[:16]})")
 
     def holders(self, slot: str) -> list[str]:
         """Reader ids whose live lease holds the version ``slot`` holds, right now."""
-        live, _ = self.scan()
-        self._live = live
+        live, dead = self.scan()
+        self._live, self._dead = live, set(dead)
         if not any(slot in held_slots(lease) for lease in live.values()):
             return []
         stamp = self.store.read_stamp(slot, absent=NO_STAMP)
         return sorted(r for r, lease in live.items() if blocks(lease, slot, stamp))
 
     def wait_until_free(self, slot: str, sleep: Callable[[float], Any] | None = None,
-                        interval: float = 0.02, stop: threading.Event | None = None) -> float:
+                        interval: float = 0.02, stop: threading.Event | None = None,
+                        waiter: int | None = None) -> float:
         """Block until no live reader holds ``slot``, or ``stop`` is set (the wait sleeps on
         it, so it ends at once). Returns the seconds waited. Waits at most about the longest
-        lease timeout for a reader that stopped beating."""
+        lease timeout for a reader that stopped beating.
+
+        ``waiter``: the thread that waits for this (a blocking push's caller). Raises
+        ``SelfHeldSlotError`` at once if that thread itself holds the slot through a receiver
+        of this process (a push inside ``with receiver.open()``): it would wait for ever."""
         if sleep is None:
             sleep = time.sleep if stop is None else stop.wait
         start = self.clock()
@@ -592,8 +656,27 @@ class LeaseMonitor:
         held_by: list[str] = []
         while not (stop is not None and stop.is_set()) and (holding := self.holders(slot)):
             held_by = holding
+            here = [r for r in holding if of_this_process(self._live.get(r, {}))]
+            if waiter is not None:
+                for reader_id in here:
+                    if held_by_thread(self.store, reader_id, slot, waiter):
+                        raise SelfHeldSlotError(
+                            f"this thread holds version {self._live[reader_id].get('version')} "
+                            f"of {self.store.root} open (receiver {reader_id}: a `with "
+                            "receiver.open()` block or a Snapshot not closed yet), in the slot "
+                            "this push must write: the push would wait for ever. Close the "
+                            "snapshot before pushing (copy what you keep of it first, e.g. "
+                            "`snap.tensordict().clone()`), or push from another thread; nothing "
+                            "was published")
             waited = self.clock() - start
-            if told < 1 and waited > 1.0:
+            if told < 2 and here and waited > 1.0:
+                log.warning(
+                    "the push waits for reader(s) %s of this process (pid %d) to release slot "
+                    "%s of %s: a snapshot opened here (`with receiver.open()`, a Snapshot not "
+                    "closed) holds it; the push goes on once it is closed", ", ".join(here),
+                    os.getpid(), slot, self.store.root)
+                told = 2
+            elif told < 1 and waited > 1.0:
                 log.info("waiting for reader(s) %s to release slot %s", ", ".join(holding), slot)
                 told = 1
             elif told < 2 and waited > SLOW_HOLDER_WARN_S:
@@ -610,7 +693,7 @@ class LeaseMonitor:
             sleep(interval if due is None else min(interval, due + 0.005))
             interval = min(interval * 1.5, 0.25)
         if told and not (stop is not None and stop.is_set()):
-            dead = [r for r in held_by if r not in self._live]
+            dead = [r for r in held_by if r in self._dead]  # (not those that closed)
             log.info("slot %s of %s is free after %.1f s: %s", slot, self.store.root,
                      self.clock() - start, "; ".join(
                          [f"{', '.join(dead)} judged dead (its lease timeout passed, or its "

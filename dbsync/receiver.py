@@ -72,6 +72,7 @@ from .leases import (
     check_lease_timeout,
     claim_reader_id,
     default_reader_id,
+    note_loader,
     release_reader_id,
 )
 from .snapshot import LeaseNotRenewed, SlotReused, Snapshot
@@ -489,6 +490,7 @@ class Receiver:
         self.loaded_at = time.time()
         self._keeper.loaded = {"version": version, "run_id": self.loaded_run_id,
                                "at": self.loaded_at}
+        note_loader(self._keeper.claim)
         if self._keeper.refused and self._keeper.refused.get("version", 0) <= version:
             self._keeper.refused = None
         if not self.read_only:

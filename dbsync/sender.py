@@ -70,6 +70,8 @@ from .leases import (
     SLOW_HOLDER_WARN_S,
     LeaseMonitor,
     check_lease_timeout,
+    loaded_by_thread,
+    of_this_process,
     prune_abandoned,
 )
 from .pushlayout import LayoutCache, PushLayout
@@ -111,10 +113,12 @@ class _Ticket:
     counter, not the Sender: a staging buffer keeps the future, and the Sender must still go
     by reference counting alone once dropped."""
 
-    __slots__ = ("_lock", "_pending", "_state")
+    __slots__ = ("_lock", "_pending", "_state", "waiter")
 
-    def __init__(self, lock: threading.Lock, pending: list[int]):
+    def __init__(self, lock: threading.Lock, pending: list[int], waiter: int | None = None):
         self._lock, self._pending, self._state = lock, pending, "new"
+        #: the thread that waits for the push (a blocking push's caller), else None
+        self.waiter = waiter
 
     def enter(self) -> None:
         """Count the push in (before it is submitted)."""
@@ -679,7 +683,8 @@ class Sender:
                             pairs = sources.materialize_all(pairs, self.dtype)
                 abort = self._abort = threading.Event()
                 self._live_aborts.add(abort)
-                ticket = _Ticket(self._numbering, self._pending)
+                ticket = _Ticket(self._numbering, self._pending,
+                                 threading.get_ident() if blocking else None)
                 try:
                     ticket.enter()
                     try:
@@ -747,7 +752,7 @@ class Sender:
             if not ticket.start():
                 raise _Aborted("push interrupted while it was submitted; nothing was published")
             try:
-                version = self._publish(*args)
+                version = self._publish(*args, waiter=ticket.waiter)
             except BaseException as exc:
                 with self._numbering:
                     self._pending[0] -= 1
@@ -762,7 +767,7 @@ class Sender:
             self._publisher.submit(self._prune_abandoned)  # (after the push: never delays it)
         return version
 
-    def _wait_for_lag(self, abort: threading.Event) -> float:
+    def _wait_for_lag(self, abort: threading.Event, waiter: int | None = None) -> float:
         if self.max_lag is None or self._version == 0:
             return 0.0
         start = time.monotonic()
@@ -788,7 +793,25 @@ class Sender:
                                     printable(refused[1][:300]))
             if not behind:
                 return time.monotonic() - start
+            # A receiver of this process (a reference model the training loop loads) that the
+            # pushing thread itself loads cannot catch up while that thread waits here.
+            here = sorted(r for r in behind if of_this_process(live.get(r) or {}))
+            for r in here:
+                if waiter is not None and loaded_by_thread(self.store, r, waiter):
+                    raise StalenessError(
+                        f"max_lag={self.max_lag}: receiver {printable(r)} of this process is "
+                        f"{behind[r]} versions behind version {self._version} and was last "
+                        "loaded by this thread, which this push blocks: it cannot catch up. Load "
+                        "it before pushing, or create it with `report_loaded=False` (a reference "
+                        "model the trainer loads itself is not an engine to wait for); nothing "
+                        "was published")
             waited = time.monotonic() - start
+            if here and not told and waited > 1.0:
+                log.warning("the push waits for receiver(s) %s of this process (pid %d) to "
+                            "catch up (max_lag=%d): a reference model loaded by the trainer? "
+                            "Create it with `report_loaded=False` to keep it out of max_lag",
+                            ", ".join(map(printable, here)), os.getpid(), self.max_lag)
+                told = True
             if self.max_lag_timeout is not None and waited >= self.max_lag_timeout:
                 listing = ", ".join(f"{r} ({n} behind)" for r, n in sorted(behind.items()))
                 raise StalenessError(
@@ -824,10 +847,10 @@ class Sender:
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
                  adapter: dict[str, Any] | None, layout: PushLayout | None,
-                 abort: threading.Event) -> int:
+                 abort: threading.Event, waiter: int | None = None) -> int:
         t0 = time.perf_counter()
         self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
-        lagged = self._wait_for_lag(abort)
+        lagged = self._wait_for_lag(abort, waiter)
         self._check_root_unchanged()
         version = self._version + 1
         if version > MAX_VERSION:
@@ -835,7 +858,7 @@ class Sender:
                               "store can name; nothing was published. Start a new run in a "
                               "fresh directory")
         slot = SLOTS[0] if self._slot is None else SLOTS[1 - SLOTS.index(self._slot)]
-        waited = self._leases.wait_until_free(slot, stop=abort)
+        waited = self._leases.wait_until_free(slot, stop=abort, waiter=waiter)
         if abort.is_set():
             raise _Aborted("push interrupted while waiting for readers; nothing was published")
         self._check_root_unchanged()  # (again: the wait may have been long)

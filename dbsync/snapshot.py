@@ -42,6 +42,7 @@ from .format import (
     describe_name,
     is_extra_state,
     is_tensordict,
+    plain_state_dict,
     shard_file,
     unwrap_compiled,
 )
@@ -413,7 +414,7 @@ class Snapshot:
             tensors = self.manifest.tensors  # version was published under the wrapper's)
             if inner is not target and tensors and tensors[0].name.startswith("_orig_mod."):
                 inner = target
-            dest = inner.state_dict(keep_vars=True)
+            dest = plain_state_dict(inner, keep_vars=True)
             for name in [k for k in dest if is_extra_state(k)]:
                 if not isinstance(dest[name], torch.Tensor):
                     del dest[name]  # a module's extra state (get_extra_state): not weights

@@ -33,6 +33,7 @@ from .format import (
     is_tensordict,
     is_tensordict_class,
     name_problem,
+    plain_state_dict,
     unwrap_compiled,
 )
 
@@ -112,7 +113,7 @@ def pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
                     if name not in transient]
         # (a submodule's ``get_extra_state`` that is no tensor is not weights: a receiver's
         # load into a module leaves it alone too)
-        return [(name, value) for name, value in weights.state_dict().items()
+        return [(name, value) for name, value in plain_state_dict(weights).items()
                 if isinstance(value, torch.Tensor) or not is_extra_state(name)]
     if is_tensordict(weights):
         return _tensordict_pairs(weights)

@@ -329,3 +329,30 @@ def test_a_compiled_module_publishes_and_loads_under_its_own_names(tmp_path):
     for name, tensor in trained.state_dict().items():
         assert torch.equal(plain.state_dict()[name], tensor)
         assert torch.equal(compiled._orig_mod.state_dict()[name], tensor)
+
+
+def test_wrapped_modules_publish_the_plain_models_names(tmp_path):
+    """``sender.push(ddp_model)`` (the natural call on rank 0) published ``module.<name>`` and
+    a compiled submodule ``<path>._orig_mod.<name>``: no plain engine model fitted them. The
+    wrappers are looked through; a version that does fit only with a prefix says so."""
+    import dbsync
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    wrapped = torch.nn.DataParallel(plain)  # (DDP's naming, with no process group needed)
+    partly = torch.nn.Sequential(torch.compile(plain[0]), plain[1], plain[2])
+    root = tmp_path / "store"
+    with dbsync.Sender(root, durable=False) as sender, dbsync.Receiver(root) as rx:
+        for version, model in enumerate((wrapped, partly), start=1):
+            assert sender.push(model) == version
+            with rx.open() as snap:
+                assert [t.name for t in snap.manifest.tensors] == list(plain.state_dict())
+            target = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
+                                         torch.nn.Linear(4, 2))
+            assert rx.load(target) == version
+            for name, tensor in plain.state_dict().items():
+                assert torch.equal(target.state_dict()[name], tensor)
+        sender.push({f"model.{k}": v for k, v in plain.state_dict().items()})
+        with pytest.raises(dbsync.IncompatibleWeightsError,
+                           match="published names carry an extra prefix 'model.'"):
+            rx.load(target)

@@ -178,3 +178,44 @@ def test_a_load_of_an_earlier_run_is_not_counted_for_the_new_runs_version(root):
             from dbsync.status import receivers_at
 
             assert receivers_at(sender.store, 1) == []
+
+
+def test_a_push_inside_its_own_threads_snapshot_is_refused_not_hung(root):
+    """A trainer keeping its reference weights as a snapshot's views, pushing inside the
+    ``with receiver.open()`` block: the second push needs the slot the same thread holds, and
+    used to wait for ever. It raises at once and publishes nothing; from another thread the
+    push waits until the snapshot closes, then publishes."""
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
+        sender.push({"w": torch.full((4,), 1.0)})
+        with rx.open() as snap:
+            assert sender.push({"w": torch.full((4,), 2.0)}) == 2  # the other slot is free
+            started = time.monotonic()
+            with pytest.raises(dbsync.SelfHeldSlotError, match="this thread holds version 1"):
+                sender.push({"w": torch.full((4,), 3.0)})
+            assert time.monotonic() - started < 5
+            assert rx.latest_version() == 2  # nothing published
+            background = sender.push({"w": torch.full((4,), 3.0)}, blocking=False)
+            with pytest.raises(concurrent.futures.TimeoutError):
+                background.result(timeout=0.5)  # another thread's push waits for the close
+            assert torch.equal(snap.tensordict()["w"], torch.full((4,), 1.0))
+        assert background.result(timeout=30) == 3
+
+
+def test_max_lag_refuses_to_wait_for_a_receiver_only_the_pushing_thread_loads(root):
+    """A reference model loaded by the training loop itself: with ``max_lag`` the push used to
+    wait for it for ever (only the blocked thread could load it). It raises at once naming
+    it; ``report_loaded=False`` keeps such a receiver out of ``max_lag``."""
+    with dbsync.Sender(root, max_lag=1) as sender:
+        sender.push({"w": torch.ones(2)})
+        with dbsync.Receiver(root, reader_id="reference") as reference:
+            reference.load(lambda pairs: None)
+            assert [sender.push({"w": torch.ones(2)}) for _ in range(2)] == [2, 3]
+            started = time.monotonic()
+            with pytest.raises(dbsync.StalenessError, match="reference of this process is 2 "
+                               "versions behind.*report_loaded=False"):
+                sender.push({"w": torch.ones(2)})
+            assert time.monotonic() - started < 5
+            assert reference.latest_version() == 3
+        with dbsync.Receiver(root, report_loaded=False) as quiet:
+            quiet.load(lambda pairs: None)
+            assert [sender.push({"w": torch.ones(2)}) for _ in range(3)] == [4, 5, 6]

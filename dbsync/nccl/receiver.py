@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..errors import DBSyncError
-from ..format import castable
+from ..format import castable, plain_state_dict, unwrap_compiled
 from ..leases import DEFAULT_LEASE_TIMEOUT
 from ..receiver import Receiver
 from . import checksum, paced
@@ -410,7 +410,7 @@ def _destinations(target: Any, header: Header) -> dict[str, torch.Tensor] | bool
     version does not fit it (a name missing on either side, another shape, a dtype that is
     not a floating cast). None for a ``load_weights`` callable."""
     if isinstance(target, torch.nn.Module):
-        dest = target.state_dict(keep_vars=True)
+        dest = plain_state_dict(unwrap_compiled(target), keep_vars=True)
     elif isinstance(target, Mapping):
         dest = dict(target)
     else:

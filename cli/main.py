@@ -24,6 +24,7 @@ import click
 
 from dbsync import __version__
 from dbsync.errors import DBSyncError, UnsupportedFormatError, resource_limit
+from dbsync.format import FORMAT_VERSION
 
 from . import pipes
 from .fmt import human_age, human_bytes, human_time, json_line, table
@@ -175,7 +176,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="dbsync")
+@click.version_option(__version__, prog_name="dbsync",
+                      message=f"%(prog)s %(version)s (store format {FORMAT_VERSION})")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               envvar="DBSYNC_LOG_LEVEL", default=None,
               help="Show the library's log lines of this level and above on stderr (info: "
@@ -519,8 +521,10 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
     with Watcher(store.root, on_version, poll_interval=poll_interval) as watcher:
         try:
             while not done.wait(0.5):
-                if isinstance(watcher.last_error, UnsupportedFormatError):
-                    raise watcher.last_error  # (only upgrading dbsync here helps: exit 1)
+                error = watcher.last_error
+                if isinstance(error, UnsupportedFormatError) and error.newer:
+                    raise error  # (only upgrading dbsync here helps: exit 1; an older
+                    # format is rewritten by the trainer's next push: watched on)
                 if pipes.stdout_reader_gone():  # (`| head -1`: gone after the first line,
                     # though nothing may be published for hours)
                     closed.append(BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)))
@@ -538,8 +542,11 @@ def _nothing_published(store: Store) -> bool:
     reports it)."""
     try:
         return store.read_head() is None
-    except UnsupportedFormatError:
-        raise  # (not transient: only upgrading dbsync here helps)
+    except UnsupportedFormatError as exc:
+        if exc.newer:
+            raise  # (not transient: only upgrading dbsync here helps)
+        click.echo(f"{exc}; waiting for a version in this format (Ctrl-C to stop)", err=True)
+        return False
     except (DBSyncError, OSError):
         return False
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"  # (the minor number follows the store format, FORMAT_VERSION)
 
 # public name -> the submodule that defines it
 _LAZY = {

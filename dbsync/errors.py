@@ -119,11 +119,16 @@ class UnsupportedFormatError(FormatError):
         from .format import FORMAT_VERSION
 
         self.found = found
-        if isinstance(found, int) and not isinstance(found, bool) and found < FORMAT_VERSION:
-            what = (f"it was written by an older dbsync in format {found}; this dbsync reads "
-                    f"format {FORMAT_VERSION}. Publish once with this dbsync (a Sender "
-                    "continues the version numbers and rewrites the store), or read it with "
-                    "the dbsync release that wrote it")
+        #: False for a store of an older format (the trainer's next push with this dbsync
+        #: rewrites it: a reader may wait for that), True for a newer or unknown one
+        self.newer = not (isinstance(found, int) and not isinstance(found, bool)
+                          and found < FORMAT_VERSION)
+        if not self.newer:
+            what = (f"it was written by an older dbsync in format {found} (release 0.{found}."
+                    f"x); this dbsync (0.{FORMAT_VERSION}.x) reads format {FORMAT_VERSION}. "
+                    "Upgrade the trainer: its next push with this release rewrites the store "
+                    "and continues the version numbers (readers of this release wait for it); "
+                    "or read it with the release that wrote it")
         else:
             what = (f"its format_version {str(found)[:20]} is not supported by this dbsync "
                     f"(it reads version {FORMAT_VERSION}); upgrade dbsync on this host")

@@ -176,6 +176,7 @@ class Receiver:
         #: worker threads kept from one load to the next (see ``workers``)
         self.workers = WorkerPools("dbsync-read")
         self._closed = threading.Event()
+        self._told_older_format = False  # (an older-format head is logged once)
         self._closing = threading.Lock()
         self._waits: set[threading.Event] = set()  # events of the wait() calls under way
         self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()  # started by watch()
@@ -566,11 +567,17 @@ class Receiver:
     def _read_head_quietly(self) -> Head | None:
         """The head, or None while it cannot be read (a transient problem: a mount away, a
         head being replaced). A head of a newer format is not transient: it raises
-        ``UnsupportedFormatError`` (upgrade dbsync here)."""
+        ``UnsupportedFormatError`` (upgrade dbsync here). One of an older format is waited
+        out: the trainer's next push with this release rewrites it (logged once)."""
         try:
             return self.store.read_head()
-        except UnsupportedFormatError:
-            raise
+        except UnsupportedFormatError as exc:
+            if exc.newer:
+                raise
+            if not self._told_older_format:
+                self._told_older_format = True
+                log.warning("%s; waiting for a version in this format", exc)
+            return None
         except (DBSyncError, OSError) as exc:
             log.debug("cannot read the head of %s: %s", self.store.root, exc)
             return None

@@ -611,7 +611,15 @@ def test_subprocess_errors_are_plain_and_help_lists_commands(tmp_path):
     assert helped.exit_code == 0
     for command in ("push", "status", "watch", "verify", "serve-vllm"):
         assert command in helped.stdout
-    assert dbsync.__version__ in run("--version").stdout
+    # The release's minor number follows the store format (pip upgrades across a format
+    # change: every build was 0.1.0), and --version says the format.
+    from importlib.metadata import version
+
+    from dbsync.format import FORMAT_VERSION
+    assert run("--version").stdout.strip() == (
+        f"dbsync {dbsync.__version__} (store format {FORMAT_VERSION})")
+    assert dbsync.__version__.split(".")[1] == str(FORMAT_VERSION)
+    assert version("dbsync-weights") == dbsync.__version__
 
 
 # ---- progress bar --------------------------------------------------------------------------

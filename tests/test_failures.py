@@ -1,5 +1,6 @@
 """Bad input, damaged stores, and what is never allowed to happen because of them."""
 
+import concurrent.futures
 import contextlib
 import errno
 import json
@@ -752,11 +753,19 @@ def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
 
     calls = []
     with dbsync.Receiver(root) as rx:
-        with pytest.raises(dbsync.FormatError, match="older dbsync in format 2.*Publish once"):
+        with pytest.raises(dbsync.FormatError, match="older dbsync in format 2 .release 0.2.x"
+                           ".*Upgrade the trainer"):
             rx.load(lambda pairs: calls.append(1))
     assert calls == []
-    with dbsync.Sender(root) as sender:
-        assert sender.push({k: v + 1 for k, v in weights.items()}) == 2
+    # A reader upgraded with the trainer waits for its first push (it used to raise at once,
+    # and `dbsync watch` exited 1): an older format is not permanent, a newer one is.
+    with dbsync.Receiver(root) as waiting, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waited = pool.submit(waiting.wait, 0, 60)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            waited.result(timeout=0.5)
+        with dbsync.Sender(root) as sender:
+            assert sender.push({k: v + 1 for k, v in weights.items()}) == 2
+        assert waited.result(timeout=30) == 2
     got = {}
     with dbsync.Receiver(root) as rx:
         assert rx.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 2

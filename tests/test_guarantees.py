@@ -145,9 +145,12 @@ def test_stalled_reader_finds_out_its_lease_expired(root):
             def stall(pairs):
                 list(pairs)
                 receiver._keeper._ended = True  # frozen: its heartbeat writes no more
-                sender.push({"w": torch.full((4,), 2.0)})
+                # (pushed from the Sender's own thread, as by a trainer elsewhere: a push from
+                # the thread that holds the slot is refused at once, SelfHeldSlotError)
+                sender.push({"w": torch.full((4,), 2.0)}, blocking=False).result()
                 start = time.monotonic()
-                sender.push({"w": torch.full((4,), 3.0)})  # reuses the stalled reader's slot
+                sender.push({"w": torch.full((4,), 3.0)}, blocking=False).result()  # reuses
+                # the stalled reader's slot
                 assert time.monotonic() - start < 0.5 + 1.0  # the reader's own timeout
 
             receiver.load(stall)
@@ -167,8 +170,9 @@ def test_a_stalled_snapshot_says_its_views_cannot_be_trusted(root, use):
             with receiver.open() as snap:
                 views = dict(snap.tensors())
                 receiver._keeper._ended = True  # frozen: its heartbeat writes no more
-                sender.push({"w": torch.full((4,), 2.0)})
-                sender.push({"w": torch.full((4,), 3.0)})  # reuses the stalled reader's slot
+                sender.push({"w": torch.full((4,), 2.0)}, blocking=False).result()
+                # (reuses the stalled reader's slot; from the Sender's thread, as above)
+                sender.push({"w": torch.full((4,), 3.0)}, blocking=False).result()
                 assert torch.equal(views["w"], torch.full((4,), 3.0))  # (what it would apply)
                 if use == "copy_into":
                     snap.copy_into(dest)

@@ -396,7 +396,10 @@ def _wait_for(store: Store, root: str, version: int, count: int,
     loaded = receivers_at(store, version)
     if not done:
         fail(f"version {version} is published, but only {len(loaded)} of {count} "
-             f"receiver(s) loaded it within {timeout:g} s; see `dbsync status {root}`")
+             f"receiver(s) loaded it within {timeout:g} s; see `dbsync status {root}` "
+             "(receivers that cannot write their lease in its readers/ directory, such as "
+             "engines of another account or on a read-only view, are not counted: their log "
+             "says so)")
     click.echo(printable(f"{len(loaded)} receiver(s) loaded version {version}: "
                          f"{', '.join(loaded)}"), err=True)  # (their names: anyone's text)
 

@@ -19,6 +19,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -115,20 +116,56 @@ def read_to_end(fd: int, bound: int) -> bytes:
     return b"".join(parts)
 
 
+#: a directory with both bits (e.g. mode 2775) is group-shared by convention: what dbsync
+#: creates in it is group-writable too, so another member of the group can continue the store
+GROUP_SHARED = stat.S_ISGID | stat.S_IWGRP
+
+
+def group_shared(dir_mode: int) -> bool:
+    """Whether a directory of mode ``dir_mode`` is group-shared (setgid and group-writable)."""
+    return dir_mode & GROUP_SHARED == GROUP_SHARED
+
+
+def file_mode_in(dir_fd: int) -> int:
+    """The mode of a file dbsync creates in directory ``dir_fd``: 0644 (readable by every
+    account, never the caller's umask), 0664 in a group-shared directory."""
+    return 0o664 if group_shared(os.fstat(dir_fd).st_mode) else 0o644
+
+
+def directory_path(dir_fd: int) -> str:
+    """The path of an open directory, for messages (``/proc/self/fd``; "?" if unknown)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{dir_fd}")
+    except OSError:
+        return "?"
+
+
 def write_atomic_at(dir_fd: int, name: str, data: bytes, durable: bool = True,
                     sync_dir: bool = True) -> None:
     """Replace ``name`` inside ``dir_fd`` with ``data`` atomically: a per-process temp file in
     the same directory, fsync (when durable), ``os.replace``, fsync the directory (unless
     ``sync_dir=False``: the caller then fsyncs it once after several replaces). The temp file
-    is removed on any failure."""
+    is removed on any failure. An ``OSError`` names the file's full path."""
+    try:
+        _write_atomic_at(dir_fd, name, data, durable, sync_dir)
+    except OSError as exc:
+        if exc.filename is None or not os.path.isabs(str(exc.filename)):
+            path = os.path.join(directory_path(dir_fd), name)
+            raise type(exc)(exc.errno, exc.strerror, path) from None
+        raise
+
+
+def _write_atomic_at(dir_fd: int, name: str, data: bytes, durable: bool,
+                     sync_dir: bool) -> None:
     tmp = f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}"
     created = False
+    mode = file_mode_in(dir_fd)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644, dir_fd=dir_fd)
+                     mode, dir_fd=dir_fd)
         created = True
         try:
-            os.fchmod(fd, 0o644)
+            os.fchmod(fd, mode)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

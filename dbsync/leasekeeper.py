@@ -95,14 +95,20 @@ class LeaseKeeper:
                     self.error = err
                     return False
                 if self.error is None or self.error.errno != err.errno:
-                    level = logging.INFO if err.errno in (errno.EROFS, errno.EACCES,
-                                                          errno.EPERM) else logging.WARNING
-                    log.log(level, "reader %s cannot write its lease in %s (%s): loads go on "
-                            "without a lease (private verified copies); the writer and `dbsync "
-                            "status` do not see this reader meanwhile, and a snapshot it has "
-                            "open is no longer protected once its lease times out (its views "
-                            "may change; reading them raises LeaseExpiredError)",
-                            self.reader_id, self.store.root, err.strerror or err)
+                    # A read-only mount is a read-only view by design (said at INFO, unless a
+                    # snapshot loses its protection); no permission is more often a mistake.
+                    denied = err.errno in (errno.EACCES, errno.EPERM)
+                    level = (logging.INFO if err.errno == errno.EROFS and not self.held
+                             else logging.WARNING)
+                    log.log(level, "reader %s cannot write its lease in %s (%s%s): loads go on "
+                            "without a lease (private verified copies); the writer, `dbsync "
+                            "status`, wait_for_receivers and max_lag do not see this reader "
+                            "meanwhile, and a snapshot it has open is no longer protected once "
+                            "its lease times out (its views may change; closing it raises "
+                            "LeaseExpiredError)",
+                            self.reader_id, self.store.root, err.strerror or err,
+                            "; " + self.store.why_lease_unwritable(self.reader_id)
+                            if denied else "")
                 self.error = err
                 return False
             if self.error is not None:

@@ -166,6 +166,8 @@ class Receiver:
         #: snapshots verify by reading, never by touching their mappings; see
         #: ``Snapshot.verify``)
         self.on_network_mount = _on_network_mount(self.store.root)
+        #: whether it is leaseless for want of permission (not a read-only mount)
+        self._lease_denied = False
         self.read_only = self._decide_read_only(read_only)
         #: whether a receiver that found the store read-only looks again at each open (a
         #: statvfs and an access check: microseconds), to register once it can write
@@ -220,6 +222,7 @@ class Receiver:
                 return
             self._may_register = False
             self.read_only = False
+            self._lease_denied = False
             log.info("%s is writable now: reader %s registered (a lease, loads acknowledged)",
                      self.store.root, self.reader_id)
         finally:
@@ -235,9 +238,17 @@ class Receiver:
                 pass
         if self.store.writable():
             return False
-        log.info("%s is read-only for this process: reader %s loads without a lease "
-                 "(private verified copies) and cannot acknowledge loads", self.store.root,
-                 self.reader_id)
+        if self.store.mounted_read_only():
+            log.info("%s is read-only for this process: reader %s loads without a lease "
+                     "(private verified copies) and cannot acknowledge loads", self.store.root,
+                     self.reader_id)
+        else:  # no permission: more often a mistake than a read-only view by design
+            self._lease_denied = True
+            log.warning("reader %s may not write its lease in %s: it loads without a lease "
+                        "(private verified copies), cannot acknowledge loads, and the trainer "
+                        "does not see it (wait_for_receivers, max_lag, `dbsync status`). %s",
+                        self.reader_id, self.store.root,
+                        self.store.why_lease_unwritable(self.reader_id))
         return True
 
     # ---- public -------------------------------------------------------------------------
@@ -246,8 +257,15 @@ class Receiver:
         ``lease_timeout / 4`` seconds), or None. Touches no file: safe to call from an event
         loop while the store hangs. A read-only view (no lease by design) is no problem."""
         error = self._keeper.error
-        if error is None or error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        if error is None and self.read_only and self._lease_denied:
+            error = PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        if error is None or error.errno == errno.EROFS:
             return None
+        if error.errno in (errno.EACCES, errno.EPERM):
+            return (f"this receiver (uid {os.geteuid()}) may not write its lease in "
+                    f"{self.store.readers_dir} ({error.strerror or error}): it reads without a "
+                    "lease, and the trainer does not see it (wait_for_receivers, max_lag, "
+                    "`dbsync status`); the log says how to let it")
         if error.errno == errno.ENOENT:
             return (f"{self.store.root} is missing, or has no readers/ directory (removed or "
                     "unmounted?)")
@@ -631,6 +649,12 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __reduce__(self) -> Any:
+        raise DBSyncError(
+            f"a Receiver cannot be pickled or copied (its lease of {self.store.root} is kept "
+            "by a thread of this process): create one in each process that reads, from the "
+            "store's path")
 
 
 def _close_parts(keeper: LeaseKeeper, workers: WorkerPools) -> None:

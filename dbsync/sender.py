@@ -1128,3 +1128,9 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __reduce__(self) -> Any:
+        raise DBSyncError(
+            f"a Sender cannot be pickled or copied (it holds {self.store.root}'s writer lock, "
+            "threads and staging buffers of this process): create one in the process that "
+            "publishes, from the store's path (with several processes, in one of them)")

@@ -198,8 +198,11 @@ def store_status(store: Store) -> dict[str, Any]:
     base = {"root": store.root, "receivers": receivers(store, malformed),
             "malformed_reader_files": malformed, "leases_writable": writable}
     if not writable:
+        read_only = store.mounted_read_only()
         base["note"] = ("this view of the store is read-only: receivers reading through "
-                        "read-only views cannot register and are not listed")
+                        "read-only views cannot register and are not listed" if read_only else
+                        f"readers/ is not writable by this user (uid {os.geteuid()}): receivers "
+                        "running as this user read without a lease and are not listed")
     if head is None:
         if not os.path.isdir(os.path.join(store.root, SLOTS_DIR)):
             empty = (f"{store.root} holds no store files: nothing was ever published here. "

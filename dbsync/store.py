@@ -275,6 +275,12 @@ class Store:
                 data = b"" if size > limit else fileio.read_to_end(fd, limit + 1)
             except FileNotFoundError:
                 return None
+            except PermissionError as exc:  # (not damage: this user may not read it)
+                path = os.path.join(self.root, *parts)
+                raise StoreUnreachableError(
+                    f"{path}: {exc.strerror or exc} for this process{_owner_note(path)}; "
+                    "nothing is wrong with the store's contents: read it as a user who may, or "
+                    "make it readable (the writer creates files 0644)", exc.errno) from None
             except OSError as exc:  # (ESTALE, EIO: said as the mount's, not a bare errno)
                 failed = mount_read_error(os.path.join(self.root, *parts), exc, "reading it")
                 if failed is None:
@@ -505,7 +511,19 @@ class Store:
         name = shard_file(shard)
         with self.dir_fd(SLOTS_DIR, slot) as dfd:
             _remove_unless_regular(dfd, name, self.slot_dir(slot))
-            fd = os.open(name, flags, FILE_MODE, dir_fd=dfd)
+            mode = fileio.file_mode_in(dfd)
+            try:
+                fd = os.open(name, flags, mode, dir_fd=dfd)
+            except PermissionError:
+                # another account's file (an earlier writer of the group, under another uid)
+                # that this one may not write: replaced by a file of its own (the directory
+                # is writable, or this raises naming the shard)
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                    fd = os.open(name, flags | os.O_EXCL, mode, dir_fd=dfd)
+                except OSError as exc:
+                    raise type(exc)(exc.errno, exc.strerror,
+                                    os.path.join(self.slot_dir(slot), name)) from None
             try:
                 links = os.fstat(fd).st_nlink
                 if links > 1:
@@ -515,7 +533,7 @@ class Store:
                              "it is written as a new file, the other links keep their bytes",
                              os.path.join(self.slot_dir(slot), name), links - 1)
                     os.unlink(name, dir_fd=dfd)
-                    fd = os.open(name, flags | os.O_EXCL, FILE_MODE, dir_fd=dfd)
+                    fd = os.open(name, flags | os.O_EXCL, mode, dir_fd=dfd)
             except BaseException:
                 if fd >= 0:
                     os.close(fd)
@@ -524,7 +542,8 @@ class Store:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise self._not_regular((SLOTS_DIR, slot, name), _kind(st.st_mode))
-            os.fchmod(fd, FILE_MODE)
+            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+                os.fchmod(fd, mode)  # (only its owner may: another's file keeps its mode)
             fileio.preallocate(fd, size, st.st_size)
         except BaseException:
             os.close(fd)
@@ -578,9 +597,19 @@ class Store:
     def lock_writer(self) -> int:
         """Take the writer lock (non-blocking). Returns the fd; pass it to ``unlock_writer``."""
         with self.dir_fd() as dfd:
+            lock_mode = fileio.file_mode_in(dfd)
             try:
-                fd = os.open(WRITER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
-                             os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
+                try:
+                    fd = os.open(WRITER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
+                                 os.O_NONBLOCK | os.O_CLOEXEC, lock_mode, dir_fd=dfd)
+                except PermissionError:
+                    # Another account's lock file (an earlier writer of a group-shared store):
+                    # a lock needs no write access to its file. Not where ROOT itself cannot
+                    # be written: the push could write nothing.
+                    if not os.access(self.root, os.W_OK | os.X_OK):
+                        raise
+                    fd = os.open(WRITER_LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW |
+                                 os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
             except OSError as exc:
                 kind = {errno.ELOOP: "a symlink", errno.EISDIR: "a directory",
                         errno.ENXIO: "a socket or device"}.get(exc.errno)
@@ -592,9 +621,11 @@ class Store:
                 if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                     raise OSError(exc.errno, exc.strerror,
                                   os.path.join(self.root, WRITER_LOCK_FILE)) from None
-                why = (f"{self.root} is not writable here ({exc.strerror}): a Sender "
+                owner = "" if exc.errno == errno.EROFS else _owner_note(self.root)
+                why = (f"{self.root} is not writable here ({exc.strerror}{owner}): a Sender "
                        "publishes only where the store is writable (readers work on read-only "
-                       "views); publish from the trainer's read-write mount")
+                       "views); publish from the "
+                       "trainer's read-write mount, as a user who may write there")
                 if exc.errno == errno.EROFS:
                     raise StoreReadOnlyError(why, exc.errno) from None
                 raise DBSyncError(why) from None
@@ -603,9 +634,9 @@ class Store:
             mode = st.st_mode
             if not stat.S_ISREG(mode):
                 raise self._not_regular((WRITER_LOCK_FILE,), _kind(mode))
-            if stat.S_IMODE(mode) != FILE_MODE and st.st_uid == os.geteuid():
+            if stat.S_IMODE(mode) != lock_mode and st.st_uid == os.geteuid():
                 with contextlib.suppress(OSError):  # (created under a umask such as 077)
-                    os.fchmod(fd, FILE_MODE)
+                    os.fchmod(fd, lock_mode)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -775,6 +806,34 @@ class Store:
             return record if isinstance(record, dict) else None
         return None
 
+    def why_lease_unwritable(self, reader_id: str) -> str:
+        """Why this process may not write ``reader_id``'s lease (owners and modes), and how an
+        operator lets it: for messages (looks at two inodes; no file is written)."""
+        readers = self.readers_dir
+        where = readers if os.path.isdir(readers) else self.root
+        why = _owner_note(where).removeprefix("; ")
+        try:
+            mine = os.lstat(self.lease_path(reader_id))
+            sticky = os.stat(where).st_mode & stat.S_ISVTX
+        except OSError:
+            mine, sticky = None, 0
+        if mine is not None and mine.st_uid != os.geteuid() and sticky:
+            why += (f"; its lease file {self.lease_path(reader_id)} belongs to uid "
+                    f"{mine.st_uid} and {where} has the sticky bit: only that user (or the "
+                    "directory's owner) may replace it. A receiver restarted as another user "
+                    "under the same reader id? Give it a reader id of its own, or remove the file")
+        return (f"{why}. To let receivers of other accounts lease, make {where} writable by "
+                f"them: `chmod 1777 {where}` (each creates its own lease, none may remove "
+                f"another's), or share a group (`chgrp -R GROUP {self.root}; chmod -R g+w "
+                f"{self.root}; find {self.root} -type d -exec chmod g+s {{}} +`)")
+
+    def mounted_read_only(self) -> bool:
+        """Whether the store is on a read-only mount (True too if that cannot be told)."""
+        try:
+            return bool(os.statvfs(self.root).f_flag & os.ST_RDONLY)
+        except OSError:
+            return True
+
     def writable(self) -> bool:
         """Whether this process can write leases here (False on read-only mounts)."""
         try:
@@ -880,7 +939,8 @@ def _first_unreadable(path: str) -> str:
 
 def _make_parents(path: str) -> None:
     """Create the missing directories of ``path`` with explicit modes (0755: readers of other
-    accounts must reach the store; the caller's umask, say 077, would shut them out)."""
+    accounts must reach the store; the caller's umask, say 077, would shut them out; 2775
+    inside a group-shared directory, see ``_mkdir``)."""
     missing = []
     while path and not os.path.isdir(path):
         missing.append(path)
@@ -889,18 +949,42 @@ def _make_parents(path: str) -> None:
             break
         path = parent
     for directory in reversed(missing):
+        mode = _dir_mode_in(os.path.dirname(directory))
         try:
-            os.mkdir(directory, DIR_MODE)
+            os.mkdir(directory, mode)
         except FileExistsError:
             if not os.path.isdir(directory):
                 raise  # (a file there: the caller says "a part of its path is a file")
             continue
-        os.chmod(directory, DIR_MODE)
+        os.chmod(directory, mode)
+
+
+def _owner_note(path: str) -> str:
+    """'; <path> belongs to uid U, group G, mode M; this process runs as uid V' (or '')."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return (f"; {path} belongs to uid {st.st_uid}, group {st.st_gid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}; this process runs as uid {os.geteuid()}")
+
+
+def _dir_mode_in(parent: str) -> int:
+    """The mode of a directory dbsync creates in ``parent``: 0755, or 2775 where ``parent``
+    is group-shared (setgid and group-writable, e.g. a team's 2775 directory), so that
+    another member of the group can continue the store (its slots, leases and lock). Modes
+    of existing directories are never changed."""
+    try:
+        shared = fileio.group_shared(os.stat(parent).st_mode)
+    except OSError:
+        shared = False
+    return DIR_MODE | fileio.GROUP_SHARED if shared else DIR_MODE
 
 
 def _mkdir(path: str) -> None:
+    mode = _dir_mode_in(os.path.dirname(path))
     try:
-        os.mkdir(path, DIR_MODE)
+        os.mkdir(path, mode)
     except FileExistsError:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode):
@@ -911,7 +995,7 @@ def _mkdir(path: str) -> None:
                 "store directory (or move what is there out of the way)"
             ) from None
         return
-    os.chmod(path, DIR_MODE)  # mkdir's mode is filtered by the umask
+    os.chmod(path, mode)  # mkdir's mode is filtered by the umask
 
 
 def _remove_unless_regular(dir_fd: int, name: str, where: str) -> None:

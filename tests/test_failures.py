@@ -1472,3 +1472,19 @@ def _script_ends_well(script: str, root: str):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     return done
+
+
+def test_senders_and_receivers_refuse_to_be_pickled_saying_what_to_do(root):
+    """Handing a Sender or Receiver to a spawned process (multiprocessing pickles it) or
+    deep-copying a trainer's state gave ``cannot pickle '_queue.SimpleQueue' object``."""
+    import copy
+    import pickle
+
+    with dbsync.Sender(root) as sender, dbsync.Receiver(root) as rx:
+        sender.push({"w": torch.ones(2)})
+        for what, obj in (("a Sender", sender), ("a Receiver", rx)):
+            for attempt in (pickle.dumps, copy.deepcopy):
+                with pytest.raises(dbsync.DBSyncError, match=f"{what} cannot be pickled or "
+                                   "copied.*create one in"):
+                    attempt(obj)
+        assert sender.push({"w": torch.ones(2)}) == 2 and rx.load(lambda pairs: None) == 2

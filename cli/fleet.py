@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from dbsync.format import FORMAT_VERSION
 from dbsync.leases import DEFAULT_LEASE_TIMEOUT, lease_timeout_of
 from dbsync.status import DEAD, REFUSED
 
 
 def reason_of(record: dict[str, Any]) -> str | None:
-    """Why ``record`` (one of ``dbsync.status.receivers``) is refused or dead; else None."""
+    """Why ``record`` (one of ``dbsync.status.receivers``) is refused or dead, or cannot read
+    this store's format at all; else None."""
+    reads = record.get("reads_format")
+    if isinstance(reads, int) and reads != FORMAT_VERSION:
+        return (f"it reads store format {reads}, this store is in format {FORMAT_VERSION}: "
+                "upgrade dbsync on its host")
     if record.get("state") == REFUSED and isinstance(record.get("refused"), dict):
         refused = record["refused"]
         return f"version {refused.get('version')}: {refused.get('reason') or 'no reason given'}"

@@ -431,9 +431,28 @@ def status(root: str, as_json: bool) -> None:
         if manifest is not None and info.get("version") != manifest.version:
             manifest, problems = current_problems(store)  # published meanwhile: look again
     except (DBSyncError, OSError) as exc:
+        # Another format's store: what every format's head says (who wrote it) and the
+        # leases, to find the stray writer or the readers a format change strands.
+        foreign = (_foreign_format_view(store) if isinstance(exc, UnsupportedFormatError)
+                   else {})
         if as_json:  # a monitoring script still gets one JSON object, saying what failed
-            click.echo(json_line({"root": store.root, "error": f"{type(exc).__name__}: {exc}"},
-                                 indent=1, sort_keys=True))
+            click.echo(json_line({"root": store.root, "error": f"{type(exc).__name__}: {exc}",
+                                  **foreign}, indent=1, sort_keys=True))
+        elif foreign:
+            head = foreign["head"]
+            writer = head.get("writer") if isinstance(head.get("writer"), dict) else {}
+            lines = [f"store      {store.root}",
+                     f"format     {head.get('format_version')} (this dbsync reads "
+                     f"{FORMAT_VERSION})",
+                     f"version    {head.get('version')}",
+                     f"published  {human_time(head.get('created_at'))} by "
+                     f"{writer.get('host', '?')} pid {writer.get('pid', '?')}",
+                     f"receivers  {len(foreign['receivers'])}"]
+            lines += [f"  {r['id']} on {r.get('host')} pid {r.get('pid')}, version "
+                      f"{r.get('version')}, reads format {r.get('reads_format') or '<3'}"
+                      for r in foreign["receivers"]]
+            for line in lines:
+                click.echo(printable(line))
         raise
     info["problems"] = problems
     info["receivers"] = with_reasons(info["receivers"])
@@ -445,6 +464,23 @@ def status(root: str, as_json: bool) -> None:
     if problems:
         fail(f"version {info['version']} in {store.root} is damaged ({len(problems)} "
              f"problem(s), listed above); publish again (dbsync push SRC {root})")
+
+
+def _foreign_format_view(store: Store) -> dict[str, Any]:
+    """For a store of another format: its head's fields every format has, and its leases."""
+    from dbsync.status import receivers
+
+    try:
+        raw = store.read_raw_head_json() or {}
+    except (DBSyncError, OSError):
+        raw = {}
+    head = {k: raw.get(k) for k in ("format_version", "version", "run_id", "created_at",
+                                    "writer")}
+    try:
+        found = receivers(store)
+    except (DBSyncError, OSError):
+        found = []
+    return {"head": head, "receivers": found}
 
 
 def _status_lines(info: dict[str, Any]) -> list[str]:

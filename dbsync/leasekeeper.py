@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from .errors import FormatError, resource_limit
+from .format import FORMAT_VERSION
 from .leases import IDLE, READING, forget_hold, host_identity, note_hold, release_reader_id
 from .store import Store
 
@@ -64,6 +65,7 @@ class LeaseKeeper:
         slot, version = held[-1][:2] if held else (None, None)
         return {
             "reader_id": self.reader_id, **host_identity(), "pid": os.getpid(),
+            "reads_format": FORMAT_VERSION,
             "lease_timeout": self.timeout,
             "state": READING if held else IDLE, "slot": slot, "version": version,
             "held": [list(h) for h in held],

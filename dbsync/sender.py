@@ -473,6 +473,16 @@ class Sender:
         self.last_error: BaseException | None = None
         self.last_push_seconds: dict[str, float] = {}
 
+    def _readers_of_other_formats(self) -> list[str]:
+        """Reader ids whose lease does not say they read this format (``reads_format``;
+        receivers of releases before 0.3 do not say it)."""
+        try:
+            leases = self.store.read_leases({})
+        except (OSError, DBSyncError):
+            return []
+        return sorted(printable(r) for r, lease in leases.items()
+                      if lease.get("reads_format") != FORMAT_VERSION)
+
     def _continue_from_store(self) -> tuple[str, int, str | None]:
         """(run id, current version, current slot) to continue from."""
         head_path = os.path.join(self.store.root, MANIFEST_FILE)
@@ -490,10 +500,18 @@ class Sender:
             raw = self.store.read_raw_head_json() or {}
             version = raw.get("version") if _plausible_version(raw.get("version")) else 0
             slot = raw.get("slot") if raw.get("slot") in SLOTS else None
-            log.info("%s holds format %s; the next push rewrites it in this format and "
-                     "continues from version %d", self.store.root, raw.get("format_version"),
-                     version)
-            return uuid.uuid4().hex, version, slot
+            run = raw.get("run_id")
+            if not (isinstance(run, str) and len(run) == 32 and run.isalnum()):
+                run = uuid.uuid4().hex  # (a format upgrade is no new run: its id is kept)
+            stranded = self._readers_of_other_formats()
+            log.warning("%s holds format %s; the next push rewrites it in format %d and "
+                        "continues from version %d. Readers of older releases cannot read it "
+                        "from then on: upgrade them too%s", self.store.root,
+                        printable(str(raw.get("format_version"))[:20]), FORMAT_VERSION,
+                        version, "" if not stranded else
+                        " (leases in readers/ now: " + ", ".join(stranded[:10]) +
+                        (" ..." if len(stranded) > 10 else "") + ")")
+            return run, version, slot
         if head is None:
             return uuid.uuid4().hex, 0, None
         return head.run_id, self._past_loaded(head.run_id, head.version, head.slot), head.slot
@@ -779,6 +797,17 @@ class Sender:
             loaded = loaded_versions(live)
             behind = {r: self._version - v for r, v in loaded.items()
                       if self._version - v > self.max_lag}
+            # A receiver of another store format never catches up (it cannot read this one).
+            for r in list(behind):
+                reads = (live.get(r) or {}).get("reads_format")
+                if isinstance(reads, int) and reads != FORMAT_VERSION:
+                    del behind[r]
+                    if r not in excused:
+                        excused.add(r)
+                        log.warning("max_lag=%d: not waiting for receiver %s, which reads "
+                                    "store format %d (this store is format %d): upgrade dbsync "
+                                    "on its host", self.max_lag, printable(r), reads,
+                                    FORMAT_VERSION)
             # A receiver that refused the newest version cannot catch up until a newer one is
             # published (this one, maybe a fix): it is not waited for.
             for r in list(behind):

@@ -120,6 +120,7 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
             "refused": None if refused is None else {"version": refused[0],
                                                      "reason": refused[1]},
             "lease_timeout": lease.get("lease_timeout"),
+            "reads_format": lease.get("reads_format"),  # (None: a release before 0.3)
         })
     return out
 

@@ -726,3 +726,25 @@ def test_a_missing_dependency_is_named_not_called_a_bug(store_v1, st_file):
     assert proc.returncode == 1, proc.stderr
     assert "this command needs torch" in proc.stderr and "pip install" in proc.stderr
     assert "bug" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_status_of_a_store_in_another_format_names_its_writer_and_readers(root):
+    """FORMAT.md promises that for a stray writer of another release `dbsync status` names the
+    host and pid that wrote the current version; it printed the format error alone."""
+    import dbsync
+
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(2)})
+    with dbsync.Receiver(root, reader_id="engine-7") as rx:
+        rx.load(lambda pairs: None)
+        head_path = os.path.join(root, "dbsync.json")
+        head = json.load(open(head_path))
+        head["format_version"] = dbsync.FORMAT_VERSION + 1
+        open(head_path, "w").write(json.dumps(head))
+        shown = run("status", root)
+        assert shown.exit_code == 1 and "upgrade dbsync on this host" in shown.output
+        assert f"by {head['writer']['host']} pid {head['writer']['pid']}" in shown.output
+        assert "engine-7 on" in shown.output and "version 1" in shown.output
+        as_json = json.loads(run("status", root, "--json").stdout)
+        assert as_json["head"]["writer"] == head["writer"] and "error" in as_json
+        assert [r["id"] for r in as_json["receivers"]] == ["engine-7"]

@@ -5,6 +5,7 @@ refusal makes ``wait_for_receivers`` and ``dbsync push --wait-for`` fail at once
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -219,3 +220,35 @@ def test_max_lag_refuses_to_wait_for_a_receiver_only_the_pushing_thread_loads(ro
         with dbsync.Receiver(root, report_loaded=False) as quiet:
             quiet.load(lambda pairs: None)
             assert [sender.push({"w": torch.ones(2)}) for _ in range(3)] == [4, 5, 6]
+
+
+def test_a_receiver_of_another_store_format_is_named_and_not_waited_for(root, caplog):
+    """A reader of another release's store format (a fleet half upgraded) can never load this
+    store: ``max_lag`` waited for it until its timeout and `dbsync status` showed it as an
+    ordinary slow reader. Leases say which format their reader reads (``reads_format``)."""
+    import logging
+
+    from dbsync.leases import host_identity
+    from dbsync.store import Store
+
+    with dbsync.Sender(root, max_lag=0, max_lag_timeout=20) as sender:
+        sender.push({"w": torch.ones(2)})
+        with dbsync.Receiver(root, reader_id="engine") as engine:
+            engine.load(lambda pairs: None)
+            assert Store(root).read_lease("engine")["reads_format"] == dbsync.FORMAT_VERSION
+        older = {"reader_id": "old-engine", **host_identity(), "pid": os.getpid(),
+                 "lease_timeout": 30.0, "state": "idle", "slot": None, "version": None,
+                 "held": [], "loaded_version": 1, "loaded_run_id": None, "loaded_at": None,
+                 "refused": None, "beat": 1, "updated_at": time.time(),
+                 "reads_format": dbsync.FORMAT_VERSION + 1}
+        Store(root).write_lease("old-engine", older)
+        sender.push({"w": torch.ones(2)})
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="dbsync"):
+            assert sender.push({"w": torch.ones(2)}) == 3  # (1 behind, max_lag=0)
+        assert time.monotonic() - started < 10
+        assert "not waiting for receiver old-engine, which reads store format" in caplog.text
+        status = subprocess.run([sys.executable, "-m", "dbsync", "status", root, "--json"],
+                                capture_output=True, text=True, timeout=120)
+        rx = {r["id"]: r for r in json.loads(status.stdout)["receivers"]}
+        assert "upgrade dbsync on its host" in rx["old-engine"]["reason"], rx

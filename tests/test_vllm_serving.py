@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +258,11 @@ def test_sigterm_during_a_swap_holding_a_stream_stops_cleanly(
                0.05, "the swap to hold generation")
     start = len(server.tail(10_000_000))
     server.proc.send_signal(signal.SIGTERM)
-    faults.write_text("")  # the apply under way ends soon after the signal
+    # The apply under way ends soon after the signal, once the server took it (/health answers
+    # 503, or no longer at all): ended before, it would resume generation first (it did once
+    # on a loaded machine, and the held stream ran to its end).
+    wait_until(lambda: _shutting_down(server), 60, 0.05, "the server to take the SIGTERM")
+    faults.write_text("")
     assert server.proc.wait(60) == 0
     reader.join(30)
     assert not reader.is_alive(), "the held stream was never ended"
@@ -324,3 +330,14 @@ def test_a_configuration_vllm_refuses_is_said_as_such_not_as_a_bug(tmp_path: Pat
     assert "vLLM refused its configuration" in proc.stderr, proc.stderr[-2000:]
     assert "max_model_len" in proc.stderr or "max-model-len" in proc.stderr
     assert "bug in dbsync" not in proc.stderr
+
+
+def _shutting_down(server: Server) -> bool:
+    """Whether the server took its stop signal: /health says 503, or nothing listens."""
+    try:
+        with urllib.request.urlopen(f"{server.base}/health", timeout=5):
+            return False
+    except urllib.error.HTTPError as exc:
+        return exc.code == 503
+    except (urllib.error.URLError, ConnectionError):
+        return True

@@ -488,7 +488,14 @@ class Receiver:
                     raise
                 except LeaseNotRenewed as exc:
                     if attempt + 1 < _LEASELESS_RETRIES:
-                        log.info("%s; reading version %d again", exc, snap.version)
+                        # once is a hiccup; again, the host is too loaded for this lease
+                        # timeout, and loads may never finish: said at WARNING
+                        log.log(logging.INFO if attempt == 0 else logging.WARNING,
+                                "%s; reading version %d again%s", exc, snap.version,
+                                "" if attempt == 0 else
+                                f" (attempt {attempt + 2}: this host is too loaded to renew a "
+                                f"{self.lease_timeout:g} s lease in time; a longer "
+                                "lease_timeout lets loads finish)")
                         continue
                     raise
                 except (IncompatibleWeightsError, DamagedVersionError) as exc:

@@ -44,6 +44,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidWeightsError,
     StalenessError,
+    StoreBusyError,
     StoreFullError,
     StoreReadOnlyError,
     StoreUnreachableError,
@@ -104,6 +105,10 @@ class PushInterrupted(KeyboardInterrupt):
     def __init__(self, published_version: int | None):
         super().__init__()
         self.published_version = published_version
+
+
+class _AnotherWriter(StoreBusyError):
+    """Another writer published while this Sender's push ran (``Sender._check_head_unchanged``)."""
 
 
 class _Ticket:
@@ -252,7 +257,10 @@ def _finish_pending_pushes(sender: Sender, deadline: float, who: str, when: str)
         return
     if pending.done():
         return
-    log.info("finishing the background push(es) into %s (%s)", sender.store.root, who)
+    with sender._numbering:
+        pushes = sender._pending[0]
+    if pushes:  # (else the pool runs housekeeping only: waited for without a word)
+        log.info("finishing the background push(es) into %s (%s)", sender.store.root, who)
     told = False
     try:
         while True:
@@ -600,6 +608,27 @@ class Sender:
                 "directory, not this one: close this Sender and create a new one to publish "
                 "there")
 
+    def _check_head_unchanged(self) -> None:
+        """Refuse to publish when the head is no longer this Sender's last (another writer
+        published meanwhile: two writers at once, where the writer lock does not keep them
+        apart, such as through two mounts whose locks do not meet). Numbering on from a stale
+        version would give one version number two contents. An unreadable head, or none, is
+        left to the push."""
+        try:
+            head = self.store.read_head()
+        except (DBSyncError, OSError):
+            return
+        if head is None or (head.run_id, head.version) == (self._run_id, self._version):
+            return
+        writer = head.writer if isinstance(head.writer, dict) else {}
+        raise _AnotherWriter(
+            f"another writer published version {head.version} into {self.store.root} (host "
+            f"{printable(str(writer.get('host')))[:64]}, pid {writer.get('pid')}) since this "
+            f"Sender's version {self._version}: two writers publish here at once, and the "
+            "writer lock did not keep them apart (locks that do not meet across these mounts? "
+            "docs/FORMAT.md, section 8). Nothing was published. Stop one of them; a new Sender "
+            "continues from the store")
+
     @property
     def run_id(self) -> str:
         """Identity of this store's run: readers follow a new run instead of ignoring it."""
@@ -891,6 +920,7 @@ class Sender:
         if abort.is_set():
             raise _Aborted("push interrupted while waiting for readers; nothing was published")
         self._check_root_unchanged()  # (again: the wait may have been long)
+        self._check_head_unchanged()
         t1 = time.perf_counter()
 
         with gcpause.paused():
@@ -921,6 +951,7 @@ class Sender:
 
             self._write(slot, layout, progress, make_index, abort)
             t2 = time.perf_counter()
+            self._check_head_unchanged()  # (before the index: the other writer's slot now?)
             self.store.write_index(slot, index, durable=self.durable)
             self.store.write_stamp(slot, version, self._run_id, durable=self.durable,
                                    sync_dir=False)
@@ -929,6 +960,8 @@ class Sender:
             if abort.is_set():
                 raise _Aborted("push interrupted before the flip; nothing was published")
         except BaseException as exc:
+            if isinstance(exc, _AnotherWriter):
+                raise  # (the slot's files may be the other writer's now: left alone)
             # (worded before the partial files are removed, which frees space and inodes)
             plain = (self._plain_error(exc, version, sum(sizes),
                                        "the partial files were removed")
@@ -945,6 +978,7 @@ class Sender:
             total_bytes=sum(sizes), writer={"host": socket.gethostname(), "pid": os.getpid()},
         )
         self._check_root_unchanged()  # (last: the write may have been long)
+        self._check_head_unchanged()
         try:
             self.store.publish_head(head, durable=self.durable)
         except OSError as exc:

@@ -502,11 +502,12 @@ class Store:
 
     def open_shard_for_write(self, slot: str, shard: int, size: int) -> int:
         """An fd to write one shard of ``size`` bytes, reusing the file in place when its size
-        is unchanged (keeps its blocks), else resizing and preallocating it. Anything but a
-        regular file in its place (a symlink, a FIFO, a device) is removed, never opened. A
-        file with other hard links (a deduplicating tool linked the two slots' identical
-        shards, or a ``cp -al`` backup shares it) is replaced by a new file, never written
-        into: the other names keep their bytes (a reader of the other slot among them)."""
+        is unchanged (keeps its blocks), else writing a new file in its place (preallocated).
+        Anything but a regular file in its place (a symlink, a FIFO, a device) is removed,
+        never opened. A file with other hard links (a deduplicating tool linked the two
+        slots' identical shards, or a ``cp -al`` backup shares it) is replaced by a new file,
+        never written into: the other names keep their bytes (a reader of the other slot
+        among them)."""
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         name = shard_file(shard)
         with self.dir_fd(SLOTS_DIR, slot) as dfd:
@@ -525,8 +526,18 @@ class Store:
                     raise type(exc)(exc.errno, exc.strerror,
                                     os.path.join(self.slot_dir(slot), name)) from None
             try:
-                links = os.fstat(fd).st_nlink
-                if links > 1:
+                first = os.fstat(fd)
+                links = first.st_nlink
+                if 0 < first.st_size != size:
+                    # Another size: a new file, never this one resized. A reader still mapping
+                    # it (frozen past its lease, say) keeps the old inode and is told by the
+                    # slot's stamp (LeaseExpiredError); a file shrunk under its mapping would
+                    # kill it with SIGBUS instead, without a word.
+                    os.close(fd)
+                    fd = -1
+                    os.unlink(name, dir_fd=dfd)
+                    fd = os.open(name, flags | os.O_EXCL, mode, dir_fd=dfd)
+                elif links > 1:
                     os.close(fd)
                     fd = -1
                     log.info("%s has %d hard links (a deduplicating tool, or a `cp -al` copy?): "
@@ -659,6 +670,10 @@ class Store:
             if holder == f"{socket.gethostname()} {os.getpid()}":
                 recorded += (": this process itself (a Sender it made is still open, or its "
                              "background push still publishing: close() that Sender first)")
+            elif _stopped_here(holder):
+                recorded += (f": process {holder.split()[-1]} of this host, which is stopped "
+                             "(SIGSTOP, or a frozen cgroup): it publishes once thawed; thaw it "
+                             "to let it finish, or kill it")
             raise StoreBusyError(
                 f"another writer holds {path}{recorded}; only one Sender may publish into a "
                 "store at a time (close the other one — in a notebook, the Sender of an "
@@ -957,6 +972,19 @@ def _make_parents(path: str) -> None:
                 raise  # (a file there: the caller says "a part of its path is a file")
             continue
         os.chmod(directory, mode)
+
+
+def _stopped_here(holder: str) -> bool:
+    """Whether a lock's record '<host> <pid>' names a stopped process of this host."""
+    host, _, pid = holder.rpartition(" ")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return False
+    return state in ([b"T"], [b"t"])
 
 
 def _owner_note(path: str) -> str:

@@ -1488,3 +1488,25 @@ def test_senders_and_receivers_refuse_to_be_pickled_saying_what_to_do(root):
                                    "copied.*create one in"):
                     attempt(obj)
         assert sender.push({"w": torch.ones(2)}) == 2 and rx.load(lambda pairs: None) == 2
+
+
+def test_a_writer_refused_by_a_stopped_lock_holder_is_told_it_is_stopped(root):
+    """A trainer restarted while its predecessor sits stopped (SIGSTOP, a frozen cgroup) got
+    advice about processes that exited; it is told that the holder is stopped."""
+    import signal
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, dbsync; s = dbsync.Sender(sys.argv[1]); "
+         "print('locked', flush=True); sys.stdin.read()", root],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        os.kill(holder.pid, signal.SIGSTOP)
+        with pytest.raises(dbsync.StoreBusyError, match=f"process {holder.pid} of this host, "
+                           "which is stopped .SIGSTOP, or a frozen cgroup"):
+            dbsync.Sender(root)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -1379,3 +1379,32 @@ def test_readers_of_a_dead_fuse_mount_get_one_error_class_and_recover_after_a_re
             dead.close()
     finally:
         fuse.close()
+
+
+@needs_root
+def test_two_writers_the_lock_does_not_keep_apart_never_give_a_version_two_contents(tmp_path):
+    """Two trainers whose writer locks do not meet (one through a FUSE view, one through the
+    directory: as two NFS clients without a working lock service), the first paused while
+    the second pushes: the first numbered on from its stale version and flipped, so one
+    version number named two contents and watchers ignored the second. It now refuses to
+    publish, naming the other writer; the store keeps the other writer's versions intact."""
+    base = tmp_path / "base"
+    fuse = FuseView(base, tmp_path / "view", options="attr_timeout=0,entry_timeout=0")
+    with dbsync.Sender(base) as trainer:
+        trainer.push(weights_for(1))
+        view = fuse.mount()
+        try:
+            try:
+                stale = dbsync.Sender(view)
+            except dbsync.StoreBusyError:
+                pytest.skip("the writer locks meet through this bindfs")
+            with stale:
+                assert trainer.push(weights_for(2)) == 2  # while the other one is paused
+                with pytest.raises(dbsync.StoreBusyError, match="another writer published "
+                                   f"version 2 into {view}.*pid {os.getpid()}.*Nothing was "
+                                   "published"):
+                    stale.push(weights_for(99))
+            with dbsync.Receiver(base) as receiver:
+                assert load(receiver) == (2, expected_values(2))
+        finally:
+            fuse.close()

@@ -364,3 +364,25 @@ def test_a_watch_callback_that_fails_is_said_plainly_or_with_its_traceback(root,
     else:
         assert said[0].levelno == logging.WARNING and said[0].exc_info is None
         assert "no thanks to version 1" in said[0].getMessage()
+
+
+def test_a_stalled_reader_whose_slot_shrank_is_told_not_killed(root):
+    """As above, but the writer reuses the slot with a smaller layout: the shard was truncated
+    under the stalled reader's mappings, and reading them killed it with SIGBUS, without a
+    word (a serving engine gone after a VM pause met a change of model shape). A shard of
+    another size is now a new file: the reader keeps the old inode and is told."""
+    big = {f"w{i}": torch.full((1 << 18,), 1.0) for i in range(8)}  # 8 MiB in all
+    with dbsync.Sender(root) as sender:
+        sender.push(big)
+        receiver = dbsync.Receiver(root, lease_timeout=0.5)
+        seen = []
+        with pytest.raises(dbsync.LeaseExpiredError, match="load again"):
+            def stall(pairs):
+                receiver._keeper._ended = True  # frozen: its heartbeat writes no more
+                for small in (2.0, 3.0):  # (from the Sender's thread, as in the tests above)
+                    sender.push({"w0": torch.full((16,), small)}, blocking=False).result()
+                seen.extend(float(t.sum()) for _, t in pairs)  # every old view still reads
+
+            receiver.load(stall)
+        assert seen == [float(1 << 18)] * 8
+        receiver.close()

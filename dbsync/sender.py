@@ -107,6 +107,9 @@ class PushInterrupted(KeyboardInterrupt):
         self.published_version = published_version
 
 
+_NO_HEAD = "no head"  # (``Sender._head_key`` of a store with no head yet)
+
+
 class _AnotherWriter(StoreBusyError):
     """Another writer published while this Sender's push ran (``Sender._check_head_unchanged``)."""
 
@@ -448,6 +451,9 @@ class Sender:
         try:
             self.store.remove_temp_files()
             self._run_id, self._version, self._slot = self._continue_from_store()
+            #: the head as this Sender last saw it (its own last version once it published):
+            #: another head means another writer (``_check_head_unchanged``)
+            self._head_seen = self._head_key()
         except BaseException:
             # Release now: the traceback (a notebook keeps the last one) still references
             # this half-built Sender, so garbage collection would not run for a long time.
@@ -608,17 +614,26 @@ class Sender:
                 "directory, not this one: close this Sender and create a new one to publish "
                 "there")
 
+    def _head_key(self) -> tuple[str, int] | str | None:
+        """(run id, version) of the head, ``_NO_HEAD`` if there is none, None if it cannot be
+        read (another format, garbled, a mount error)."""
+        try:
+            head = self.store.read_head()
+        except (DBSyncError, OSError):
+            return None
+        return _NO_HEAD if head is None else (head.run_id, head.version)
+
     def _check_head_unchanged(self) -> None:
         """Refuse to publish when the head is no longer this Sender's last (another writer
         published meanwhile: two writers at once, where the writer lock does not keep them
         apart, such as through two mounts whose locks do not meet). Numbering on from a stale
         version would give one version number two contents. An unreadable head, or none, is
         left to the push."""
-        try:
-            head = self.store.read_head()
-        except (DBSyncError, OSError):
+        now = self._head_key()
+        if now is None or now == self._head_seen or now == _NO_HEAD:
             return
-        if head is None or (head.run_id, head.version) == (self._run_id, self._version):
+        head = self.store.read_head()  # (as just read: a head of this format)
+        if head is None:
             return
         writer = head.writer if isinstance(head.writer, dict) else {}
         raise _AnotherWriter(
@@ -994,10 +1009,14 @@ class Sender:
                         version, self.store.root, exc.strerror or exc, self._version)
         with self._numbering:  # (published: counted in _version, no longer pending)
             self._version, self._slot = version, slot
+            self._head_seen = (self._run_id, version)
             self._pending[0] -= 1
         t3 = time.perf_counter()
         self.last_push_seconds = {"wait_for_lag": lagged, "wait_for_readers": waited,
                                   "write": t2 - t1, "flip": t3 - t2, "total": t3 - t0}
+        log.debug("published version %d into slot %s of %s: %d tensors, %d bytes, %.3f s "
+                  "(waited %.3f s for readers)", version, slot, self.store.root, len(pairs),
+                  sum(sizes), t3 - t0, waited)
         return version
 
     def _prune_abandoned(self) -> None:

@@ -46,6 +46,7 @@ from typing import Any
 
 from .errors import InvalidArgumentError, SelfHeldSlotError
 from .format import READERS_DIR, SLOTS, FormatError, is_reader_id
+from .processes import process_state
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -108,13 +109,7 @@ def pid_alive(pid: int) -> bool:
         return False
     except (PermissionError, OverflowError, ValueError):
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True  # (no /proc here: kill's answer stands)
-    # "pid (comm) S ...": the state follows the last ")" (a command name may hold one)
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X")
+    return process_state(pid) not in (b"Z", b"X")  # (None, no /proc here: kill's answer)
 
 
 def held_slots(lease: dict[str, Any]) -> set[str]:
@@ -388,7 +383,7 @@ def forget_hold(claim: tuple[Any, str] | None, token: int) -> None:
 
 def held_by_thread(store: Store, reader_id: str, slot: str, thread: int) -> bool:
     """Whether thread ``thread`` of this process holds ``slot`` of ``store`` as ``reader_id``."""
-    key = (_directory_identity(store.root), reader_id)
+    key = _claim_key(store, reader_id)
     with _CLAIMED_LOCK:
         return any(h == (slot, thread) for h in _HOLDS.get(key, {}).values())
 
@@ -407,7 +402,7 @@ def note_loader(claim: tuple[Any, str] | None) -> None:
 def loaded_by_thread(store: Store, reader_id: str, thread: int) -> bool:
     """Whether thread ``thread`` of this process made the last load of ``reader_id``."""
     with _CLAIMED_LOCK:
-        return _LOADERS.get((_directory_identity(store.root), reader_id)) == thread
+        return _LOADERS.get(_claim_key(store, reader_id)) == thread
 
 
 def of_this_process(lease: dict[str, Any]) -> bool:
@@ -439,7 +434,7 @@ def claim_reader_id(store: Store, reader_id: str, sleep: Callable[[float], None]
     PID namespace; a beat that moves within the lease's own timeout, for a lease from another
     host or namespace (waited for: a reader restarted elsewhere under the same id starts after
     at most its predecessor's timeout, once that lease stood still)."""
-    key = (_directory_identity(store.root), reader_id)
+    key = _claim_key(store, reader_id)
     with _CLAIMED_LOCK:
         if key in _CLAIMED:
             raise ReaderIdInUse(f"another open Receiver of this process (pid {os.getpid()}) "
@@ -451,6 +446,11 @@ def claim_reader_id(store: Store, reader_id: str, sleep: Callable[[float], None]
         release_reader_id(key)
         raise
     return key
+
+
+def _claim_key(store: Store, reader_id: str) -> tuple[Any, str]:
+    """What a receiver's claim on ``reader_id`` in ``store`` is recorded under."""
+    return _directory_identity(store.root), reader_id
 
 
 def _directory_identity(path: str) -> Any:

@@ -107,9 +107,6 @@ class PushInterrupted(KeyboardInterrupt):
         self.published_version = published_version
 
 
-_NO_HEAD = "no head"  # (``Sender._head_key`` of a store with no head yet)
-
-
 class _AnotherWriter(StoreBusyError):
     """Another writer published while this Sender's push ran (``Sender._check_head_unchanged``)."""
 
@@ -450,10 +447,11 @@ class Sender:
         _LIVE_SENDERS.add(self)
         try:
             self.store.remove_temp_files()
-            self._run_id, self._version, self._slot = self._continue_from_store()
-            #: the head as this Sender last saw it (its own last version once it published):
-            #: another head means another writer (``_check_head_unchanged``)
-            self._head_seen = self._head_key()
+            #: ``_head_seen``: (run id, version) of the head as this Sender last saw it (its
+            #: own last version once it published; None: none, or unreadable): another head
+            #: means another writer (``_check_head_unchanged``)
+            self._run_id, self._version, self._slot, self._head_seen = (
+                self._continue_from_store())
         except BaseException:
             # Release now: the traceback (a notebook keeps the last one) still references
             # this half-built Sender, so garbage collection would not run for a long time.
@@ -497,8 +495,9 @@ class Sender:
         return sorted(printable(r) for r, lease in leases.items()
                       if lease.get("reads_format") != FORMAT_VERSION)
 
-    def _continue_from_store(self) -> tuple[str, int, str | None]:
-        """(run id, current version, current slot) to continue from."""
+    def _continue_from_store(self) -> tuple[str, int, str | None, tuple[str, int] | None]:
+        """(run id, current version, current slot) to continue from, and (run id, version)
+        of the head as read (None: no head, or one of another format or unreadable)."""
         head_path = os.path.join(self.store.root, MANIFEST_FILE)
         if os.path.isdir(head_path) and not os.path.islink(head_path):
             raise DBSyncError(f"{head_path} is a directory, where the store's head (a small "
@@ -510,7 +509,7 @@ class Sender:
             if not isinstance(exc, UnsupportedFormatError):
                 log.warning("the head of %s is unreadable (%s); the next push starts a new run "
                             "at version 1", self.store.root, exc)
-                return uuid.uuid4().hex, 0, None
+                return uuid.uuid4().hex, 0, None, None
             raw = self.store.read_raw_head_json() or {}
             version = raw.get("version") if _plausible_version(raw.get("version")) else 0
             slot = raw.get("slot") if raw.get("slot") in SLOTS else None
@@ -525,10 +524,11 @@ class Sender:
                         version, "" if not stranded else
                         " (leases in readers/ now: " + ", ".join(stranded[:10]) +
                         (" ..." if len(stranded) > 10 else "") + ")")
-            return run, version, slot
+            return run, version, slot, None
         if head is None:
-            return uuid.uuid4().hex, 0, None
-        return head.run_id, self._past_loaded(head.run_id, head.version, head.slot), head.slot
+            return uuid.uuid4().hex, 0, None, None
+        return (head.run_id, self._past_loaded(head.run_id, head.version, head.slot), head.slot,
+                (head.run_id, head.version))
 
     def _past_loaded(self, run_id: str, version: int, slot: str) -> int:
         """``version``, or the highest version of run ``run_id`` that a reader reports loaded
@@ -614,26 +614,17 @@ class Sender:
                 "directory, not this one: close this Sender and create a new one to publish "
                 "there")
 
-    def _head_key(self) -> tuple[str, int] | str | None:
-        """(run id, version) of the head, ``_NO_HEAD`` if there is none, None if it cannot be
-        read (another format, garbled, a mount error)."""
-        try:
-            head = self.store.read_head()
-        except (DBSyncError, OSError):
-            return None
-        return _NO_HEAD if head is None else (head.run_id, head.version)
-
     def _check_head_unchanged(self) -> None:
         """Refuse to publish when the head is no longer this Sender's last (another writer
         published meanwhile: two writers at once, where the writer lock does not keep them
         apart, such as through two mounts whose locks do not meet). Numbering on from a stale
         version would give one version number two contents. An unreadable head, or none, is
         left to the push."""
-        now = self._head_key()
-        if now is None or now == self._head_seen or now == _NO_HEAD:
+        try:
+            head = self.store.read_head()
+        except (DBSyncError, OSError):
             return
-        head = self.store.read_head()  # (as just read: a head of this format)
-        if head is None:
+        if head is None or (head.run_id, head.version) == self._head_seen:
             return
         writer = head.writer if isinstance(head.writer, dict) else {}
         raise _AnotherWriter(
@@ -841,29 +832,26 @@ class Sender:
             loaded = loaded_versions(live)
             behind = {r: self._version - v for r, v in loaded.items()
                       if self._version - v > self.max_lag}
-            # A receiver of another store format never catches up (it cannot read this one).
+            # Not waited for: a receiver of another store format (it cannot read this one),
+            # and one that refused the newest version (it cannot catch up until a newer one,
+            # this one maybe a fix, is published). Each said once.
             for r in list(behind):
-                reads = (live.get(r) or {}).get("reads_format")
+                lease = live.get(r) or {}
+                reads, refused = lease.get("reads_format"), refusal_of(lease)
                 if isinstance(reads, int) and reads != FORMAT_VERSION:
-                    del behind[r]
-                    if r not in excused:
-                        excused.add(r)
-                        log.warning("max_lag=%d: not waiting for receiver %s, which reads "
-                                    "store format %d (this store is format %d): upgrade dbsync "
-                                    "on its host", self.max_lag, printable(r), reads,
-                                    FORMAT_VERSION)
-            # A receiver that refused the newest version cannot catch up until a newer one is
-            # published (this one, maybe a fix): it is not waited for.
-            for r in list(behind):
-                refused = refusal_of(live.get(r) or {})
-                if refused is not None and refused[0] >= self._version > loaded[r]:
-                    del behind[r]
-                    if r not in excused:
-                        excused.add(r)
-                        log.warning("max_lag=%d: not waiting for receiver %s, which refused "
-                                    "version %d (%s); it loads the next version that fits",
-                                    self.max_lag, printable(r), refused[0],
-                                    printable(refused[1][:300]))
+                    why = (f"which reads store format {reads} (this store is format "
+                           f"{FORMAT_VERSION}): upgrade dbsync on its host")
+                elif refused is not None and refused[0] >= self._version > loaded[r]:
+                    why = (f"which refused version {refused[0]} "
+                           f"({printable(refused[1][:300])}); it loads the next version that "
+                           "fits")
+                else:
+                    continue
+                del behind[r]
+                if r not in excused:
+                    excused.add(r)
+                    log.warning("max_lag=%d: not waiting for receiver %s, %s", self.max_lag,
+                                printable(r), why)
             if not behind:
                 return time.monotonic() - start
             # A receiver of this process (a reference model the training loop loads) that the

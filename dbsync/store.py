@@ -69,6 +69,7 @@ from .format import (
     loads_json,
     shard_file,
 )
+from .processes import process_state
 
 log = logging.getLogger(__name__)
 
@@ -513,6 +514,12 @@ class Store:
         with self.dir_fd(SLOTS_DIR, slot) as dfd:
             _remove_unless_regular(dfd, name, self.slot_dir(slot))
             mode = fileio.file_mode_in(dfd)
+            path = os.path.join(self.slot_dir(slot), name)
+
+            def new_file() -> int:  # (in place of the file there, whose inode others keep)
+                os.unlink(name, dir_fd=dfd)
+                return os.open(name, flags | os.O_EXCL, mode, dir_fd=dfd)
+
             try:
                 fd = os.open(name, flags, mode, dir_fd=dfd)
             except PermissionError:
@@ -520,31 +527,24 @@ class Store:
                 # that this one may not write: replaced by a file of its own (the directory
                 # is writable, or this raises naming the shard)
                 try:
-                    os.unlink(name, dir_fd=dfd)
-                    fd = os.open(name, flags | os.O_EXCL, mode, dir_fd=dfd)
+                    fd = new_file()
                 except OSError as exc:
-                    raise type(exc)(exc.errno, exc.strerror,
-                                    os.path.join(self.slot_dir(slot), name)) from None
+                    raise type(exc)(exc.errno, exc.strerror, path) from None
             try:
                 first = os.fstat(fd)
-                links = first.st_nlink
-                if 0 < first.st_size != size:
-                    # Another size: a new file, never this one resized. A reader still mapping
-                    # it (frozen past its lease, say) keeps the old inode and is told by the
-                    # slot's stamp (LeaseExpiredError); a file shrunk under its mapping would
-                    # kill it with SIGBUS instead, without a word.
+                # Another size: a new file, never this one resized. A reader still mapping it
+                # (frozen past its lease, say) keeps the old inode and is told by the slot's
+                # stamp (LeaseExpiredError); a file shrunk under its mapping would kill it
+                # with SIGBUS instead, without a word. Other hard links: their names keep
+                # their bytes (a reader of the other slot among them).
+                if 0 < first.st_size != size or first.st_nlink > 1:
                     os.close(fd)
                     fd = -1
-                    os.unlink(name, dir_fd=dfd)
-                    fd = os.open(name, flags | os.O_EXCL, mode, dir_fd=dfd)
-                elif links > 1:
-                    os.close(fd)
-                    fd = -1
-                    log.info("%s has %d hard links (a deduplicating tool, or a `cp -al` copy?): "
-                             "it is written as a new file, the other links keep their bytes",
-                             os.path.join(self.slot_dir(slot), name), links - 1)
-                    os.unlink(name, dir_fd=dfd)
-                    fd = os.open(name, flags | os.O_EXCL, mode, dir_fd=dfd)
+                    if first.st_nlink > 1:
+                        log.info("%s has %d hard links (a deduplicating tool, or a `cp -al` "
+                                 "copy?): it is written as a new file, the other links keep "
+                                 "their bytes", path, first.st_nlink - 1)
+                    fd = new_file()
             except BaseException:
                 if fd >= 0:
                     os.close(fd)
@@ -977,14 +977,8 @@ def _make_parents(path: str) -> None:
 def _stopped_here(holder: str) -> bool:
     """Whether a lock's record '<host> <pid>' names a stopped process of this host."""
     host, _, pid = holder.rpartition(" ")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[:1]
-    except OSError:
-        return False
-    return state in ([b"T"], [b"t"])
+    return (host == socket.gethostname() and pid.isdigit()
+            and process_state(pid) in (b"T", b"t"))
 
 
 def _owner_note(path: str) -> str:

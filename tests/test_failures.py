@@ -770,7 +770,9 @@ def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
     with dbsync.Receiver(root) as rx:
         assert rx.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 2
     assert all(torch.equal(got[k], v + 1) for k, v in weights.items())
-    assert json.load(open(head_path))["format_version"] == 3
+    upgraded = json.load(open(head_path))
+    assert upgraded["format_version"] == 3
+    assert upgraded["run_id"] == head["run_id"]  # (a format upgrade is no new run)
 
 
 def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lands(root):

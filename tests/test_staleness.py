@@ -200,6 +200,9 @@ def test_a_push_inside_its_own_threads_snapshot_is_refused_not_hung(root):
                 background.result(timeout=0.5)  # another thread's push waits for the close
             assert torch.equal(snap.tensordict()["w"], torch.full((4,), 1.0))
         assert background.result(timeout=30) == 3
+        got = {}
+        assert rx.load(lambda pairs: got.update((n, t.clone()) for n, t in pairs)) == 3
+        assert torch.equal(got["w"], torch.full((4,), 3.0))  # the refused push's bytes: none
 
 
 def test_max_lag_refuses_to_wait_for_a_receiver_only_the_pushing_thread_loads(root):

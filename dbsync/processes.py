@@ -1,0 +1,16 @@
+"""What the kernel says of a process of this PID namespace (``/proc/<pid>/stat``), for the
+writer's lease checks and its messages about a lock's holder. Imports nothing of dbsync."""
+
+from __future__ import annotations
+
+
+def process_state(pid: int | str) -> bytes | None:
+    """The one-letter state of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie ...),
+    or None where it cannot be read (no such process, no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) S ...": the state follows the last ")" (a command name may hold one)
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] or None

@@ -188,7 +188,8 @@ def cli(log_level: str | None) -> None:
     vLLM engines.
 
     Exit status: 0 done, 1 an error (one line saying what to do), 2 a usage error, 130
-    interrupted (Ctrl-C), 143 stopped by SIGTERM, 141 the reader of the output went away."""
+    interrupted (Ctrl-C), 143 stopped by SIGTERM before it finished (a serving serve-vllm
+    stops gracefully on SIGTERM and exits 0), 141 the reader of the output went away."""
     if log_level is not None:
         _log_to_stderr(log_level)
 
@@ -705,8 +706,9 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
               help="ROOT holds LoRA adapters: serve --model with LoRA enabled and each new "
                    "adapter version as model NAME, without pausing generation.")
 @click.option("--max-loras", type=click.IntRange(2), default=None, metavar="N",
-              help="With --lora: adapter versions kept loaded (the trainer's staleness + 1 or "
-                   "more).  [default: 2]")
+              help="With --lora: adapter versions kept loaded, at least 2 (the newest and the "
+                   "one running requests hold; the trainer's staleness + 1 or more).  "
+                   "[default: 2]")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float | None,
                transport: str, pause_mode: str, drain_timeout: float,

@@ -108,6 +108,11 @@ class SelfHeldSlotError(DBSyncError):
     itself (a snapshot of the same store, opened in the same thread)."""
 
 
+class ReaderIdInUseError(DBSyncError):
+    """Another open receiver (of this process, or alive on some host) uses this reader id:
+    give each receiver its own, or leave it unset."""
+
+
 class StoreBusyError(DBSyncError):
     """Another writer holds the store's writer lock."""
 

@@ -45,6 +45,7 @@ from .errors import (
     IncompatibleWeightsError,
     InvalidArgumentError,
     LeaseExpiredError,
+    ReaderIdInUseError,
     StoreNotFoundError,
     StoreRewoundError,
     StoreUnreachableError,
@@ -189,7 +190,7 @@ class Receiver:
         try:
             self._keeper.claim = claim_reader_id(self.store, self.reader_id)
         except ReaderIdInUse as exc:
-            raise DBSyncError(
+            raise ReaderIdInUseError(
                 f"reader id {self.reader_id!r} is in use in {self.store.root}: {exc}. Two "
                 "receivers sharing an id overwrite each other's lease, and the writer may "
                 "then reuse a slot one of them still reads: give each receiver its own "

@@ -273,10 +273,11 @@ def _finish_pending_pushes(sender: Sender, deadline: float, who: str, when: str)
                     raise
                 if not told:
                     told = True
-                    log.warning("%s waits (%.0f s at most) for a background push into %s to "
-                                "be published; it waits for readers or a lag bound (Ctrl-C "
-                                "abandons it, publishing nothing)", who,
-                                max(0.0, deadline - time.monotonic()), sender.store.root)
+                    log.warning("%s waits up to %.0f s more (%.0f s in all) for a background "
+                                "push into %s to be published; it waits for readers or a lag "
+                                "bound (Ctrl-C abandons it, publishing nothing)", who,
+                                max(0.0, deadline - time.monotonic()), EXIT_WAIT_SECONDS,
+                                sender.store.root)
     except BaseException as exc:  # (past the bound, or Ctrl-C: never raised from here)
         for abort in list(getattr(sender, "_live_aborts", ())):
             abort.set()

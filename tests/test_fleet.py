@@ -560,7 +560,7 @@ def test_a_reader_id_in_use_is_refused_until_its_reader_is_gone(root, tmp_path):
     with dbsync.Sender(root) as sender:
         sender.push(weights_for(1))
     mine = dbsync.Receiver(root, reader_id="engine-0")
-    with pytest.raises(dbsync.DBSyncError, match="another open Receiver of this process"):
+    with pytest.raises(dbsync.ReaderIdInUseError, match="another open Receiver of this process"):
         dbsync.Receiver(root, reader_id="engine-0")
     mine.close()
     dbsync.Receiver(root, reader_id="engine-0").close()
@@ -571,10 +571,10 @@ def test_a_reader_id_in_use_is_refused_until_its_reader_is_gone(root, tmp_path):
     try:
         pid = wait_json(here_ready, here)["pid"]
         wait_json(far_ready, far)
-        with pytest.raises(dbsync.DBSyncError, match=f"process {pid} on this host"):
+        with pytest.raises(dbsync.ReaderIdInUseError, match=f"process {pid} on this host"):
             dbsync.Receiver(root, reader_id="engine-1")
         start = time.monotonic()
-        with pytest.raises(dbsync.DBSyncError, match="a reader on host far-host"):
+        with pytest.raises(dbsync.ReaderIdInUseError, match="a reader on host far-host"):
             dbsync.Receiver(root, reader_id="engine-2")
         assert time.monotonic() - start < timeout, "a moving beat is seen within a beat"
     finally:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import dbsync
 from dbsync import DamagedVersionError, IncompatibleWeightsError, Sender
 from dbsync.store import Store
 
@@ -209,6 +210,44 @@ def test_unhealthy_until_a_complete_version_applies(setup: Any) -> None:
     assert controller.status()["healthy"] and not ops.paused and ops.served == str(v2)
 
 
+def test_a_try_the_next_one_mends_is_no_refusal_and_repeats_log_once(
+        setup: Any, caplog: Any) -> None:
+    """A version that fails midway once and applies on the next try is never shown to the
+    trainer as refused (the lease holds no refusal while the second try runs: only the
+    outcome is reported). A version that keeps failing alike, retried again and again, is
+    logged at ERROR once; its repeats go to DEBUG (the status and counters show each)."""
+    sender, controller, ops = setup
+    sender.push(weights(1))
+    controller.apply_latest()
+    reader = controller.receiver.reader_id
+    mended = sender.push(weights(2))
+    refusals_seen: list[Any] = []
+    update = ops.update
+
+    def update_and_look(info: dict[str, Any]) -> None:
+        refusals_seen.append(Store(sender.root).read_leases()[reader].get("refused"))
+        update(info)
+
+    ops.update = update_and_look  # type: ignore[method-assign]
+    ops.failures = [f"{PARTIALLY_APPLIED} worker died midway"]
+    assert controller.apply_latest() == mended
+    assert refusals_seen == [None, None], "a try the next one mended was reported as refused"
+    sender.wait_for_receivers(mended, 1, timeout=5)
+
+    failing = sender.push(weights(3))
+    with caplog.at_level(logging.DEBUG, logger="dbsync"):
+        for _ in range(3):
+            ops.failures = [f"{PARTIALLY_APPLIED} the same fault"] * 3
+            with pytest.raises(SwapError):
+                controller.apply_latest()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR
+              and f"version {failing}" in r.getMessage() and "failed midway" in r.getMessage()]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert controller.status()["last_error"] and not controller.status()["healthy"]
+    with pytest.raises(dbsync.ReceiverRefusedError, match=reader):
+        sender.wait_for_receivers(failing, 1, timeout=5)  # the outcome is reported
+
+
 def test_failed_apply_rolls_back_to_the_held_previous_version(setup: Any) -> None:
     """A version that fails midway twice: the version served before is applied again from its
     slot (held by the controller's lease meanwhile), generation resumes on it, and the trainer
@@ -372,8 +411,9 @@ def test_superseded_apply_logs_info_not_error(setup: Any,
 
 
 def test_vllm_rpc_error_for_a_race_becomes_one_info_line() -> None:
-    """vLLM logs a failed worker call as an ERROR traceback; for a superseded apply the
-    registered filter turns it into one INFO line (other errors stay as they are)."""
+    """vLLM logs a failed worker call as an ERROR traceback (~100 lines); for a superseded
+    apply the registered filter turns it into one INFO line, for an apply failure seen before
+    into one WARNING line (other errors stay as they are)."""
     from dbsync.vllm.plugin import SUPERSEDED, register
 
     register()
@@ -387,17 +427,23 @@ def test_vllm_rpc_error_for_a_race_becomes_one_info_line() -> None:
     handler = Keep()
     logger.addHandler(handler)
     try:
-        for text in (f"{NOTHING_APPLIED} version 3 ({SUPERSEDED} now holds 4)", "disk on fire"):
+        for text in (f"{NOTHING_APPLIED} version 3 ({SUPERSEDED} now holds 4)", "disk on fire",
+                     f"{PARTIALLY_APPLIED} version 5: worker died",
+                     f"{PARTIALLY_APPLIED} version 5: worker died"):
             try:
                 raise RuntimeError(text)
             except RuntimeError:
                 logger.exception("WorkerProc hit an exception.")
     finally:
         logger.removeHandler(handler)
-    race, other = records
+    race, other, first, again = records
     assert race.levelno == logging.INFO and race.exc_info is None
     assert "now holds 4" in race.getMessage()
     assert other.levelno == logging.ERROR and other.exc_info is not None
+    # a failure the controller retries: its traceback once, then one line per repeat
+    assert first.levelno == logging.ERROR and first.exc_info is not None
+    assert again.levelno == logging.WARNING and again.exc_info is None
+    assert "version 5: worker died (again" in again.getMessage()
 
 
 def test_transient_read_error_is_retried_until_served(tmp_path: Path) -> None:

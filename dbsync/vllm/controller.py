@@ -258,6 +258,8 @@ class SwapController:
         #: the run of ``state.published_version`` (None: not known yet)
         self._published_run: str | None = None
         self._rolled_back: set[tuple[int, str | None]] = set()
+        #: (version, error) of the apply failures logged at ERROR (repeats go to DEBUG)
+        self._failures_logged: set[tuple[int, str]] = set()
         self._lock = threading.RLock()
         self._watcher: Watcher | None = None
         self._stopping = threading.Event()
@@ -323,6 +325,7 @@ class SwapController:
                     error = exc
                     if exc.partial and attempt >= 1 and self._served is not None:
                         self._roll_back(exc)  # raises RolledBackError, or the failure
+                        # (both reported to the trainer there: only the outcome is)
                     if exc.partial or SUPERSEDED in str(exc) or self._newer_than(exc.version):
                         continue  # roll forward to the newest complete version
                     raise
@@ -333,6 +336,10 @@ class SwapController:
                 if done:
                     return self.state.version
             assert error is not None
+            if isinstance(error, SwapError) and error.partial:
+                # (reported once the tries are over, as the outcome: a try the next one
+                # mends, or a rollback replaces, is no refusal the trainer should see)
+                self._report_refusal(error.version, self.state.last_error or str(error))
             raise error
 
     def init_transport(self) -> None:
@@ -566,6 +573,7 @@ class SwapController:
         s.swaps += 1
         s.last_swap = timings
         s.last_error = s.last_error_version = s.last_error_at = None
+        self._failures_logged.clear()
         self.metrics.applied(pause_s=timings.pause_s, read_verify_s=timings.read_verify_s,
                              nbytes=timings.nbytes, source=timings.source)
         self.metrics.versions(s.version, s.published_version, self._other_run())
@@ -650,6 +658,7 @@ class SwapController:
                       "paused and unhealthy until a complete version is applied", held.version,
                       exc)
             self._release_served()
+            self._report_refusal(failure.version, s.last_error or str(failure))
             raise failure from exc
         s.healthy, s.applying = True, None
         s.version, s.loaded_at = held.version, time.time()
@@ -701,8 +710,7 @@ class SwapController:
             self._record(version, f"applying version {version} failed midway; the engine is "
                                   f"paused and unhealthy until a complete version is applied: "
                                   f"{exc}")
-            self._report_refusal(version, s.last_error or str(exc))
-            log.error("dbsync: %s", s.last_error)
+            self._log_failure(version, exc)
             return
         self._record(version, f"applying version {version} failed, nothing applied; still "
                               f"serving {_served(s.version)}: {exc}")
@@ -710,12 +718,24 @@ class SwapController:
             log.info("dbsync: version %d was superseded while it was applied; applying the "
                      "newest", version)
         else:
-            log.error("dbsync: %s", s.last_error)
+            self._log_failure(version, exc)
         if s.healthy:
             try:
                 self._resume()
             except Exception:
                 log.exception("dbsync: resume failed")
+
+    def _log_failure(self, version: int, exc: BaseException) -> None:
+        """ERROR the first time a version fails this way; DEBUG when its retries fail alike
+        (``status()`` and the failed-outcome counter show every one)."""
+        key = (version, str(exc)[:500])
+        if key in self._failures_logged:
+            log.debug("dbsync: again: %s", self.state.last_error)
+            return
+        if len(self._failures_logged) >= 64:
+            self._failures_logged.clear()
+        self._failures_logged.add(key)
+        log.error("dbsync: %s", self.state.last_error)
 
     def _record(self, version: int, message: str) -> None:
         self.state.last_error = message

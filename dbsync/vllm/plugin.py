@@ -165,15 +165,38 @@ def register() -> None:
 
 
 class _RaceFilter(logging.Filter):
-    """Turns vLLM's ERROR traceback for an apply that lost a normal race (``SUPERSEDED``) into
-    one INFO line: the controller applies the newest version right after."""
+    """Shortens vLLM's ERROR tracebacks for failed applies (each ~100 lines, in the worker
+    and in the engine core):
+    - one that lost a normal race (``SUPERSEDED``) becomes one INFO line: the controller
+      applies the newest version right after;
+    - a failure seen before (the same message: the controller retries a version that fails
+      alike with backoff, for as long as it fails) becomes one WARNING line; its first
+      traceback was logged whole."""
+
+    #: distinct failures remembered (then forgotten, and logged whole once more)
+    REMEMBERED = 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is None or SUPERSEDED not in str(exc):
+        text = "" if exc is None else str(exc)
+        if SUPERSEDED in text:
+            level, line = logging.INFO, text.splitlines()[0]
+        elif NOTHING_APPLIED in text or PARTIALLY_APPLIED in text:
+            if text not in self._seen:
+                if len(self._seen) >= self.REMEMBERED:
+                    self._seen.clear()
+                self._seen.add(text)
+                return True
+            level, line = logging.WARNING, f"{text.splitlines()[0]} (again; its traceback was "
+            line += "logged the first time)"
+        else:
             return True
-        record.msg, record.args = "dbsync: %s", (str(exc).splitlines()[0],)
-        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.msg, record.args = "dbsync: %s", (line,)
+        record.levelno, record.levelname = level, logging.getLevelName(level)
         record.exc_info, record.exc_text = None, None
         return True
 

@@ -148,6 +148,11 @@ def _unexpected(exc: Exception) -> click.ClickException:
                    "with DBSYNC_DEBUG=1 and report the traceback)")
 
 
+#: ROOT of a command that reads a store: checked by ``root_problem`` (a clear message, and
+#: JSON for ``--json``), not by click (a usage error, exit 2, for an unreadable root or a file)
+READ_ROOT = click.Path(path_type=str, readable=False)
+
+
 def _existing_store(root: str) -> Store:
     """A Store for reading; never creates ``root`` (a typo must not make a directory)."""
     from dbsync.store import Store, root_problem
@@ -407,7 +412,7 @@ def _wait_for(store: Store, root: str, version: int, count: int,
 
 # ---- status --------------------------------------------------------------------------------
 @cli.command()
-@click.argument("root", type=click.Path(file_okay=False, path_type=str))
+@click.argument("root", type=READ_ROOT)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(root: str, as_json: bool) -> None:
     """Show ROOT's current version and its receivers: host, loaded version, lag, last seen,
@@ -422,8 +427,8 @@ def status(root: str, as_json: bool) -> None:
         from dbsync.store import root_problem
 
         if (problem := root_problem(root)) is not None:
-            click.echo(json_line({"root": os.path.abspath(root), "error": problem}, indent=1,
-                                 sort_keys=True))
+            click.echo(json_line({"root": os.path.abspath(root), "error": problem,
+                                  "version": None}, indent=1, sort_keys=True))
             fail(problem)
     store = _existing_store(root)
     try:
@@ -438,7 +443,7 @@ def status(root: str, as_json: bool) -> None:
                    else {})
         if as_json:  # a monitoring script still gets one JSON object, saying what failed
             click.echo(json_line({"root": store.root, "error": f"{type(exc).__name__}: {exc}",
-                                  **foreign}, indent=1, sort_keys=True))
+                                  "version": None, **foreign}, indent=1, sort_keys=True))
         elif foreign:
             head = foreign["head"]
             writer = head.get("writer") if isinstance(head.get("writer"), dict) else {}
@@ -522,7 +527,7 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
 
 # ---- watch ---------------------------------------------------------------------------------
 @cli.command()
-@click.argument("root", type=click.Path(file_okay=False, path_type=str))
+@click.argument("root", type=READ_ROOT)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per line.")
 @click.option("--poll-interval", type=SECONDS, default=None,
               metavar="S", help="Seconds between polls on network filesystems (default 1).")
@@ -612,7 +617,7 @@ def _version_line(store: Store, version: int, as_json: bool) -> str:
 
 # ---- verify --------------------------------------------------------------------------------
 @cli.command()
-@click.argument("root", type=click.Path(file_okay=False, path_type=str))
+@click.argument("root", type=READ_ROOT)
 @click.option("--version", "want", type=click.IntRange(1), default=None, metavar="V",
               help="Fail unless V is the current version (only the current one is readable).")
 @click.option("--threads", type=click.IntRange(1, 256), default=4, show_default=True,
@@ -680,7 +685,7 @@ def _stamp_failure(store: Store, root: str) -> NoReturn:
 
 # ---- serve-vllm ----------------------------------------------------------------------------
 @cli.command("serve-vllm", context_settings={"ignore_unknown_options": True})
-@click.argument("root", type=click.Path(file_okay=False, path_type=str))
+@click.argument("root", type=READ_ROOT)
 @click.option("--model", required=True, type=click.Path(path_type=str), metavar="DIR",
               help="The checkpoint vLLM starts from: its directory (config, tokenizer, "
                    "*.safetensors), or a hub id already in the local Hugging Face cache.")

@@ -510,7 +510,8 @@ class Receiver:
 
     def mark_loaded(self, version: int, run_id: str | None = None) -> None:
         """Record that ``version`` is now applied (shown by ``dbsync status``, counted by
-        ``Sender.wait_for_receivers``). Clears an earlier refusal of an older version."""
+        ``Sender.wait_for_receivers``). Clears an earlier refusal of an older version of the
+        same run, or of another run (a load after it is the newer word)."""
         head = self._heads.get(version)
         self.loaded_version = version
         self.loaded_run_id = run_id or (head.run_id if head is not None else None)
@@ -518,7 +519,9 @@ class Receiver:
         self._keeper.loaded = {"version": version, "run_id": self.loaded_run_id,
                                "at": self.loaded_at}
         note_loader(self._keeper.claim)
-        if self._keeper.refused and self._keeper.refused.get("version", 0) <= version:
+        refused = self._keeper.refused
+        if refused and (refused.get("version", 0) <= version or (
+                refused.get("run_id") or self.loaded_run_id) != self.loaded_run_id):
             self._keeper.refused = None
         if not self.read_only:
             self._keeper.write()
@@ -534,11 +537,15 @@ class Receiver:
             log.info("could not record the refusal of version %d in %s: %s", version,
                      self.store.root, report_error)
 
-    def report_refusal(self, version: int, reason: str) -> None:
-        """Record that ``version`` was refused or failed to apply, so the trainer sees it
-        (``dbsync push --wait-for`` and ``wait_for_receivers`` fail fast naming this reader)."""
+    def report_refusal(self, version: int, reason: str, run_id: str | None = None) -> None:
+        """Record that ``version`` (of run ``run_id``; default: the run of the version this
+        receiver last saw with that number) was refused or failed to apply, so the trainer
+        sees it (``dbsync push --wait-for`` and ``wait_for_receivers`` fail fast naming this
+        reader, and ``dbsync status`` shows it, in that run only)."""
+        if run_id is None and (head := self._heads.get(version)) is not None:
+            run_id = head.run_id
         self._keeper.refused = {"version": version, "reason": str(reason)[:2000],
-                                "at": time.time()}
+                                "run_id": run_id, "at": time.time()}
         if not self.read_only:
             self._keeper.write()
 

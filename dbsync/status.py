@@ -62,6 +62,19 @@ def refusal_of(lease: dict[str, Any]) -> tuple[int, str] | None:
     return refused["version"], str(refused.get("reason", ""))[:2000]
 
 
+def refusal_stands(lease: dict[str, Any]) -> bool:
+    """Whether the receiver's refusal is not covered by what it loaded since: a version of
+    the refusal's run at least as new (a load of another run before a refusal does not
+    cover it: versions of two runs are not compared)."""
+    refused = lease.get("refused")
+    if refusal_of(lease) is None:
+        return False
+    loaded, loaded_run = lease.get("loaded_version"), lease.get("loaded_run_id")
+    refused_run = refused.get("run_id")
+    same_run = refused_run is None or loaded_run is None or refused_run == loaded_run
+    return not (same_run and isinstance(loaded, int) and loaded >= refused["version"])
+
+
 def state_of(lease: dict[str, Any], now: float | None = None) -> str:
     """live (holding a slot), idle, refused, or dead: its process is gone (checked only where
     its pid means something here: same host, boot and PID namespace), or it was not
@@ -77,9 +90,7 @@ def state_of(lease: dict[str, Any], now: float | None = None) -> str:
     if isinstance(updated, int | float) and now - updated > 2 * lease_timeout_of(
             lease, DEFAULT_LEASE_TIMEOUT):
         return DEAD
-    refused = refusal_of(lease)
-    loaded = lease.get("loaded_version")
-    if refused is not None and not (isinstance(loaded, int) and loaded >= refused[0]):
+    if refusal_stands(lease):
         return REFUSED
     return LIVE if held_slots(lease) or lease.get("state") == READING else IDLE
 
@@ -91,6 +102,7 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
     if given, gets reader id -> why."""
     head = _head_or_none(store)
     current = None if head is None else head.version
+    current_run = None if head is None else head.run_id
     out = []
     now = time.time()
     ages = _ages_by_store_clock(store)
@@ -101,6 +113,7 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
                 malformed[reader_id] = problem
             continue
         loaded = lease.get("loaded_version")
+        loaded_run = lease.get("loaded_run_id")
         refused = refusal_of(lease)
         updated = lease.get("updated_at")
         age = ages.get(f"{reader_id}.json")
@@ -114,11 +127,15 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
             "state": state_of(lease, now),
             "version": loaded,
             "run_id": lease.get("loaded_run_id"),
-            "lag": None if current is None or not isinstance(loaded, int) else current - loaded,
+            # (versions of two runs are not compared: no lag for a version of another run)
+            "lag": None if current is None or not isinstance(loaded, int) or (
+                loaded_run is not None and current_run is not None
+                and loaded_run != current_run) else current - loaded,
             "last_seen": updated,
             "seconds_since_seen": (now - updated) if isinstance(updated, int | float) else None,
-            "refused": None if refused is None else {"version": refused[0],
-                                                     "reason": refused[1]},
+            "refused": None if refused is None else {
+                "version": refused[0], "reason": refused[1],
+                "run_id": lease["refused"].get("run_id")},
             "lease_timeout": lease.get("lease_timeout"),
             "reads_format": lease.get("reads_format"),  # (None: a release before 0.3)
         })
@@ -175,9 +192,12 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
         refusals = {}
         for r, lease in leases.items():
             refused = refusal_of(lease)
+            refused_run = lease["refused"].get("run_id") if refused is not None else None
             # (a refusal of a newer version by a receiver that did load this one is not a
-            # failure of this one: a pipelined trainer waits for v while v+1 is refused)
+            # failure of this one: a pipelined trainer waits for v while v+1 is refused; nor
+            # is a refusal of an earlier run's version)
             if (refused is not None and refused[0] >= version
+                    and (run is None or refused_run is None or refused_run == run)
                     and loaded.get(r, 0) < min(refused[0], version)):
                 refusals[r] = f"version {refused[0]}: {refused[1]}"
         if refusals:

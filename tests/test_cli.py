@@ -8,6 +8,7 @@ import io
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -420,6 +421,37 @@ def test_status_reports_version_and_receivers(store_v1, st_file):
         assert "engine-0" in human.stdout and "receivers  1" in human.stdout
 
 
+def test_status_does_not_compare_versions_of_two_runs(tmp_path):
+    """A store recreated at the same path is a new run: an engine still on the old run's
+    version 5 that refused the new run's version 1 is shown refused, with that reason and
+    no lag (not "idle" with a lag of -4); a trainer of a later run is not failed by it."""
+    root = str(tmp_path / "store")
+    with dbsync.Sender(root) as sender:
+        for _ in range(5):
+            sender.push({"w": torch.ones(4, 4)})
+    target = {"w": torch.zeros(4, 4)}
+    with dbsync.Receiver(root, reader_id="engine-0") as rx:
+        assert rx.load(target) == 5
+        shutil.rmtree(root)
+        with dbsync.Sender(root) as sender:
+            sender.push({"w": torch.ones(8, 4)})  # another shape: refused
+            new_run = sender.run_id
+        with pytest.raises(dbsync.IncompatibleWeightsError):
+            rx.load(target)
+        info = json.loads(run("status", root, "--json").stdout)
+        [engine] = info["receivers"]
+        assert engine["state"] == "refused" and engine["lag"] is None
+        assert engine["refused"]["version"] == 1 and engine["refused"]["run_id"] == new_run
+        assert "refused" in run("status", root).stdout
+        shutil.rmtree(root)  # a third run: the second run's refusal is not this run's
+        with dbsync.Sender(root) as sender:
+            v = sender.push({"w": torch.ones(4, 4)})
+            assert rx.load(target) == v
+            assert sender.wait_for_receivers(v, 1, timeout=5)
+        [engine] = json.loads(run("status", root, "--json").stdout)["receivers"]
+        assert engine["state"] != "refused" and engine["lag"] == 0 and engine["refused"] is None
+
+
 def test_status_of_empty_and_missing_stores(tmp_path):
     empty = tmp_path / "empty"
     Store(str(empty), create=True)
@@ -438,6 +470,11 @@ def test_status_of_empty_and_missing_stores(tmp_path):
     assert gone.exit_code == 1 and missing in gone.stderr
     gone_json = run("status", missing, "--json")  # a monitoring script still gets JSON
     assert gone_json.exit_code == 1 and "does not exist" in json.loads(gone_json.stdout)["error"]
+    assert json.loads(gone_json.stdout)["version"] is None
+    a_file = tmp_path / "a-file"  # (not a usage error: still one JSON object, exit 1)
+    a_file.write_text("")
+    filed = run("status", str(a_file), "--json")
+    assert filed.exit_code == 1 and "is a regular file" in json.loads(filed.stdout)["error"]
     assert not os.path.exists(missing)
 
 

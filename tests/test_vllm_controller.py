@@ -202,12 +202,18 @@ def test_unhealthy_until_a_complete_version_applies(setup: Any) -> None:
     status = controller.status()
     assert not status["healthy"] and status["paused"] and ops.paused
     assert "paused and unhealthy" in status["last_error"]
+    from prometheus_client import REGISTRY  # (the series Prometheus scrapes say so too)
+
+    assert REGISTRY.get_sample_value("dbsync_healthy") == 0
+    assert REGISTRY.get_sample_value("dbsync_paused") == 1
     # two tries of v, then a rollback to version 1 that failed too: never resumed on a mix
     assert ops.calls[-6:] == ["start", f"update:{v}", "start", f"update:{v}", "start",
                               "update:1"] and "resume" not in ops.calls[-6:]
     v2 = sender.push(weights(3))
     assert controller.apply_latest() == v2
     assert controller.status()["healthy"] and not ops.paused and ops.served == str(v2)
+    assert REGISTRY.get_sample_value("dbsync_healthy") == 1
+    assert REGISTRY.get_sample_value("dbsync_paused") == 0
 
 
 def test_a_try_the_next_one_mends_is_no_refusal_and_repeats_log_once(

@@ -264,6 +264,7 @@ class SwapController:
         self._watcher: Watcher | None = None
         self._stopping = threading.Event()
         self.metrics.watch_store(self.store_problem)
+        self.metrics.watch_engine(self.state)
 
     # ---- public -------------------------------------------------------------------------
     @property

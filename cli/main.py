@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import stat
 import sys
 import threading
@@ -229,8 +230,13 @@ def _log_to_stderr(level: str) -> None:
 @click.option("--max-lag-timeout", type=SECONDS, default=None,
               metavar="S", help="With --max-lag: give up (exit 1, nothing published) after S "
                                 "seconds. Default: wait forever.")
+@click.option("--reader-timeout", type=SECONDS, default=None, metavar="S",
+              help="Give up (exit 1, nothing published) if live readers hold the slot this "
+                   "push must write for longer than S seconds. Default: wait as long as they "
+                   "hold it (a dead reader is waited out after its lease timeout).")
 def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | None,
-         timeout: float | None, max_lag: int | None, max_lag_timeout: float | None) -> None:
+         timeout: float | None, max_lag: int | None, max_lag_timeout: float | None,
+         reader_timeout: float | None = None) -> None:
     """Publish SRC as the next version in ROOT and print that version.
 
     SRC: a .safetensors file, an HF checkpoint directory (sharded, with
@@ -280,14 +286,17 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
             click.echo(f"publishing {len(pairs)} tensors ({human_bytes(nbytes)}) from {src} "
                        f"as the next version of {os.path.abspath(root)}", err=True)
             with Sender(root, num_threads=threads, max_lag=max_lag,
-                        max_lag_timeout=max_lag_timeout) as sender:
+                        max_lag_timeout=max_lag_timeout,
+                        reader_timeout=reader_timeout) as sender:
                 try:
                     version = sender.push(dict(pairs), progress=progress,
                                           adapter_config=adapter_config)
                 except BaseException:
                     bar.finish(done=False)
                     raise
-                bar.finish()
+                waited = sum(sender.last_push_seconds.get(k, 0.0)
+                             for k in ("wait_for_readers", "wait_for_lag"))
+                bar.finish(waited=waited)
                 store = sender.store
     except BaseException as exc:
         if stop.is_set() or isinstance(exc, KeyboardInterrupt):
@@ -295,8 +304,10 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
                                      stop)
         raise
     try:
+        wait = (f" ({waited:.2f} s of it waiting for readers: see the warnings above, or "
+                "--log-level info)" if waited >= 0.1 else "")
         click.echo(f"published version {version} in {store.root}: {len(pairs)} tensors, "
-                   f"{human_bytes(nbytes)}, {time.monotonic() - started:.2f} s", err=True)
+                   f"{human_bytes(nbytes)}, {time.monotonic() - started:.2f} s{wait}", err=True)
         click.echo(version)
     except KeyboardInterrupt:
         _interrupted(f"\ninterrupted; version {version} is published in {store.root}")
@@ -416,7 +427,8 @@ def _wait_for(store: Store, root: str, version: int, count: int,
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(root: str, as_json: bool) -> None:
     """Show ROOT's current version and its receivers: host, loaded version, lag, last seen,
-    state (live: reading now, idle, refused with the reason, dead). Exits 1 if the current
+    state (live: reading now, idle, refused with the reason, stale: not renewed for its lease
+    timeout, dead). Exits 1 if the current
     version's files are missing or the wrong size (contents are checked by `dbsync verify`)."""
     from dbsync.status import printable, store_status
 
@@ -499,7 +511,8 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
         lines += [
             f"version    {info['version']} (slot {info['slot']})",
             f"run        {info.get('run_id') or '-'}",
-            f"tensors    {info['tensors']} ({human_bytes(info['bytes'])})",
+            f"tensors    {info['tensors']} ({human_bytes(info['bytes'])})"
+            + (" of a LoRA adapter" if info.get("kind") == "adapter" else ""),
             f"published  {human_time(info['published_at'])}{by}",
         ]
         if not info.get("durable", True):
@@ -507,7 +520,8 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
     for name, problem in info.get("problems", {}).items():
         lines.append(f"DAMAGED    {name}: {problem}")
     rx = info["receivers"]
-    counts = {s: sum(r["state"] == s for r in rx) for s in ("live", "idle", "refused", "dead")}
+    counts = {s: sum(r["state"] == s for r in rx)
+              for s in ("live", "idle", "refused", "stale", "dead")}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     lines.append(f"receivers  {len(rx)}" + (f" ({summary})" if summary else ""))
     if rx:
@@ -535,7 +549,7 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
               help="Exit after printing N lines (the current version counts as one).")
 def watch(root: str, as_json: bool, poll_interval: float | None, count: int | None) -> None:
     """Print the current version of ROOT, then a line per new version, until interrupted
-    (Ctrl-C: exit 130) or --count lines were printed (exit 0).
+    (Ctrl-C: exit 130; SIGTERM: exit 143) or --count lines were printed (exit 0).
 
     Versions published faster than they are noticed are reported once, as the newest. A new
     training run at ROOT (a new run id) is reported even though its versions start again."""
@@ -563,6 +577,17 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
         click.echo(f"nothing is published at {root} yet; waiting for the first version "
                    "(Ctrl-C to stop)", err=True)
     interrupted = False
+    # SIGTERM ends the watch as Ctrl-C does (exit 143). Handled, not left to the default
+    # action: as a container's PID 1 a process ignores signals it has no handler for, and
+    # `docker stop` / Kubernetes then wait out their grace period and SIGKILL it.
+    terminated = threading.Event()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        terminated.set()
+        done.set()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
     with Watcher(store.root, on_version, poll_interval=poll_interval) as watcher:
         try:
             while not done.wait(0.5):
@@ -576,8 +601,13 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
                     break
         except KeyboardInterrupt:
             interrupted = True
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
     if closed:
         raise closed[0]
+    if terminated.is_set():
+        raise click.exceptions.Exit(128 + signal.SIGTERM)
     if interrupted:  # the way to stop it, but still an interruption (exit 130, as documented)
         raise click.exceptions.Exit(INTERRUPTED_EXIT)
 

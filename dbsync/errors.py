@@ -113,6 +113,12 @@ class ReaderIdInUseError(DBSyncError):
     give each receiver its own, or leave it unset."""
 
 
+class SlotHeldError(DBSyncError):
+    """Live readers held the slot a push must write for longer than the Sender's
+    ``reader_timeout``: nothing was published (a writer never overwrites a version a live
+    reader holds)."""
+
+
 class StoreBusyError(DBSyncError):
     """Another writer holds the store's writer lock."""
 

@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .errors import InvalidArgumentError, SelfHeldSlotError
+from .errors import InvalidArgumentError, SelfHeldSlotError, SlotHeldError
 from .format import READERS_DIR, SLOTS, FormatError, is_reader_id
 from .processes import process_state
 from .store import Store
@@ -58,6 +58,8 @@ MAX_LEASE_TIMEOUT = 3600.0
 DEAD_LEASE_GRACE = 1.0
 #: a push waiting this long for live readers to release a slot says so at WARNING
 SLOW_HOLDER_WARN_S = 10.0
+#: ... and again every this many seconds while they hold it
+SLOW_HOLDER_REPEAT_S = 60.0
 READING = "reading"
 IDLE = "idle"
 
@@ -641,10 +643,12 @@ class LeaseMonitor:
 
     def wait_until_free(self, slot: str, sleep: Callable[[float], Any] | None = None,
                         interval: float = 0.02, stop: threading.Event | None = None,
-                        waiter: int | None = None) -> float:
+                        waiter: int | None = None, timeout: float | None = None) -> float:
         """Block until no live reader holds ``slot``, or ``stop`` is set (the wait sleeps on
         it, so it ends at once). Returns the seconds waited. Waits at most about the longest
-        lease timeout for a reader that stopped beating.
+        lease timeout for a reader that stopped beating; for live readers that hold it, as
+        long as they do, or ``timeout`` seconds (then ``SlotHeldError``, naming them). Warns
+        after ``SLOW_HOLDER_WARN_S`` and again every ``SLOW_HOLDER_REPEAT_S``.
 
         ``waiter``: the thread that waits for this (a blocking push's caller). Raises
         ``SelfHeldSlotError`` at once if that thread itself holds the slot through a receiver
@@ -653,6 +657,7 @@ class LeaseMonitor:
             sleep = time.sleep if stop is None else stop.wait
         start = self.clock()
         told = 0  # 1: said at INFO; 2: warned (a reader holds the slot for long)
+        warned_at = 0.0
         held_by: list[str] = []
         while not (stop is not None and stop.is_set()) and (holding := self.holders(slot)):
             held_by = holding
@@ -679,22 +684,38 @@ class LeaseMonitor:
             elif told < 1 and waited > 1.0:
                 log.info("waiting for reader(s) %s to release slot %s", ", ".join(holding), slot)
                 told = 1
-            elif told < 2 and waited > SLOW_HOLDER_WARN_S:
+            elif (told < 2 and waited > SLOW_HOLDER_WARN_S) or (
+                    told == 2 and not here and waited - warned_at > SLOW_HOLDER_REPEAT_S):
                 log.warning(
                     "the push has waited %.0f s for reader(s) %s to release slot %s of %s: a "
                     "writer never overwrites a version a live reader holds. It goes on once they "
                     "release it, or once they stop renewing their lease (dead after their lease "
-                    "timeout); stop or close those readers to publish now",
+                    "timeout); stop or close those readers to publish now (a Sender's "
+                    "reader_timeout, `dbsync push --reader-timeout`, bounds the wait)",
                     waited, "; ".join(self._describe(r) for r in holding), slot,
                     self.store.root)
-                told = 2
+                told, warned_at = 2, waited
+            if timeout is not None and waited >= timeout:
+                raise SlotHeldError(
+                    f"reader(s) {'; '.join(self._describe(r) for r in holding)} held slot "
+                    f"{slot} of {self.store.root} for {waited:.1f} s, longer than the push's "
+                    f"reader_timeout ({timeout:g} s); nothing was published. A writer never "
+                    "overwrites a version a live reader holds: stop or close those readers, "
+                    "or give them longer")
             due = self.expires_in(holding)
+            if timeout is not None:
+                due = timeout - waited if due is None else min(due, timeout - waited)
             # a small margin past the expiry, so the look that follows finds it dead
-            sleep(interval if due is None else min(interval, due + 0.005))
+            sleep(interval if due is None else min(interval, max(due, 0.0) + 0.005))
             interval = min(interval * 1.5, 0.25)
-        if told and not (stop is not None and stop.is_set()):
-            dead = [r for r in held_by if r in self._dead]  # (not those that closed)
-            log.info("slot %s of %s is free after %.1f s: %s", slot, self.store.root,
+        dead = [r for r in held_by if r in self._dead]  # (not those that closed)
+        # (a reader that stopped beating while it held the slot, waited out for its lease
+        # timeout, is news: a stopped or hung engine; one whose process is gone is seen dead
+        # at once, and is not)
+        waited_out = bool(dead) and self.clock() - start > 0.25
+        if (told or waited_out) and not (stop is not None and stop.is_set()):
+            level = logging.WARNING if waited_out else logging.INFO
+            log.log(level, "slot %s of %s is free after %.1f s: %s", slot, self.store.root,
                      self.clock() - start, "; ".join(
                          [f"{', '.join(dead)} judged dead (its lease timeout passed, or its "
                           "process is gone): a snapshot it still reads is no longer "

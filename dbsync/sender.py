@@ -394,6 +394,9 @@ class Sender:
     slot. ``max_lag``: a push waits (up to
     ``max_lag_timeout`` seconds, then raises ``StalenessError``) while any live receiver that
     reports loads is more than ``max_lag`` versions behind the current version.
+    ``reader_timeout``: the longest a push waits for live readers to release the slot it must
+    write (then ``SlotHeldError``, nothing published); None (default) waits as long as they
+    hold it, warning every minute (a reader that dies is waited out after its lease timeout).
 
     Hazards: a Sender belongs to the process that created it; a forked child's push raises,
     and the child drops its copy of the writer lock at once (a child outliving the trainer
@@ -412,6 +415,7 @@ class Sender:
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         max_lag: int | None = None,
         max_lag_timeout: float | None = None,
+        reader_timeout: float | None = None,
     ):
         sources.check_target_dtype(dtype, InvalidArgumentError)
         if strategy not in sources.STRATEGIES:
@@ -426,6 +430,7 @@ class Sender:
             raise InvalidArgumentError(f"max_lag must be a number >= 0 (or None for no bound), "
                                        f"not {max_lag!r}")
         check_seconds(max_lag_timeout, "max_lag_timeout", none="wait as long as it takes")
+        check_seconds(reader_timeout, "reader_timeout", none="wait as long as readers hold it")
         check_lease_timeout(lease_timeout)
         _refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)
@@ -434,6 +439,7 @@ class Sender:
         self.durable = durable
         self.max_lag = max_lag
         self.max_lag_timeout = max_lag_timeout
+        self.reader_timeout = reader_timeout
         self._lock_fd: list[int | None] = [self.store.lock_writer()]
         #: the directory locked: pushes refuse to go on once ROOT names another one
         self._locked_root = _identity(self.store.root)  # (it exists: its lock was taken)
@@ -812,7 +818,10 @@ class Sender:
                     self._pending[0] -= 1
                 self.last_error = None if isinstance(exc, _Aborted) else exc
                 if background and self.last_error is not None:
-                    log.error("background push into %s failed: %s", self.store.root, exc)
+                    # (WARNING: the caller gets the error from the future and may handle it,
+                    # a full disk retried, say; ERROR is for what nobody handles)
+                    log.warning("background push into %s failed: %s (raised by its future's "
+                                "result(); also in last_error)", self.store.root, exc)
                 raise
         finally:
             self._live_aborts.discard(abort)
@@ -920,7 +929,8 @@ class Sender:
                               "store can name; nothing was published. Start a new run in a "
                               "fresh directory")
         slot = SLOTS[0] if self._slot is None else SLOTS[1 - SLOTS.index(self._slot)]
-        waited = self._leases.wait_until_free(slot, stop=abort, waiter=waiter)
+        waited = self._leases.wait_until_free(slot, stop=abort, waiter=waiter,
+                                              timeout=self.reader_timeout)
         if abort.is_set():
             raise _Aborted("push interrupted while waiting for readers; nothing was published")
         self._check_root_unchanged()  # (again: the wait may have been long)

@@ -25,6 +25,9 @@ from .leases import (
 from .store import Store
 
 LIVE, IDLE, DEAD, REFUSED = "live", "idle", "dead", "refused"
+#: not renewed for longer than its lease timeout (but not yet twice it): writers no longer wait
+#: for it and may reuse a slot it reads (a stopped, hung or starved process?)
+STALE = "stale"
 
 
 def printable(text: str, keep: str = "") -> str:
@@ -76,7 +79,8 @@ def refusal_stands(lease: dict[str, Any]) -> bool:
 
 
 def state_of(lease: dict[str, Any], now: float | None = None) -> str:
-    """live (holding a slot), idle, refused, or dead: its process is gone (checked only where
+    """live (holding a slot), idle, refused, stale (not renewed for its lease timeout: writers
+    no longer wait for it), or dead: its process is gone (checked only where
     its pid means something here: same host, boot and PID namespace), or it was not
     refreshed for twice its own lease timeout (judged by ``updated_at``, which ``receivers``
     takes from the store's clock where it can, so only for display; the writer never uses
@@ -87,9 +91,11 @@ def state_of(lease: dict[str, Any], now: float | None = None) -> str:
             pid > 0 and not pid_alive(pid)):
         return DEAD
     updated = lease.get("updated_at")
-    if isinstance(updated, int | float) and now - updated > 2 * lease_timeout_of(
-            lease, DEFAULT_LEASE_TIMEOUT):
+    timeout = lease_timeout_of(lease, DEFAULT_LEASE_TIMEOUT)
+    if isinstance(updated, int | float) and now - updated > 2 * timeout:
         return DEAD
+    if isinstance(updated, int | float) and now - updated > timeout:
+        return STALE
     if refusal_stands(lease):
         return REFUSED
     return LIVE if held_slots(lease) or lease.get("state") == READING else IDLE

@@ -23,6 +23,7 @@ import dbsync
 from cli.main import cli
 from dbsync.format import MANIFEST_FILE
 from dbsync.store import Store
+from tests.fleet_mounts import needs_root
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,6 +126,59 @@ def test_status_and_watch_import_no_torch(store2):
 
 
 # ---- Ctrl-C during push --------------------------------------------------------------------
+def test_a_push_that_waited_out_a_stopped_reader_says_so(store2, st_file):
+    """A reader stopped (SIGSTOP: a frozen or hung engine) while it holds the slot the push
+    needs: the push waits out its lease timeout, then says at WARNING that the slot was taken
+    from a reader judged dead, and its summary tells the wait apart from the writing (it
+    said "wrote 1 MiB in 2.0 s" of a write that took milliseconds, and nothing else)."""
+    code = ("import sys, dbsync; r = dbsync.Receiver(sys.argv[1], lease_timeout=1.0); "
+            "s = r.open(); print(s.version, flush=True); sys.stdin.read()")
+    reader = subprocess.Popen([sys.executable, "-c", code, store2], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        assert reader.stdout.readline().strip() == "2"  # holds slot b
+        with dbsync.Sender(store2, durable=False) as sender:
+            assert sender.push({"w": torch.full((4,), 3.0)}) == 3  # slot a; next needs b
+        os.kill(reader.pid, signal.SIGSTOP)
+        pushed = subprocess.run(cli_cmd("push", st_file, store2), capture_output=True,
+                                text=True, env=cli_env(), timeout=120)
+    finally:
+        reader.kill()
+        reader.wait()
+    assert pushed.returncode == 0, pushed.stderr
+    assert "judged dead" in pushed.stderr and "is free after" in pushed.stderr
+    [summary] = [line for line in pushed.stderr.splitlines() if line.startswith("published")]
+    waited = float(summary.split("(")[1].split(" s of it waiting for readers")[0])
+    assert waited >= 0.9, summary  # the lease timeout, said as waiting (not as writing)
+
+
+def test_reader_timeout_bounds_the_wait_for_a_live_reader(store2, st_file):
+    """A live reader (renewing its lease: a hung load, an engine that never finishes) holds
+    the slot the push must write: with --reader-timeout / ``reader_timeout`` the push gives
+    up after that long, naming the reader, and publishes nothing (it waited for ever)."""
+    code = ("import sys, dbsync; r = dbsync.Receiver(sys.argv[1], reader_id='stuck-engine'); "
+            "s = r.open(); print(s.version, flush=True); sys.stdin.read()")
+    reader = subprocess.Popen([sys.executable, "-c", code, store2], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        assert reader.stdout.readline().strip() == "2"  # holds slot b
+        with dbsync.Sender(store2, durable=False, reader_timeout=0.5) as sender:
+            assert sender.push({"w": torch.full((4,), 3.0)}) == 3  # slot a; next needs b
+            start = time.monotonic()
+            with pytest.raises(dbsync.SlotHeldError, match="stuck-engine") as info:
+                sender.push({"w": torch.full((4,), 4.0)})
+            assert 0.5 <= time.monotonic() - start < 5
+            assert "nothing was published" in str(info.value)
+        pushed = subprocess.run(cli_cmd("push", st_file, store2, "--reader-timeout", "0.5"),
+                                capture_output=True, text=True, env=cli_env(), timeout=120)
+    finally:
+        reader.kill()
+        reader.wait()
+    assert pushed.returncode == 1 and "stuck-engine" in pushed.stderr, pushed.stderr
+    assert "Traceback" not in pushed.stderr
+    assert version_of(store2) == 3  # nothing was published by either
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_while_waiting_for_a_reader_publishes_nothing(store2, st_file, signum):
     """A reader holds the slot the push must write, so the push waits before writing; Ctrl-C
@@ -250,6 +304,26 @@ def test_manifest_that_is_a_directory_is_one_plain_line(store2):
         assert MANIFEST_FILE in lines[0] and "bug in dbsync" not in lines[0]
 
 
+@needs_root
+def test_watch_as_a_containers_first_process_stops_on_sigterm(store2):
+    """`dbsync watch` as PID 1 of its PID namespace (a container's entry point): the kernel
+    ignores signals PID 1 has no handler for, so SIGTERM (`docker stop`, Kubernetes) left it
+    running until the grace period's SIGKILL. It now exits 143 at once."""
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", *cli_cmd("watch", store2)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env(), cwd=REPO)
+    try:
+        assert proc.stdout.readline().startswith("version 2")  # watching
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            (inner,) = f.read().split()  # the watch itself: PID 1 inside
+        os.kill(int(inner), signal.SIGTERM)
+        assert proc.wait(timeout=10) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_watch_on_a_garbled_manifest_warns_once_and_keeps_watching(store2):
     path = os.path.join(store2, MANIFEST_FILE)
     with open(path, "rb") as f:
@@ -279,7 +353,8 @@ def test_watch_on_a_garbled_manifest_warns_once_and_keeps_watching(store2):
 
 # ---- fleet view ------------------------------------------------------------------------------
 def test_status_fleet_view_live_idle_dead_refused(store2):
-    """Each receiver's state (the library's judgement) and, for dead and refused ones, why, in
+    """Each receiver's state (the library's judgement) and, for dead, stale and refused ones,
+    why, in
     the table and in --json. Leases of receivers elsewhere are written as they would write
     them; the live and idle ones are real receivers in this process."""
     from dbsync.leases import host_identity
@@ -313,7 +388,7 @@ def test_status_fleet_view_live_idle_dead_refused(store2):
     rx = {r["id"]: r for r in json.loads(result.stdout)["receivers"]}
     assert {k: v["state"] for k, v in rx.items()} == {
         "engine-reading": "live", "engine-idle": "idle", "local-gone": "dead",
-        "remote-stale": "dead", "remote-slow-beat": "idle", "remote-refused": "refused",
+        "remote-stale": "dead", "remote-slow-beat": "stale", "remote-refused": "refused",
         "remote-old-refusal": "idle",
     }
     assert (rx["engine-idle"]["version"], rx["engine-idle"]["lag"]) == (2, 0)
@@ -321,10 +396,11 @@ def test_status_fleet_view_live_idle_dead_refused(store2):
     assert rx["local-gone"]["reason"] == f"process {finished.pid} on {socket.gethostname()} is gone"
     assert rx["remote-stale"]["reason"].startswith("lease not refreshed for 130 s")
     assert "twice its 60 s lease timeout" in rx["remote-stale"]["reason"]
+    # past its lease timeout (the writer no longer waits for it), not yet twice it
+    assert "writers no longer wait for it" in rx["remote-slow-beat"]["reason"]
     assert rx["remote-refused"]["reason"] == "version 2: lm_head.weight: shape [8, 4] != [16, 4]"
     assert rx["remote-refused"]["lag"] == 1 and rx["remote-refused"]["refused"]["version"] == 2
-    assert rx["remote-slow-beat"]["reason"] is None
-    assert "receivers  7 (1 live, 3 idle, 1 refused, 2 dead)" in human
+    assert "receivers  7 (1 live, 2 idle, 1 refused, 1 stale, 2 dead)" in human
     assert "remote-refused refused: version 2: lm_head.weight" in human
     assert "remote-stale dead: lease not refreshed for 130 s" in human
 

@@ -8,6 +8,7 @@ model directory is sharded with an index and a stray safetensors file the index 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -60,13 +61,23 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(store: Path, sender: Any, faults: Path,
+def notify_socket(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A socket standing for systemd's (``$NOTIFY_SOCKET`` of a ``Type=notify`` unit)."""
+    path = tmp_path_factory.mktemp("systemd") / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        yield sock
+
+
+@pytest.fixture(scope="module")
+def server(store: Path, sender: Any, faults: Path, notify_socket: Any,
            tmp_path_factory: pytest.TempPathFactory) -> Any:
     # the sender creates the (empty) store: a reader given a missing ROOT fails at once
     reference("B", "bfloat16")  # started now: overlaps the server's start-up
     log = tmp_path_factory.mktemp("serving-log") / "server.log"
     srv = Server(store, tiny_model("A-sharded"), log, plain=True,
-                 env={"DBSYNC_TEST_APPLY_FAULTS": str(faults)})
+                 env={"DBSYNC_TEST_APPLY_FAULTS": str(faults),
+                      "NOTIFY_SOCKET": notify_socket.getsockname()})
     try:
         srv.wait_ready()
         yield srv
@@ -102,9 +113,14 @@ def stream(client: Any, server: Server, prompt: str, max_tokens: int,
     return chunks
 
 
-def test_plain_command_starts_on_cpu(server: Server) -> None:
+def test_plain_command_starts_on_cpu(server: Server, notify_socket: Any) -> None:
     status = server.status()
     assert status["version"] is None and status["healthy"]
+    # systemd (a Type=notify unit) was told once it served: one datagram, sent before the
+    # routes answered
+    notify_socket.settimeout(0)
+    told = notify_socket.recv(4096).decode().splitlines()
+    assert told[0] == "READY=1" and told[1].startswith("STATUS=serving version None of ")
     assert status["pause_mode"] == "keep"
     log = server.tail(400_000)
     assert "CPU host: KV cache of" in log and "running the model eagerly" in log

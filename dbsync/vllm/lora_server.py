@@ -48,6 +48,7 @@ from .http import (
     serve_app,
 )
 from .lora import AdapterRefusedError, AdapterVersion, AdapterVersions, expected_of
+from .sdnotify import notify
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +385,10 @@ async def _serve(args: Any, root: str, name: str, max_loras: int,
             serving.start_watching()
             log.info("dbsync: serving %s with adapter %s on %s (store %s, version %s)",
                      args.model, name, listen_address, root, serving.version)
+            notify("READY=1", f"STATUS=serving adapter {name} version {serving.version} of "
+                   f"{root} on {listen_address}")
             shutdown_task = await serve_app(app, sock, args)
+            notify("STOPPING=1")
             # off the loop: the follower thread may be waiting for this loop
             await asyncio.to_thread(serving.stop)
         await shutdown_task

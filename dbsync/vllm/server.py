@@ -66,6 +66,7 @@ from .http import (
     serve_app,
 )
 from .plugin import configure_logging
+from .sdnotify import notify
 from .versions import VersionStamp, wrap_generate
 
 log = logging.getLogger("dbsync.vllm.server")
@@ -203,7 +204,10 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
             controller.start_watching()
             log.info("dbsync: serving %s on %s (store %s, version %s)", args.model,
                      listen_address, root, controller.version)
+            notify("READY=1", f"STATUS=serving version {controller.version} of {root} on "
+                   f"{listen_address}")
             shutdown_task = await serve_app(app, sock, args)
+            notify("STOPPING=1")
             controller.stop_applying()  # (no swap holds the shutdown up)
             # (in a thread: a swap under way waits on this loop for its engine calls)
             await asyncio.to_thread(controller.stop)

@@ -251,6 +251,13 @@ class Watcher:
         self._seen = None
 
     @property
+    def read_problem(self) -> str | None:
+        """Why the store's manifest cannot be read now (garbled, another format, unreachable),
+        as the last look found; None while it reads well."""
+        error = self.last_error if self._read_failing else None
+        return None if error is None else f"{type(error).__name__}: {error}"
+
+    @property
     def run_id(self) -> str | None:
         """The run id of the last version reported (None before one, or for stores without
         run ids)."""

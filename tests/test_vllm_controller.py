@@ -663,6 +663,41 @@ def test_a_missing_store_shows_in_the_status_and_metrics(tmp_path: Path) -> None
         controller.stop()
 
 
+def test_a_garbled_manifest_shows_in_the_status_and_metrics(tmp_path: Path) -> None:
+    """A store whose manifest cannot be read (garbled here; another format, a half-copied
+    restore) keeps a server from following it: that reaches the status and
+    ``dbsync_store_ok``, not only one log line, and clears once the manifest reads again.
+    The status names the run of the version served."""
+    from prometheus_client import CollectorRegistry
+
+    from dbsync.format import MANIFEST_FILE
+    from dbsync.vllm.metrics import SwapMetrics
+
+    root = tmp_path / "store"
+    registry = CollectorRegistry()
+    with Sender(root) as sender:
+        sender.push(weights(1))
+        run_id = sender.run_id
+    controller = SwapController(root, ScriptedOps(), EXPECTED,
+                                metrics=SwapMetrics(registry=registry), poll_interval=0.05)
+    try:
+        assert controller.apply_latest() == 1
+        controller.start_watching()
+        assert controller.status()["run_id"] == run_id
+        head = root / MANIFEST_FILE
+        good = head.read_bytes()
+        head.write_bytes(b'{"version": ')  # (in place: a writer never does this)
+        wait_for(lambda: controller.status()["store_problem"] is not None, 30)
+        problem = controller.status()["store_problem"]
+        assert "manifest cannot be read" in problem and "still serving version 1" in problem
+        assert registry.get_sample_value("dbsync_store_ok") == 0
+        head.write_bytes(good)
+        wait_for(lambda: controller.status()["store_problem"] is None, 30)
+        assert registry.get_sample_value("dbsync_store_ok") == 1
+    finally:
+        controller.stop()
+
+
 def test_a_refusal_in_a_new_run_is_counted_and_said_though_the_old_run_refused_its_number(
         tmp_path: Path, caplog: Any) -> None:
     """Refusals name versions of their own run: a new run's version 2 refused after the old

@@ -298,14 +298,20 @@ class SwapController:
             "source": None if s.last_swap is None else s.last_swap.source,
             "transport": self.transport,
             "root": self.root,
+            "run_id": self._served_run,
             "watching": self._watcher is not None,
             "store_problem": self.store_problem(),
         }
 
     def store_problem(self) -> str | None:
         """What keeps this server from following the store (``Receiver.store_problem``: its
-        directory gone, its lease not written), or None. The served version stays served."""
+        directory gone, its lease not written; or its manifest unreadable, as the watcher last
+        found it), or None. The served version stays served. Touches no file."""
         problem = self.receiver.store_problem()
+        watcher = self._watcher
+        if problem is None and watcher is not None and (
+                unreadable := watcher.read_problem) is not None:
+            problem = f"the store's manifest cannot be read ({unreadable})"
         return None if problem is None else f"{problem}; still serving {_served(self.version)}"
 
     def apply_latest(self) -> int | None:

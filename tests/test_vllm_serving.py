@@ -120,7 +120,7 @@ def test_plain_command_starts_on_cpu(server: Server, notify_socket: Any) -> None
     # routes answered
     notify_socket.settimeout(0)
     told = notify_socket.recv(4096).decode().splitlines()
-    assert told[0] == "READY=1" and told[1].startswith("STATUS=serving version None of ")
+    assert told[0] == "READY=1" and told[1].startswith("STATUS=serving no version yet of ")
     assert status["pause_mode"] == "keep"
     log = server.tail(400_000)
     assert "CPU host: KV cache of" in log and "running the model eagerly" in log

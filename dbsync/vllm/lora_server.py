@@ -383,10 +383,12 @@ async def _serve(args: Any, root: str, name: str, max_loras: int,
                     log.warning("dbsync: could not apply an adapter version at start (%s); "
                                 "retrying", exc)
             serving.start_watching()
-            log.info("dbsync: serving %s with adapter %s on %s (store %s, version %s)",
-                     args.model, name, listen_address, root, serving.version)
-            notify("READY=1", f"STATUS=serving adapter {name} version {serving.version} of "
-                   f"{root} on {listen_address}")
+            served = ("no version yet" if serving.version is None
+                      else f"version {serving.version}")
+            log.info("dbsync: serving %s with adapter %s on %s (store %s, %s)", args.model,
+                     name, listen_address, root, served)
+            notify("READY=1", f"STATUS=serving adapter {name} ({served}) of {root} on "
+                   f"{listen_address}")
             shutdown_task = await serve_app(app, sock, args)
             notify("STOPPING=1")
             # off the loop: the follower thread may be waiting for this loop

@@ -202,10 +202,11 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
             except (DBSyncError, OSError):
                 pass  # recorded and logged; the watcher retries what is not a refusal
             controller.start_watching()
-            log.info("dbsync: serving %s on %s (store %s, version %s)", args.model,
-                     listen_address, root, controller.version)
-            notify("READY=1", f"STATUS=serving version {controller.version} of {root} on "
-                   f"{listen_address}")
+            served = ("no version yet" if controller.version is None
+                      else f"version {controller.version}")
+            log.info("dbsync: serving %s on %s (store %s, %s)", args.model, listen_address,
+                     root, served)
+            notify("READY=1", f"STATUS=serving {served} of {root} on {listen_address}")
             shutdown_task = await serve_app(app, sock, args)
             notify("STOPPING=1")
             controller.stop_applying()  # (no swap holds the shutdown up)

@@ -374,7 +374,8 @@ class Receiver:
             f"version {head.version} in {self.store.root}: the head names slot {head.slot}, but "
             f"{why}, and the head did not move on (a writer reusing the slot would first have "
             "flipped it away): the stamp is missing or damaged. Nothing was applied. Run "
-            "`dbsync verify ROOT` and publish again from the trainer", {"<slot stamp>": why})
+            f"`dbsync verify {self.store.root}` and publish again from the trainer",
+            {"<slot stamp>": why})
         error.version = head.version  # (refused by callers as a damaged version is)
         raise error
 

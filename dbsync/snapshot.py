@@ -210,7 +210,8 @@ class Snapshot:
                 f"version {self.version} in {self.receiver.store.slot_dir(self.manifest.slot)} "
                 f"is damaged ({len(damaged)} tensor(s){where}: {names}{more})"
                 + (f" [{shards}]" if shards else "") + "; nothing was applied. "
-                "Run `dbsync verify ROOT` and publish again from the trainer",
+                f"Run `dbsync verify {self.receiver.store.root}` and publish again from the "
+                "trainer",
                 damaged,
             )
         self._verified = True

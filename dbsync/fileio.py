@@ -291,8 +291,14 @@ def write_shards(
             if last:
                 syncs.append(pool.submit(os.fsync, fds[shard]))
 
-    futures = [pool.submit(run, number, task) for number, task in enumerate(tasks)]
+    futures: list[Future[None]] = []
     try:
+        try:
+            for number, task in enumerate(tasks):
+                futures.append(pool.submit(run, number, task))
+        except BaseException:  # (no thread to start one: those queued must not write on
+            settle(futures)    # into descriptors the caller is about to close)
+            raise
         wait_all(futures)
         if while_syncing is not None:
             while_syncing(sums)

@@ -52,6 +52,7 @@ from .errors import (
     check_flag,
     check_seconds,
     resource_limit,
+    resources_named,
     short_repr,
 )
 from .format import (
@@ -812,7 +813,9 @@ class Sender:
             if not ticket.start():
                 raise _Aborted("push interrupted while it was submitted; nothing was published")
             try:
-                version = self._publish(*args, waiter=ticket.waiter)
+                with resources_named(f"pushing into {self.store.root}",
+                                     "nothing was published"):
+                    version = self._publish(*args, waiter=ticket.waiter)
             except BaseException as exc:
                 with self._numbering:
                     self._pending[0] -= 1

@@ -1009,6 +1009,11 @@ def _mkdir(path: str) -> None:
         os.mkdir(path, mode)
     except FileExistsError:
         st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) and not os.path.exists(path):
+            raise StoreNotFoundError(
+                f"{path} is a symlink to {os.readlink(path)!r}, which does not exist: create "
+                "that directory first (a symlink naming the store is followed; dbsync creates "
+                "no directory at the end of one)") from None
         if not stat.S_ISDIR(st.st_mode):
             links = ("; dbsync never follows links inside a store"
                      if stat.S_ISLNK(st.st_mode) else "")

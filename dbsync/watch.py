@@ -234,7 +234,9 @@ class Watcher:
     # ---- public -------------------------------------------------------------------------
     @property
     def mode(self) -> str:
-        return "polling" if self.polling else "inotify"
+        """"inotify", or "polling": chosen for the mount, or while no inotify watch could be
+        set up (the inotify limits reached, the root missing: retried meanwhile)."""
+        return "polling" if self.polling or self._rewatch.is_set() else "inotify"
 
     @property
     def last_version(self) -> int | None:

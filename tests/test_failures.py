@@ -1512,3 +1512,18 @@ def test_a_writer_refused_by_a_stopped_lock_holder_is_told_it_is_stopped(root):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_store_symlink_to_a_missing_directory_says_to_create_it(tmp_path):
+    """A ROOT that is a symlink ("current" -> a volume's directory) is followed; one whose
+    target does not exist yet was called "a symlink, not a directory; dbsync never follows
+    links inside a store", which sent users the wrong way. Nothing is created."""
+    link = tmp_path / "current"
+    link.symlink_to("vol/policy")
+    with pytest.raises(dbsync.StoreNotFoundError, match="'vol/policy', which does not exist"):
+        dbsync.Sender(link)
+    assert not (tmp_path / "vol").exists()
+    (tmp_path / "vol" / "policy").mkdir(parents=True)
+    with dbsync.Sender(link) as sender:
+        assert sender.push({"w": torch.ones(2)}) == 1
+    assert (tmp_path / "vol" / "policy" / "dbsync.json").exists()

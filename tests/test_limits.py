@@ -138,11 +138,12 @@ def test_no_thread_left_names_the_thread_limit_and_the_sender_goes_on():
         out = thread_limited(os.path.join(work, "store"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for what in ("push", "receiver"):
+    for what in ("push", "receiver", "writers"):
         assert out[what] is not None and out[what][0] == "ResourceLimitError", out
         assert "ulimit -u" in out[what][1]
     assert "nothing was published" in out["push"][1] and "closed" not in out["push"][1]
-    assert out["pushed_after"] == 1 and out["loaded_after"] == 1
+    assert "nothing was published" in out["writers"][1]  # (a bare RuntimeError before)
+    assert out["pushed_after"] == 2 and out["loaded_after"] == 2
 
 
 def thread_limited(root: str) -> dict:
@@ -161,6 +162,16 @@ def thread_limited(root: str) -> dict:
                 out[what] = None
             except Exception as exc:
                 out[what] = [type(exc).__name__, str(exc)]
+        # the writer threads, started as a push needs them: one pushed tensor needs one
+        resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+        sender.push({"w": torch.ones(4)})
+        big = {f"w{i}": torch.ones(2**20 + 16) for i in range(6)}  # a writer thread each
+        resource.setrlimit(resource.RLIMIT_NPROC, (len(os.listdir("/proc/self/task")), hard))
+        try:
+            sender.push(big)
+            out["writers"] = None
+        except Exception as exc:
+            out["writers"] = [type(exc).__name__, str(exc)]
         resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
         out["pushed_after"] = sender.push({"w": torch.ones(4)})
         with dbsync.Receiver(root) as rx:

@@ -492,14 +492,16 @@ with dbsync.Sender(root, durable=False) as sender:
     sender.push({"w": torch.full((4,), 2.0)})
     flipped = time.monotonic()
 waiter.join()
-print(got[0], round(time.monotonic() - flipped, 3))
+with dbsync.Watcher(root, lambda v: None, poll_interval=0.05) as watcher:
+    mode = watcher.mode  # (it says what it does: no inotify watch could be set)
+print(got[0], round(time.monotonic() - flipped, 3), mode)
 """)
     done = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, str(script),
                            store], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert done.returncode == 0, done.stderr[-3000:]
-    version, seconds = done.stdout.split()
-    assert version == "2" and float(seconds) < 2.0
+    version, seconds, mode = done.stdout.split()
+    assert version == "2" and float(seconds) < 2.0 and mode == "polling"
     warnings = [line for line in done.stderr.splitlines() if "no inotify watch" in line]
     assert len(warnings) == 1, warnings
     assert "max_user_watches" in warnings[0]

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
-from . import fileio, gcpause, sources, tensorstate
+from . import fileio, gcpause, memlimit, sources, tensorstate
 from .errors import (
     DBSyncError,
     FormatError,
@@ -176,6 +176,9 @@ class _HostBuffer:
         if self._buf is None or self._buf.numel() < total:
             pin = torch.cuda.is_available()
             self._buf = self._views = None
+            memlimit.check_room(total, "snapshotting a background push into host memory",
+                                "Nothing was published: push with blocking=True (it writes "
+                                "from the weights themselves, with no copy)")
             self._buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
         # The buffer's views are kept while the tensors keep their dtypes and shapes: making
         # them is most of a snapshot's Python work at tens of thousands of small tensors.

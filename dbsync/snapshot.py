@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from . import fileio, gilswitch, scatter
+from . import fileio, gilswitch, memlimit, scatter
 from .copyplan import MISSING, fit_problems, problem_listing, tie_key, tied_to_published
 from .errors import (
     DamagedVersionError,
@@ -99,6 +99,12 @@ class Snapshot:
         needed = [0] * len(manifest.shards)  # per shard, the end of its last checked range
         for r in manifest.ranges:
             needed[r.shard] = max(needed[r.shard], r.offset + r.nbytes)
+        if not leased:  # (a private copy of every shard: past a container's memory limit
+            # the kernel kills the process, with no word to anyone)
+            memlimit.check_room(
+                sum(needed), f"reading version {manifest.version} of {store.root} without a "
+                "lease (into a private copy)", "Nothing was applied: let it lease (where this "
+                "user may write the store's readers/, a load needs no copy)")
         for i, size in enumerate(manifest.shards):
             try:
                 self._shards[i] = ShardView(store.open_shard(manifest.slot, i), size,

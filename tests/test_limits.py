@@ -203,3 +203,104 @@ def test_pushes_and_loads_go_on_while_another_thread_imports_tensordict(root, mo
     thread.join(120)
     assert done.get("version") == 1 and done.get("loaded") == 1, done
     assert all(torch.equal(done["dest"][n], t) for n, t in weights.items())  # type: ignore[index]
+
+
+def _memory_cgroup() -> str | None:
+    """A new memory cgroup (v1, or v2 where the root delegates memory), or None."""
+    if os.geteuid() != 0:
+        return None
+    name = f"dbsync-test-{os.getpid()}"
+    v1 = "/sys/fs/cgroup/memory"
+    if os.path.isdir(v1):
+        path = os.path.join(v1, name)
+    else:
+        try:
+            with open("/sys/fs/cgroup/cgroup.subtree_control") as f:
+                if "memory" not in f.read().split():
+                    return None
+        except OSError:
+            return None
+        path = os.path.join("/sys/fs/cgroup", name)
+    try:
+        os.mkdir(path)
+    except OSError:
+        return None
+    return path
+
+
+def test_a_leaseless_load_past_the_memory_limit_is_refused_not_killed(root):
+    """A reader without a lease (a read-only view) copies the version into private memory;
+    in a container whose memory limit leaves less than that, the kernel killed it (exit 137,
+    no word to anyone). It now refuses with ResourceLimitError naming what it needs and what
+    the limit leaves, nothing applied, and loads once the limit allows."""
+    cgroup = _memory_cgroup()
+    if cgroup is None:
+        pytest.skip("needs root and a memory cgroup controller to make a limited cgroup")
+    with dbsync.Sender(root, durable=False) as sender:
+        sender.push({f"w{i}": torch.ones(2**24) for i in range(4)})  # 256 MiB
+    try:
+        out = run_limited("""
+            import json, os, sys
+            import torch, dbsync
+            root, cgroup = sys.argv[1], sys.argv[2]
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+            v1 = os.path.exists(os.path.join(cgroup, "memory.limit_in_bytes"))
+            limit_file = os.path.join(cgroup, "memory.limit_in_bytes" if v1 else "memory.max")
+            usage_file = os.path.join(cgroup, "memory.usage_in_bytes" if v1 else
+                                      "memory.current")
+            usage = int(open(usage_file).read())
+            with open(limit_file, "w") as f:
+                f.write(str(usage + (96 << 20)))  # room for far less than 256 MiB
+            rx = dbsync.Receiver(root, read_only=True)
+            got = []
+            try:
+                rx.load(lambda pairs: got.extend(name for name, _ in pairs))
+                out = {"error": None}
+            except dbsync.ResourceLimitError as exc:
+                out = {"error": str(exc), "applied": len(got)}
+            with open(limit_file, "w") as f:
+                f.write("-1" if v1 else "max")
+            out["after"] = rx.load(lambda pairs: None)
+            print(json.dumps(out))
+        """, root, cgroup)
+    finally:
+        os.rmdir(cgroup)
+    assert out["error"] is not None, out
+    assert "needs 256 MiB" in out["error"] and "Nothing was applied" in out["error"], out
+    assert out["applied"] == 0 and out["after"] == 1
+
+
+def test_memory_room_reads_the_tightest_cgroup_limit(tmp_path):
+    """cgroup v2 (the files a container sees): the tightest level's limit, page cache the
+    kernel can drop counted as free (tmpfs pages not), "max" as no limit; v1's effective
+    (hierarchical) limit; nothing where no limit binds."""
+    from dbsync import memlimit
+
+    def files(where, **values):
+        os.makedirs(where, exist_ok=True)
+        for name, value in values.items():
+            with open(os.path.join(where, name.replace("_", ".", 1)), "w") as f:
+                f.write(value)
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/pod/engine\n")
+    v2 = tmp_path / "v2"
+    files(v2 / "pod", memory_max=str(8 << 30), memory_current=str(1 << 30),
+          memory_stat="file 0\nshmem 0\n")
+    files(v2 / "pod" / "engine", memory_max=str(2 << 30), memory_current=str(1536 << 20),
+          memory_stat=f"anon {1 << 30}\nfile {512 << 20}\nshmem {128 << 20}\n")
+    found = memlimit.room(str(proc), str(v2))
+    assert found is not None and found.limit == 2 << 30
+    assert found.free == (2 << 30) - (1536 << 20) + (384 << 20)  # cache but tmpfs is free
+    files(v2 / "pod" / "engine", memory_max="max")
+    assert memlimit.room(str(proc), str(v2)).limit == 8 << 30  # the parent's binds
+    files(v2 / "pod", memory_max="max")
+    assert memlimit.room(str(proc), str(v2)) is None
+
+    proc.write_text("7:memory:/job\n0::/\n")
+    v1 = tmp_path / "v1" / "memory" / "job"
+    files(v1, memory_usage_in_bytes=str(600 << 20),
+          memory_stat=f"hierarchical_memory_limit {1 << 30}\ntotal_cache {200 << 20}\n"
+                      f"total_shmem 0\n")
+    assert memlimit.room(str(proc), str(tmp_path / "v1")).free == (1 << 30) - (400 << 20)

@@ -1,0 +1,116 @@
+"""How much more memory this process may take before its memory cgroup's limit (a container's
+``--memory``, Kubernetes ``limits.memory``, systemd ``MemoryMax=``): at that limit the kernel
+kills the process (exit 137), it never sees an allocation fail. So work that needs a large
+private copy (a leaseless load, a background push's staging buffer) checks first and raises
+``ResourceLimitError`` saying what it needs and what is left.
+
+The room counts page cache the kernel can drop (files read, not ``tmpfs``) as free, so it
+errs on the side of going on: a refusal means the copy cannot fit even then. Where no limit
+binds (no cgroup, no limit set, unreadable files) nothing is refused. Torch-free."""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import NamedTuple
+
+from .errors import ResourceLimitError
+
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_NO_LIMIT = 1 << 60  # (cgroup v1 says "no limit" with a number near 2**63)
+
+
+class Room(NamedTuple):
+    #: bytes this process may still take
+    free: int
+    #: the limit that binds
+    limit: int
+    #: the cgroup directory that sets it
+    where: str
+
+
+def room(proc_cgroup: str = "/proc/self/cgroup", root: str = _CGROUP_ROOT) -> Room | None:
+    """The memory cgroup room of this process (None where no limit binds or it cannot be
+    read). ``proc_cgroup`` and ``root`` are for tests."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # cgroup v1: "N:memory:/path" (possibly among other controllers)
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if "memory" in controllers.split(","):
+            return _v1_room(os.path.join(root, "memory", path.lstrip("/")))
+    for line in lines:  # cgroup v2: "0::/path"
+        if line.startswith("0::"):
+            return _v2_room(root, line[3:])
+    return None
+
+
+def check_room(nbytes: int, doing: str, outcome: str) -> None:
+    """Raise ``ResourceLimitError`` if ``nbytes`` more would pass the memory cgroup's limit
+    (``doing``: what needs them; ``outcome``: what happened and what else to do)."""
+    found = room()
+    if found is None or nbytes <= found.free:
+        return
+    raise ResourceLimitError(
+        f"{doing} needs {_mib(nbytes)} of memory, and this process's memory limit "
+        f"({_mib(found.limit)}, set by the cgroup {found.where}: a container's --memory, "
+        f"Kubernetes limits.memory, systemd MemoryMax=) leaves {_mib(found.free)}: past it the "
+        f"kernel kills the process. {outcome}; or raise the limit by at least "
+        f"{_mib(nbytes - found.free)}", errno.ENOMEM)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # ("max": no limit)
+
+
+def _stat(path: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open(os.path.join(path, "memory.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if value.strip().isdigit():
+                    out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+def _v1_room(path: str) -> Room | None:
+    stat = _stat(path)
+    limit = stat.get("hierarchical_memory_limit") or _read_int(
+        os.path.join(path, "memory.limit_in_bytes"))
+    usage = _read_int(os.path.join(path, "memory.usage_in_bytes"))
+    if limit is None or limit >= _NO_LIMIT or usage is None:
+        return None
+    droppable = stat.get("total_cache", 0) - stat.get("total_shmem", 0)
+    return Room(max(0, limit - max(0, usage - droppable)), limit, path)
+
+
+def _v2_room(root: str, path: str) -> Room | None:
+    """The tightest limit from the process's cgroup up to the root (each level's own)."""
+    best: Room | None = None
+    parts = [p for p in path.strip("/").split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        where = os.path.join(root, *parts[:depth])
+        limit = _read_int(os.path.join(where, "memory.max"))
+        usage = _read_int(os.path.join(where, "memory.current"))
+        if limit is None or usage is None:
+            continue
+        stat = _stat(where)
+        droppable = stat.get("file", 0) - stat.get("shmem", 0)
+        level = Room(max(0, limit - max(0, usage - droppable)), limit, where)
+        if best is None or level.free < best.free:
+            best = level
+    return best

@@ -249,6 +249,7 @@ def test_a_leaseless_load_past_the_memory_limit_is_refused_not_killed(root):
             limit_file = os.path.join(cgroup, "memory.limit_in_bytes" if v1 else "memory.max")
             usage_file = os.path.join(cgroup, "memory.usage_in_bytes" if v1 else
                                       "memory.current")
+            weights = {f"w{i}": torch.full((2**24,), 2.0) for i in range(4)}
             usage = int(open(usage_file).read())
             with open(limit_file, "w") as f:
                 f.write(str(usage + (96 << 20)))  # room for far less than 256 MiB
@@ -259,6 +260,13 @@ def test_a_leaseless_load_past_the_memory_limit_is_refused_not_killed(root):
                 out = {"error": None}
             except dbsync.ResourceLimitError as exc:
                 out = {"error": str(exc), "applied": len(got)}
+            with dbsync.Sender(root, durable=False) as sender:
+                try:  # (a background push's staging copy of the weights)
+                    sender.push(weights, blocking=False).result()
+                    out["async_error"] = None
+                except dbsync.ResourceLimitError as exc:
+                    out["async_error"] = str(exc)
+                out["published"] = sender.latest_version()
             with open(limit_file, "w") as f:
                 f.write("-1" if v1 else "max")
             out["after"] = rx.load(lambda pairs: None)
@@ -269,6 +277,8 @@ def test_a_leaseless_load_past_the_memory_limit_is_refused_not_killed(root):
     assert out["error"] is not None, out
     assert "needs 256 MiB" in out["error"] and "Nothing was applied" in out["error"], out
     assert out["applied"] == 0 and out["after"] == 1
+    assert "background push" in out["async_error"] and "blocking=True" in out["async_error"]
+    assert out["published"] == 1
 
 
 def test_memory_room_reads_the_tightest_cgroup_limit(tmp_path):

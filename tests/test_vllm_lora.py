@@ -24,12 +24,14 @@ from typing import Any
 import pytest
 import torch
 
+import dbsync
 from dbsync import Sender
 from dbsync.errors import ReceiverRefusedError
 from dbsync.status import wait_for_receivers
 
 vllm = pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")
 
+from tests.fleet_mounts import needs_root, tmpfs  # noqa: E402
 from tests.vllm_helpers import (  # noqa: E402
     KV_CACHE_BYTES,
     PROMPTS,
@@ -405,6 +407,36 @@ def test_a_damaged_adapter_version_is_refused_at_once_not_retried(tmp_path: Path
             wait_for_receivers(Store(str(root)), version, 1, timeout=5)
     finally:
         versions.close()
+
+
+@needs_root
+def test_a_work_directory_without_room_is_said_as_such(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adapters are written into a work directory (``/dev/shm`` by default, 64 MiB in a
+    container): full, that was a bare "[Errno 28] No space left on device", retried for
+    ever. It now names the directory, the adapter's size and what to do; the directory is
+    chosen by ``DBSYNC_LORA_WORKDIR``."""
+    from dbsync.vllm.checkpoint import read_safetensors_header
+    from dbsync.vllm.lora import AdapterVersions, default_workdir
+
+    model = tiny_model("A")
+    expected = read_safetensors_header(str(model / "model.safetensors"))
+    root = tmp_path / "store"
+    with Sender(root) as sender:
+        sender.push(str(write_adapter(tmp_path / "adapter", 1, layer_shapes(model))))
+    with tmpfs(tmp_path / "small", "16k") as small:
+        monkeypatch.setenv("DBSYNC_LORA_WORKDIR", small)
+        versions = AdapterVersions(root, NAME, expected, MAX_RANK)
+        try:
+            assert versions.workdir.startswith(small)
+            with pytest.raises(dbsync.DBSyncError, match="no room for adapter version 1") as info:
+                versions.prepare()
+            assert small in str(info.value) and "DBSYNC_LORA_WORKDIR" in str(info.value)
+        finally:
+            versions.close()
+    monkeypatch.setenv("DBSYNC_LORA_WORKDIR", str(tmp_path / "roomy"))
+    workdir = default_workdir()
+    assert workdir.startswith(str(tmp_path / "roomy"))
 
 
 def test_a_request_whose_version_was_dropped_while_it_waited_runs_on_the_newest(

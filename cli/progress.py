@@ -60,14 +60,14 @@ class ProgressBar:
         """End the bar's line (on a terminal) or print one summary line (elsewhere), but only
         if the push took longer than ``delay``. ``done`` False: the push failed or was
         stopped; the line ends, and no summary claims what was not written. ``waited``:
-        seconds of the push spent waiting for readers (said apart from the writing)."""
+        seconds of the push spent waiting for receivers (said apart from the writing)."""
         with self._lock:
             took = time.monotonic() - self._start
             written, total = self._last
             if self._drawn:
                 self._draw(written, total, end="\n")
             elif done and took >= self.delay and total:
-                wait = (f" ({waited:.1f} s of it waiting for readers to release the slot)"
+                wait = (f" ({waited:.1f} s of it waiting for receivers)"
                         if waited >= 0.1 else "")
                 self.stream.write(f"wrote {human_bytes(total)} in {took:.1f} s{wait}\n")
                 self.stream.flush()

@@ -277,8 +277,26 @@ def write_shards(
     lock = threading.Lock()
     syncs: list[Future[None]] = []
     sums: list[str] = [""] * len(tasks)
+    # A submit that fails ("can't start new thread") has already queued its task, with no
+    # future to cancel: once ``stopped`` is set no task starts writing, and those writing
+    # are waited for (``running``), so none writes into descriptors the caller then closes.
+    running = threading.Condition()
+    active = [0]
+    stopped = [False]
 
     def run(number: int, task: tuple[int, int]) -> None:
+        with running:
+            if stopped[0]:
+                return
+            active[0] += 1
+        try:
+            write(number, task)
+        finally:
+            with running:
+                active[0] -= 1
+                running.notify_all()
+
+    def write(number: int, task: tuple[int, int]) -> None:
         sums[number] = _write_task(fds, placed, task, progress, gate)
         if durable:
             shard = shards[task[0]]
@@ -296,8 +314,12 @@ def write_shards(
         try:
             for number, task in enumerate(tasks):
                 futures.append(pool.submit(run, number, task))
-        except BaseException:  # (no thread to start one: those queued must not write on
-            settle(futures)    # into descriptors the caller is about to close)
+        except BaseException:  # (no thread to start one: see ``running``)
+            with running:
+                stopped[0] = True
+            settle(futures)
+            with running:
+                running.wait_for(lambda: active[0] == 0)
             raise
         wait_all(futures)
         if while_syncing is not None:

@@ -550,6 +550,11 @@ class LeaseMonitor:
         overdue = now - first[1] - timeout
         return overdue if overdue >= 0 else None
 
+    def _beat_of(self, reader_id: str) -> Any:
+        """The reader's beat as last seen (what changes each time it renews its lease)."""
+        seen = self._seen.get(reader_id)
+        return None if seen is None else seen[0]
+
     def expires_in(self, reader_ids: list[str]) -> float | None:
         """Seconds until the first of these leases would be dead if its beat stays as last
         seen (None if unknown): a waiting writer looks again then, not a poll later."""
@@ -647,8 +652,10 @@ class LeaseMonitor:
         """Block until no live reader holds ``slot``, or ``stop`` is set (the wait sleeps on
         it, so it ends at once). Returns the seconds waited. Waits at most about the longest
         lease timeout for a reader that stopped beating; for live readers that hold it, as
-        long as they do, or ``timeout`` seconds (then ``SlotHeldError``, naming them). Warns
-        after ``SLOW_HOLDER_WARN_S`` and again every ``SLOW_HOLDER_REPEAT_S``.
+        long as they do, or ``timeout`` seconds (then ``SlotHeldError``, naming them; a reader
+        counts as live once its lease moved during this wait, so the wait may run past
+        ``timeout`` until a beat or the lease timeout is seen). Warns after
+        ``SLOW_HOLDER_WARN_S`` and again every ``SLOW_HOLDER_REPEAT_S``.
 
         ``waiter``: the thread that waits for this (a blocking push's caller). Raises
         ``SelfHeldSlotError`` at once if that thread itself holds the slot through a receiver
@@ -658,6 +665,7 @@ class LeaseMonitor:
         start = self.clock()
         told = 0  # 1: said at INFO; 2: warned (a reader holds the slot for long)
         warned_at = 0.0
+        first_beats: dict[str, Any] = {}  # each holder's beat when this wait first saw it
         held_by: list[str] = []
         while not (stop is not None and stop.is_set()) and (holding := self.holders(slot)):
             held_by = holding
@@ -695,15 +703,22 @@ class LeaseMonitor:
                     waited, "; ".join(self._describe(r) for r in holding), slot,
                     self.store.root)
                 told, warned_at = 2, waited
-            if timeout is not None and waited >= timeout:
+            # (``timeout`` bounds the wait for readers seen alive: their lease moved during
+            # it. One that stood still since is waited out to its lease timeout instead: a
+            # stopped or crashed reader is then judged dead, and a later push must not refuse
+            # for ever because each new writer starts that clock again.)
+            for r in holding:
+                first_beats.setdefault(r, self._beat_of(r))
+            beating = [r for r in holding if self._beat_of(r) != first_beats[r]]
+            if timeout is not None and waited >= timeout and beating:
                 raise SlotHeldError(
-                    f"reader(s) {'; '.join(self._describe(r) for r in holding)} held slot "
-                    f"{slot} of {self.store.root} for {waited:.1f} s, longer than the push's "
-                    f"reader_timeout ({timeout:g} s); nothing was published. A writer never "
-                    "overwrites a version a live reader holds: stop or close those readers, "
-                    "or give them longer")
+                    f"reader(s) {'; '.join(self._describe(r) for r in beating)} held slot "
+                    f"{slot} of {self.store.root} for {waited:.1f} s, renewing their lease, "
+                    f"longer than the push's reader_timeout ({timeout:g} s); nothing was "
+                    "published. A writer never overwrites a version a live reader holds: stop "
+                    "or close those readers, or give them longer")
             due = self.expires_in(holding)
-            if timeout is not None:
+            if timeout is not None and waited < timeout:
                 due = timeout - waited if due is None else min(due, timeout - waited)
             # a small margin past the expiry, so the look that follows finds it dead
             sleep(interval if due is None else min(interval, max(due, 0.0) + 0.005))

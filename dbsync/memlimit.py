@@ -4,9 +4,12 @@ kills the process (exit 137), it never sees an allocation fail. So work that nee
 private copy (a leaseless load, a background push's staging buffer) checks first and raises
 ``ResourceLimitError`` saying what it needs and what is left.
 
-The room counts page cache the kernel can drop (files read, not ``tmpfs``) as free, so it
-errs on the side of going on: a refusal means the copy cannot fit even then. Where no limit
-binds (no cgroup, no limit set, unreadable files) nothing is refused. Torch-free."""
+The room counts page cache the kernel can drop (files read, not ``tmpfs``) and the swap the
+cgroup may still use as free, so it errs on the side of going on: a refusal means the copy
+cannot fit even then. Where no limit binds (no cgroup, no limit set, unreadable files)
+nothing is refused. A cgroup path this process cannot see (cgroup v1 without a cgroup
+namespace: ``/proc/self/cgroup`` names the host's path, while ``/sys/fs/cgroup/memory`` is
+the container's own cgroup) is read at the controller's mount root. Torch-free."""
 
 from __future__ import annotations
 
@@ -29,9 +32,20 @@ class Room(NamedTuple):
     where: str
 
 
-def room(proc_cgroup: str = "/proc/self/cgroup", root: str = _CGROUP_ROOT) -> Room | None:
+def room(proc_cgroup: str = "/proc/self/cgroup", root: str = _CGROUP_ROOT,
+         meminfo: str = "/proc/meminfo") -> Room | None:
     """The memory cgroup room of this process (None where no limit binds or it cannot be
-    read). ``proc_cgroup`` and ``root`` are for tests."""
+    read). ``proc_cgroup``, ``root`` and ``meminfo`` are for tests."""
+    found = _cgroup_room(proc_cgroup, root)
+    if found is None:
+        return None
+    swap = _host_swap_free(meminfo)
+    if swap:
+        found = found._replace(free=found.free + min(swap, _cgroup_swap_room(found.where)))
+    return found
+
+
+def _cgroup_room(proc_cgroup: str, root: str) -> Room | None:
     try:
         with open(proc_cgroup) as f:
             lines = f.read().splitlines()
@@ -40,7 +54,9 @@ def room(proc_cgroup: str = "/proc/self/cgroup", root: str = _CGROUP_ROOT) -> Ro
     for line in lines:  # cgroup v1: "N:memory:/path" (possibly among other controllers)
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if "memory" in controllers.split(","):
-            return _v1_room(os.path.join(root, "memory", path.lstrip("/")))
+            mount = os.path.join(root, "memory")
+            where = os.path.join(mount, path.lstrip("/"))
+            return _v1_room(where if os.path.isdir(where) else mount)
     for line in lines:  # cgroup v2: "0::/path"
         if line.startswith("0::"):
             return _v2_room(root, line[3:])
@@ -96,6 +112,35 @@ def _v1_room(path: str) -> Room | None:
         return None
     droppable = stat.get("total_cache", 0) - stat.get("total_shmem", 0)
     return Room(max(0, limit - max(0, usage - droppable)), limit, path)
+
+
+def _host_swap_free(meminfo: str) -> int:
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("SwapFree:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _cgroup_swap_room(where: str) -> int:
+    """The swap the cgroup at ``where`` may still use (v2 ``memory.swap.max`` less its use;
+    v1 ``memsw`` less ``memory``), unbounded (a large number) where no swap limit is set."""
+    limit = _read_int(os.path.join(where, "memory.swap.max"))
+    if limit is not None:
+        used = _read_int(os.path.join(where, "memory.swap.current")) or 0
+        return max(0, limit - used)
+    both = _read_int(os.path.join(where, "memory.memsw.limit_in_bytes"))
+    memory = _read_int(os.path.join(where, "memory.limit_in_bytes"))
+    if both is not None and memory is not None and both < _NO_LIMIT:
+        used = ((_read_int(os.path.join(where, "memory.memsw.usage_in_bytes")) or 0)
+                - (_read_int(os.path.join(where, "memory.usage_in_bytes")) or 0))
+        return max(0, both - memory - used)
+    if os.path.exists(os.path.join(where, "memory.swap.max")):  # ("max": no swap limit)
+        return _NO_LIMIT
+    return _NO_LIMIT if both is None or both >= _NO_LIMIT else 0
 
 
 def _v2_room(root: str, path: str) -> Room | None:

@@ -434,7 +434,8 @@ class Sender:
             raise InvalidArgumentError(f"max_lag must be a number >= 0 (or None for no bound), "
                                        f"not {max_lag!r}")
         check_seconds(max_lag_timeout, "max_lag_timeout", none="wait as long as it takes")
-        check_seconds(reader_timeout, "reader_timeout", none="wait as long as readers hold it")
+        reader_timeout = check_seconds(reader_timeout, "reader_timeout",
+                                       none="wait as long as readers hold it")
         check_lease_timeout(lease_timeout)
         _refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)

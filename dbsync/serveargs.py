@@ -67,3 +67,23 @@ def check_model(model: str) -> None:
             "that id in the local cache (dbsync needs the checkpoint's files on this host to "
             "check that versions fit): pass the checkpoint's directory, or download the "
             f"model first (hf download {model})") from None
+
+
+#: where ``serve-vllm --lora`` writes the adapters it serves, if set (see ``vllm.lora``)
+LORA_WORKDIR_ENV = "DBSYNC_LORA_WORKDIR"
+
+
+def check_lora_workdir() -> None:
+    """Raise ``DBSyncError`` if ``$DBSYNC_LORA_WORKDIR`` is set to a directory this process
+    cannot create or write (said before vLLM starts, not after)."""
+    base = os.environ.get(LORA_WORKDIR_ENV)
+    if not base:
+        return
+    try:
+        os.makedirs(base, exist_ok=True)
+    except OSError as exc:
+        raise DBSyncError(f"{LORA_WORKDIR_ENV}={base}: cannot create it ({exc.strerror or exc});"
+                          " give a directory this user may write, or unset it") from None
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise DBSyncError(f"{LORA_WORKDIR_ENV}={base} is not writable by this user (uid "
+                          f"{os.geteuid()}); give a directory it may write, or unset it")

@@ -25,8 +25,9 @@ from .leases import (
 from .store import Store
 
 LIVE, IDLE, DEAD, REFUSED = "live", "idle", "dead", "refused"
-#: not renewed for longer than its lease timeout (but not yet twice it): writers no longer wait
-#: for it and may reuse a slot it reads (a stopped, hung or starved process?)
+#: not renewed for longer than its lease timeout (but not yet twice it): a writer waits at most
+#: one more lease timeout for it, then may reuse a slot it reads (a stopped, hung or starved
+#: process?)
 STALE = "stale"
 
 
@@ -79,8 +80,9 @@ def refusal_stands(lease: dict[str, Any]) -> bool:
 
 
 def state_of(lease: dict[str, Any], now: float | None = None) -> str:
-    """live (holding a slot), idle, refused, stale (not renewed for its lease timeout: writers
-    no longer wait for it), or dead: its process is gone (checked only where
+    """live (holding a slot), idle, refused, stale (not renewed for its lease timeout: a
+    writer waits at most one more lease timeout for it), or dead: its process is gone
+    (checked only where
     its pid means something here: same host, boot and PID namespace), or it was not
     refreshed for twice its own lease timeout (judged by ``updated_at``, which ``receivers``
     takes from the store's clock where it can, so only for display; the writer never uses

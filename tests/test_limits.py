@@ -233,6 +233,11 @@ def test_a_leaseless_load_past_the_memory_limit_is_refused_not_killed(root):
     in a container whose memory limit leaves less than that, the kernel killed it (exit 137,
     no word to anyone). It now refuses with ResourceLimitError naming what it needs and what
     the limit leaves, nothing applied, and loads once the limit allows."""
+    with open("/proc/meminfo") as f:
+        if any(line.split()[:2] not in (["SwapTotal:", "0"],)
+               for line in f if line.startswith("SwapTotal:")):
+            pytest.skip("this host swaps: past a memory limit a process swaps, and is not "
+                        "refused")
     cgroup = _memory_cgroup()
     if cgroup is None:
         pytest.skip("needs root and a memory cgroup controller to make a limited cgroup")
@@ -293,6 +298,8 @@ def test_memory_room_reads_the_tightest_cgroup_limit(tmp_path):
             with open(os.path.join(where, name.replace("_", ".", 1)), "w") as f:
                 f.write(value)
 
+    noswap = tmp_path / "meminfo"
+    noswap.write_text("MemTotal: 16000000 kB\nSwapFree: 0 kB\n")
     proc = tmp_path / "cgroup"
     proc.write_text("0::/pod/engine\n")
     v2 = tmp_path / "v2"
@@ -300,17 +307,75 @@ def test_memory_room_reads_the_tightest_cgroup_limit(tmp_path):
           memory_stat="file 0\nshmem 0\n")
     files(v2 / "pod" / "engine", memory_max=str(2 << 30), memory_current=str(1536 << 20),
           memory_stat=f"anon {1 << 30}\nfile {512 << 20}\nshmem {128 << 20}\n")
-    found = memlimit.room(str(proc), str(v2))
+    found = memlimit.room(str(proc), str(v2), str(noswap))
     assert found is not None and found.limit == 2 << 30
     assert found.free == (2 << 30) - (1536 << 20) + (384 << 20)  # cache but tmpfs is free
     files(v2 / "pod" / "engine", memory_max="max")
-    assert memlimit.room(str(proc), str(v2)).limit == 8 << 30  # the parent's binds
+    assert memlimit.room(str(proc), str(v2), str(noswap)).limit == 8 << 30  # the parent's binds
     files(v2 / "pod", memory_max="max")
-    assert memlimit.room(str(proc), str(v2)) is None
+    assert memlimit.room(str(proc), str(v2), str(noswap)) is None
 
     proc.write_text("7:memory:/job\n0::/\n")
     v1 = tmp_path / "v1" / "memory" / "job"
     files(v1, memory_usage_in_bytes=str(600 << 20),
           memory_stat=f"hierarchical_memory_limit {1 << 30}\ntotal_cache {200 << 20}\n"
                       f"total_shmem 0\n")
-    assert memlimit.room(str(proc), str(tmp_path / "v1")).free == (1 << 30) - (400 << 20)
+    v1_room = memlimit.room(str(proc), str(tmp_path / "v1"), str(noswap))
+    assert v1_room.free == (1 << 30) - (400 << 20)
+    # without a cgroup namespace v1 names the host's path; the mount is this cgroup's own
+    proc.write_text("7:memory:/docker/0123abcd\n")
+    (tmp_path / "v1" / "memory" / "memory.stat").write_text(
+        f"hierarchical_memory_limit {1 << 30}\ntotal_cache 0\ntotal_shmem 0\n")
+    (tmp_path / "v1" / "memory" / "memory.usage_in_bytes").write_text(str(100 << 20))
+    assert memlimit.room(str(proc), str(tmp_path / "v1"), str(noswap)).free == 924 << 20
+    # swap the cgroup may use is room too (past the limit the kernel swaps, not kills)
+    swap = tmp_path / "swapinfo"
+    swap.write_text("SwapFree: 2097152 kB\n")  # 2 GiB free on the host
+    (tmp_path / "v1" / "memory" / "memory.memsw.limit_in_bytes").write_text(str(1536 << 20))
+    (tmp_path / "v1" / "memory" / "memory.limit_in_bytes").write_text(str(1 << 30))
+    (tmp_path / "v1" / "memory" / "memory.memsw.usage_in_bytes").write_text(str(100 << 20))
+    assert memlimit.room(str(proc), str(tmp_path / "v1"), str(swap)).free == (924 + 512) << 20
+
+def test_a_write_whose_thread_could_not_start_never_writes_after_the_push_fails(
+        tmp_path, monkeypatch):
+    """``ThreadPoolExecutor.submit`` queues its task before it fails to start a thread for it
+    (the thread limit): that task, with no future to cancel, ran later on a pool thread into
+    a descriptor the push had closed meanwhile, and the number had been reused by another
+    file (here: 8 MiB landed in it). Once a submit fails, no queued task starts writing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dbsync import fileio
+
+    size = fileio.GROUP_BYTES
+    views = [memoryview(bytes([65 + i]) * size) for i in range(2)]  # two tasks, one shard
+    placed = fileio.Placed.of(views, [0, 0], [0, size])
+    fd = os.open(tmp_path / "shard", os.O_RDWR | os.O_CREAT)
+    pool = ThreadPoolExecutor(4)
+    first_started = threading.Event()
+    release = threading.Event()
+
+    def gate() -> None:  # the first task holds the pool's only thread a while
+        first_started.set()
+        release.wait(0.5)
+
+    real_start = threading.Thread.start
+    started = [0]
+
+    def start(thread) -> None:
+        started[0] += 1
+        if started[0] > 1:  # (the thread limit: a container's pids.max)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        fileio.write_shards([fd], placed, pool, durable=False, gate=gate)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    os.close(fd)  # the push closes its shard ...
+    other = os.open(tmp_path / "unrelated", os.O_RDWR | os.O_CREAT)  # ... and fds are reused
+    try:
+        release.set()
+        pool.shutdown(wait=True)  # (every queued task has run, or returned at once)
+        assert os.path.getsize(tmp_path / "unrelated") == 0
+    finally:
+        os.close(other)

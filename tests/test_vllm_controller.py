@@ -254,6 +254,44 @@ def test_a_try_the_next_one_mends_is_no_refusal_and_repeats_log_once(
         sender.wait_for_receivers(failing, 1, timeout=5)  # the outcome is reported
 
 
+def test_a_server_stopped_during_an_apply_reports_no_refusal(setup: Any) -> None:
+    """A server stopping (a rolling restart) abandons the apply under way: that is no
+    refusal of the version, and a trainer waiting for the fleet must not be failed by it."""
+    import threading
+
+    sender, controller, ops = setup
+    sender.push(weights(1))
+    controller.apply_latest()
+    entered, abandoned = threading.Event(), threading.Event()
+    update = ops.update
+
+    def held_update(info: dict[str, Any]) -> None:
+        if info["version"] == 2:
+            entered.set()
+            abandoned.wait(30)
+            raise RuntimeError("engine call abandoned: the server is shutting down")
+        update(info)
+
+    ops.update = held_update  # type: ignore[method-assign]
+    ops.close = abandoned.set  # type: ignore[attr-defined]  (what stop_applying() calls)
+    sender.push(weights(2))
+    errors: list[BaseException] = []
+
+    def apply() -> None:
+        try:
+            controller.apply_latest()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    applying = threading.Thread(target=apply)
+    applying.start()
+    assert entered.wait(30)
+    controller.stop_applying()
+    applying.join(30)
+    lease = Store(sender.root).read_leases()[controller.receiver.reader_id]
+    assert lease.get("refused") is None, lease["refused"]
+
+
 def test_failed_apply_rolls_back_to_the_held_previous_version(setup: Any) -> None:
     """A version that fails midway twice: the version served before is applied again from its
     slot (held by the controller's lease meanwhile), generation resumes on it, and the trainer
@@ -686,12 +724,20 @@ def test_a_garbled_manifest_shows_in_the_status_and_metrics(tmp_path: Path) -> N
         assert controller.status()["run_id"] == run_id
         head = root / MANIFEST_FILE
         good = head.read_bytes()
-        head.write_bytes(b'{"version": ')  # (in place: a writer never does this)
+
+        def replace_head(content: bytes) -> None:  # (as a copy tool does: write, rename)
+            (root / "head.tmp").write_bytes(content)
+            os.replace(root / "head.tmp", head)
+
+        replace_head(b'{"version": ')
         wait_for(lambda: controller.status()["store_problem"] is not None, 30)
         problem = controller.status()["store_problem"]
-        assert "manifest cannot be read" in problem and "still serving version 1" in problem
+        # (found by the watcher's look, or by the apply its first look started, which then
+        # retries the read)
+        assert "dbsync.json is not valid JSON" in problem, problem
+        assert "still serving version 1" in problem
         assert registry.get_sample_value("dbsync_store_ok") == 0
-        head.write_bytes(good)
+        replace_head(good)
         wait_for(lambda: controller.status()["store_problem"] is None, 30)
         assert registry.get_sample_value("dbsync_store_ok") == 1
     finally:

@@ -333,6 +333,21 @@ def test_missing_store_fails_at_once(tmp_path: Path) -> None:
     assert not (tmp_path / "stroe").exists()
 
 
+def test_an_unusable_lora_work_directory_fails_at_once(tmp_path: Path) -> None:
+    """``DBSYNC_LORA_WORKDIR`` naming a directory that cannot be made is said before the
+    engine starts (it was a bare traceback after vLLM's 30-60 s start)."""
+    store = tmp_path / "store"
+    dbsync.Sender(store).close()
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve-vllm", str(store), "--model",
+         str(tiny_model("A")), "--lora", "policy"], cwd=REPO,
+        env={**child_env(), "DBSYNC_LORA_WORKDIR": "/proc/no-such-dir"},
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "DBSYNC_LORA_WORKDIR=/proc/no-such-dir: cannot create it" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Initializing" not in proc.stdout + proc.stderr
+
+
 def test_a_configuration_vllm_refuses_is_said_as_such_not_as_a_bug(tmp_path: Path) -> None:
     """An option vLLM's own configuration checks refuse (a context longer than the model's)
     is reported as vLLM refusing its configuration, not as a bug in dbsync."""

@@ -258,6 +258,8 @@ class SwapController:
         #: the run of ``state.published_version`` (None: not known yet)
         self._published_run: str | None = None
         self._rolled_back: set[tuple[int, str | None]] = set()
+        #: why the last apply could not read the store, while it retries (None: it reads)
+        self._read_problem: str | None = None
         #: (version, error) of the apply failures logged at ERROR (repeats go to DEBUG)
         self._failures_logged: set[tuple[int, str]] = set()
         self._lock = threading.RLock()
@@ -312,6 +314,8 @@ class SwapController:
         if problem is None and watcher is not None and (
                 unreadable := watcher.read_problem) is not None:
             problem = f"the store's manifest cannot be read ({unreadable})"
+        if problem is None and self._read_problem is not None:  # (an apply retrying a read)
+            problem = self._read_problem
         return None if problem is None else f"{problem}; still serving {_served(self.version)}"
 
     def apply_latest(self) -> int | None:
@@ -323,30 +327,34 @@ class SwapController:
         with self._lock:
             self.init_transport()
             error: DBSyncError | None = None
-            for attempt in range(MAX_ATTEMPTS):
-                if self._stopping.is_set() and error is not None:
-                    break  # (shutting down: no other try)
-                try:
-                    done = self._attempt()
-                except SwapError as exc:
-                    error = exc
-                    if exc.partial and attempt >= 1 and self._served is not None:
-                        self._roll_back(exc)  # raises RolledBackError, or the failure
-                        # (both reported to the trainer there: only the outcome is)
-                    if exc.partial or SUPERSEDED in str(exc) or self._newer_than(exc.version):
-                        continue  # roll forward to the newest complete version
-                    raise
-                except StoreNotFoundError:
-                    raise  # the store went away (removed, unmounted): an error, retried
-                except NothingPublishedError:
-                    return self.state.version
-                if done:
-                    return self.state.version
+            try:
+                for attempt in range(MAX_ATTEMPTS):
+                    if self._stopping.is_set() and error is not None:
+                        break  # (shutting down: no other try)
+                    try:
+                        done = self._attempt()
+                    except SwapError as exc:
+                        error = exc
+                        if exc.partial and attempt >= 1 and self._served is not None:
+                            self._roll_back(exc)  # raises RolledBackError, or the failure
+                            # (both reported to the trainer there: only the outcome is)
+                        if exc.partial or SUPERSEDED in str(exc) or self._newer_than(
+                                exc.version):
+                            continue  # roll forward to the newest complete version
+                        raise
+                    except StoreNotFoundError:
+                        raise  # the store went away (removed, unmounted): an error, retried
+                    except NothingPublishedError:
+                        return self.state.version
+                    if done:
+                        return self.state.version
+            except RolledBackError:
+                raise
+            except BaseException:  # (a later try failed otherwise: a read, the store gone)
+                self._report_unhealthy(error)
+                raise
             assert error is not None
-            if isinstance(error, SwapError) and error.partial:
-                # (reported once the tries are over, as the outcome: a try the next one
-                # mends, or a rollback replaces, is no refusal the trainer should see)
-                self._report_refusal(error.version, self.state.last_error or str(error))
+            self._report_unhealthy(error)
             raise error
 
     def init_transport(self) -> None:
@@ -473,6 +481,7 @@ class SwapController:
                 continue
             break
         s.retrying = False
+        self._read_problem = None
 
     def _read_failed(self, exc: OSError | DBSyncError, delay: float) -> None:
         s = self.state
@@ -483,6 +492,7 @@ class SwapController:
                                    f"({type(exc).__name__}: {exc}); still serving "
                                    f"{_served(s.version)}, retrying")
         self.metrics.outcome("failed")
+        self._read_problem = f"reading the store failed ({type(exc).__name__}: {exc})"
         if first:
             log.warning("dbsync: %s (first retry in %.1f s)", s.last_error, delay)
         else:
@@ -682,6 +692,13 @@ class SwapController:
         # The trainer must be able to reuse this slot for its next version: stop holding it.
         self._release_served()
         raise RolledBackError(s.last_error or str(failure), failure.version, held.version)
+
+    def _report_unhealthy(self, error: DBSyncError | None) -> None:
+        """Tell the trainer of a version that failed midway and left the engine unhealthy
+        (not of one the next try mended, or a rollback replaced: only the outcome)."""
+        if (isinstance(error, SwapError) and error.partial and not self.state.healthy
+                and not self._stopping.is_set()):
+            self._report_refusal(error.version, self.state.last_error or str(error))
 
     def _report_refusal(self, version: int, reason: str) -> None:
         try:

@@ -66,6 +66,7 @@ from ..errors import (
     StoreUnreachableError,
 )
 from ..receiver import Receiver, Snapshot
+from ..serveargs import LORA_WORKDIR_ENV
 from ..sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from . import workdirs
 
@@ -234,7 +235,7 @@ def _lora_request(name: str, lora_id: int, directory: str) -> Any:
 
 
 #: where materialised adapters go, if set (else ``/dev/shm`` when roomy, else the temp dir)
-WORKDIR_ENV = "DBSYNC_LORA_WORKDIR"
+WORKDIR_ENV = LORA_WORKDIR_ENV
 #: the free space ``/dev/shm`` needs to be chosen (a container's default is 64 MiB: adapters
 #: kept ``--max-loras`` times would soon fill it)
 SHM_MIN_FREE = 256 << 20

@@ -38,6 +38,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -164,21 +165,28 @@ def register() -> None:
                 logging.getLogger(name).addFilter(_RaceFilter())
 
 
+_VERSION_IN = re.compile(r"version (\d+)")
+
+
 class _RaceFilter(logging.Filter):
     """Shortens vLLM's ERROR tracebacks for failed applies (each ~100 lines, in the worker
     and in the engine core):
     - one that lost a normal race (``SUPERSEDED``) becomes one INFO line: the controller
       applies the newest version right after;
-    - a failure seen before (the same message: the controller retries a version that fails
-      alike with backoff, for as long as it fails) becomes one WARNING line; its first
-      traceback was logged whole."""
+    - a failure seen before (the same kind, of the same version, as the same exception type:
+      the controller retries a version that fails alike with backoff, for as long as it
+      fails; counts and pids in the message may differ) becomes one WARNING line; its first
+      traceback was logged whole.
+
+    Hazard: it remembers failures per process, not per training run: a new run's version of
+    the same number failing the same way gets one line, not a traceback."""
 
     #: distinct failures remembered (then forgotten, and logged whole once more)
     REMEMBERED = 64
 
     def __init__(self) -> None:
         super().__init__()
-        self._seen: set[str] = set()
+        self._seen: set[tuple[str, str, str]] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -186,10 +194,13 @@ class _RaceFilter(logging.Filter):
         if SUPERSEDED in text:
             level, line = logging.INFO, text.splitlines()[0]
         elif NOTHING_APPLIED in text or PARTIALLY_APPLIED in text:
-            if text not in self._seen:
+            version = _VERSION_IN.search(text)
+            key = (PARTIALLY_APPLIED if PARTIALLY_APPLIED in text else NOTHING_APPLIED,
+                   version.group(1) if version else "", type(exc).__name__)
+            if key not in self._seen:
                 if len(self._seen) >= self.REMEMBERED:
                     self._seen.clear()
-                self._seen.add(text)
+                self._seen.add(key)
                 return True
             level, line = logging.WARNING, f"{text.splitlines()[0]} (again; its traceback was "
             line += "logged the first time)"

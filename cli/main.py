@@ -552,7 +552,7 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
               help="Exit after printing N lines (the current version counts as one).")
 def watch(root: str, as_json: bool, poll_interval: float | None, count: int | None) -> None:
     """Print the current version of ROOT, then a line per new version, until interrupted
-    (Ctrl-C: exit 130; SIGTERM: exit 143) or --count lines were printed (exit 0).
+    (Ctrl-C: exit 130; SIGTERM: 143; SIGHUP: 129) or --count lines were printed (exit 0).
 
     Versions published faster than they are noticed are reported once, as the newest. A new
     training run at ROOT (a new run id) is reported even though its versions start again."""
@@ -578,28 +578,30 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
         click.echo(f"nothing is published at {root} yet; waiting for the first version "
                    "(Ctrl-C to stop)", err=True)
     interrupted = False
-    # SIGTERM ends the watch as Ctrl-C does (exit 143). Handled, not left to the default
-    # action: as a container's PID 1 a process ignores signals it has no handler for, and
-    # `docker stop` / Kubernetes then wait out their grace period and SIGKILL it.
-    terminated = threading.Event()
+    # SIGTERM and SIGHUP end the watch as Ctrl-C does (exit 143 / 129). Handled, not left to
+    # the default action: as a container's PID 1 a process ignores signals it has no handler
+    # for, and `docker stop` / Kubernetes then wait out their grace period and SIGKILL it.
+    stopped_by: list[int] = []
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        terminated.set()
+    def on_signal(signum: int, frame: Any) -> None:
+        stopped_by.append(signum)
         done.set()
 
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
+    stops = (signal.SIGTERM, signal.SIGHUP)
+    previous = [signal.signal(s, on_signal) for s in stops] if main else []
     try:
         _watch_until_done(store, on_version, poll_interval, done, closed)
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        if main and previous is not None:  # (None: set from C, not restorable from here)
-            signal.signal(signal.SIGTERM, previous)
+        for stop, handler in zip(stops, previous, strict=False):
+            if handler is not None:  # (None: set from C, not restorable from here)
+                signal.signal(stop, handler)
     if closed:
         raise closed[0]
-    if terminated.is_set():
-        raise click.exceptions.Exit(128 + signal.SIGTERM)
+    if stopped_by:
+        raise click.exceptions.Exit(128 + stopped_by[0])
     if interrupted:  # the way to stop it, but still an interruption (exit 130, as documented)
         raise click.exceptions.Exit(INTERRUPTED_EXIT)
 

@@ -56,7 +56,7 @@ def _cgroup_room(proc_cgroup: str, root: str) -> Room | None:
         if "memory" in controllers.split(","):
             mount = os.path.join(root, "memory")
             where = os.path.join(mount, path.lstrip("/"))
-            return _v1_room(where if os.path.isdir(where) else mount)
+            return _v1_room(where if os.path.isdir(where) else mount, mount)
     for line in lines:  # cgroup v2: "0::/path"
         if line.startswith("0::"):
             return _v2_room(root, line[3:])
@@ -103,15 +103,31 @@ def _stat(path: str) -> dict[str, int]:
     return out
 
 
-def _v1_room(path: str) -> Room | None:
-    stat = _stat(path)
-    limit = stat.get("hierarchical_memory_limit") or _read_int(
-        os.path.join(path, "memory.limit_in_bytes"))
-    usage = _read_int(os.path.join(path, "memory.usage_in_bytes"))
-    if limit is None or limit >= _NO_LIMIT or usage is None:
-        return None
-    droppable = stat.get("total_cache", 0) - stat.get("total_shmem", 0)
-    return Room(max(0, limit - max(0, usage - droppable)), limit, path)
+def _v1_room(path: str, mount: str) -> Room | None:
+    """The tightest limit from ``path`` up to ``mount``, each level's against its own usage
+    (a parent's limit binds the use of all its children: a slice, a pod)."""
+    best: Room | None = None
+    where = path
+    while True:
+        stat = _stat(where)
+        limit = _read_int(os.path.join(where, "memory.limit_in_bytes"))
+        usage = _read_int(os.path.join(where, "memory.usage_in_bytes"))
+        if where == path and stat.get("hierarchical_memory_limit") is not None and (
+                limit is None or limit >= _NO_LIMIT):
+            # (the limit of a parent not visible here, e.g. above a container's mount: only
+            # this level's usage can be set against it)
+            limit = stat["hierarchical_memory_limit"]
+        if limit is not None and limit < _NO_LIMIT and usage is not None:
+            droppable = stat.get("total_cache", 0) - stat.get("total_shmem", 0)
+            level = Room(max(0, limit - max(0, usage - droppable)), limit, where)
+            if best is None or level.free < best.free:
+                best = level
+        if os.path.normpath(where) == os.path.normpath(mount):
+            return best
+        parent = os.path.dirname(where)
+        if parent == where:
+            return best
+        where = parent
 
 
 def _host_swap_free(meminfo: str) -> int:

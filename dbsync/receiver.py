@@ -26,6 +26,7 @@ Hazards, stated plainly:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -545,6 +546,11 @@ class Receiver:
         reader, and ``dbsync status`` shows it, in that run only)."""
         if run_id is None and (head := self._heads.get(version)) is not None:
             run_id = head.run_id
+        if run_id is None:  # (not opened here: the current head's run, if it is that version)
+            with contextlib.suppress(DBSyncError, OSError):
+                current = self.store.read_head()
+                if current is not None and current.version == version:
+                    run_id = current.run_id
         self._keeper.refused = {"version": version, "reason": str(reason)[:2000],
                                 "run_id": run_id, "at": time.time()}
         if not self.read_only:

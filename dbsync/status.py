@@ -66,12 +66,15 @@ def refusal_of(lease: dict[str, Any]) -> tuple[int, str] | None:
     return refused["version"], str(refused.get("reason", ""))[:2000]
 
 
-def refusal_stands(lease: dict[str, Any]) -> bool:
+def refusal_stands(lease: dict[str, Any], current_run: str | None = None) -> bool:
     """Whether the receiver's refusal is not covered by what it loaded since: a version of
     the refusal's run at least as new (a load of another run before a refusal does not
-    cover it: versions of two runs are not compared)."""
+    cover it: versions of two runs are not compared). A refusal of another run than the
+    store's current one (``current_run``, where known) does not stand either."""
     refused = lease.get("refused")
     if refusal_of(lease) is None:
+        return False
+    if current_run is not None and refused.get("run_id") not in (None, current_run):
         return False
     loaded, loaded_run = lease.get("loaded_version"), lease.get("loaded_run_id")
     refused_run = refused.get("run_id")
@@ -79,7 +82,8 @@ def refusal_stands(lease: dict[str, Any]) -> bool:
     return not (same_run and isinstance(loaded, int) and loaded >= refused["version"])
 
 
-def state_of(lease: dict[str, Any], now: float | None = None) -> str:
+def state_of(lease: dict[str, Any], now: float | None = None,
+             current_run: str | None = None) -> str:
     """live (holding a slot), idle, refused, stale (not renewed for its lease timeout: a
     writer waits at most one more lease timeout for it), or dead: its process is gone
     (checked only where
@@ -98,7 +102,7 @@ def state_of(lease: dict[str, Any], now: float | None = None) -> str:
         return DEAD
     if isinstance(updated, int | float) and now - updated > timeout:
         return STALE
-    if refusal_stands(lease):
+    if refusal_stands(lease, current_run):
         return REFUSED
     return LIVE if held_slots(lease) or lease.get("state") == READING else IDLE
 
@@ -132,7 +136,7 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
             "id": reader_id,
             "host": lease.get("host"),
             "pid": lease.get("pid"),
-            "state": state_of(lease, now),
+            "state": state_of(lease, now, current_run),
             "version": loaded,
             "run_id": lease.get("loaded_run_id"),
             # (versions of two runs are not compared: no lag for a version of another run)

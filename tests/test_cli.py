@@ -430,7 +430,7 @@ def test_status_does_not_compare_versions_of_two_runs(tmp_path):
         for _ in range(5):
             sender.push({"w": torch.ones(4, 4)})
     target = {"w": torch.zeros(4, 4)}
-    with dbsync.Receiver(root, reader_id="engine-0") as rx:
+    with dbsync.Receiver(root, reader_id="engine-0", lease_timeout=1.0) as rx:
         assert rx.load(target) == 5
         shutil.rmtree(root)
         with dbsync.Sender(root) as sender:
@@ -446,6 +446,11 @@ def test_status_does_not_compare_versions_of_two_runs(tmp_path):
         shutil.rmtree(root)  # a third run: the second run's refusal is not this run's
         with dbsync.Sender(root) as sender:
             v = sender.push({"w": torch.ones(4, 4)})
+            deadline = time.monotonic() + 30  # (its lease, renewed every 0.25 s, comes back)
+            while not (listed := json.loads(run("status", root, "--json").stdout)["receivers"]):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert listed[0]["state"] != "refused", listed  # (the second run's refusal)
             assert rx.load(target) == v
             assert sender.wait_for_receivers(v, 1, timeout=5)
         [engine] = json.loads(run("status", root, "--json").stdout)["receivers"]

@@ -313,10 +313,11 @@ def test_manifest_that_is_a_directory_is_one_plain_line(store2):
 
 
 @needs_root
-def test_watch_as_a_containers_first_process_stops_on_sigterm(store2):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_watch_as_a_containers_first_process_stops_on_sigterm(store2, signum):
     """`dbsync watch` as PID 1 of its PID namespace (a container's entry point): the kernel
     ignores signals PID 1 has no handler for, so SIGTERM (`docker stop`, Kubernetes) left it
-    running until the grace period's SIGKILL. It now exits 143 at once."""
+    running until the grace period's SIGKILL. It now exits 143 at once (SIGHUP: 129)."""
     proc = subprocess.Popen(["unshare", "--pid", "--fork", *cli_cmd("watch", store2)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=cli_env(), cwd=REPO)
@@ -324,8 +325,8 @@ def test_watch_as_a_containers_first_process_stops_on_sigterm(store2):
         assert proc.stdout.readline().startswith("version 2")  # watching
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
             (inner,) = f.read().split()  # the watch itself: PID 1 inside
-        os.kill(int(inner), signal.SIGTERM)
-        assert proc.wait(timeout=10) == 143
+        os.kill(int(inner), signum)
+        assert proc.wait(timeout=10) == 128 + signum
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -322,6 +322,15 @@ def test_memory_room_reads_the_tightest_cgroup_limit(tmp_path):
                       f"total_shmem 0\n")
     v1_room = memlimit.room(str(proc), str(tmp_path / "v1"), str(noswap))
     assert v1_room.free == (1 << 30) - (400 << 20)
+    # a parent's limit (a slice, a pod) binds what all its children use together
+    proc.write_text("7:memory:/slice/engine\n")
+    files(tmp_path / "v1" / "memory" / "slice", memory_limit_in_bytes=str(1100 << 20),
+          memory_usage_in_bytes=str(700 << 20), memory_stat="total_cache 0\ntotal_shmem 0\n")
+    files(tmp_path / "v1" / "memory" / "slice" / "engine", memory_usage_in_bytes=str(400 << 20),
+          memory_stat=f"hierarchical_memory_limit {1100 << 20}\ntotal_cache 0\n")
+    parent = memlimit.room(str(proc), str(tmp_path / "v1"), str(noswap))
+    assert parent.free == 400 << 20 and parent.where.endswith("slice")
+    proc.write_text("7:memory:/job\n")
     # without a cgroup namespace v1 names the host's path; the mount is this cgroup's own
     proc.write_text("7:memory:/docker/0123abcd\n")
     (tmp_path / "v1" / "memory" / "memory.stat").write_text(

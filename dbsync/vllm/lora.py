@@ -344,22 +344,26 @@ class AdapterVersions:
             problems = non_finite(snap.tensors())
             if problems:
                 raise self._refuse(snap, problems)
-            directory = tempfile.mkdtemp(prefix=f"v{snap.version}-", dir=self.workdir)
+            directory = None
             try:
+                directory = tempfile.mkdtemp(prefix=f"v{snap.version}-", dir=self.workdir)
                 _write_peft_dir(snap, dict(snap.manifest.adapter or {}), directory)
                 snap.check_unchanged()
             except OSError as exc:
-                shutil.rmtree(directory, ignore_errors=True)
+                if directory is not None:
+                    shutil.rmtree(directory, ignore_errors=True)
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
+                shm = " (docker --shm-size)" if self.workdir.startswith("/dev/shm") else ""
                 raise DBSyncError(
                     f"no room for adapter version {snap.version} "
                     f"({snap.manifest.total_bytes / 2**20:.1f} MiB) in {self.workdir}, where "
                     f"served adapters are written ({exc.strerror}); {self._serving()}. Give "
-                    f"it more room (docker --shm-size for /dev/shm), or set {WORKDIR_ENV} to "
-                    "a directory with room") from None
+                    f"it more room{shm}, or set {WORKDIR_ENV} to a directory with "
+                    "room") from None
             except BaseException:
-                shutil.rmtree(directory, ignore_errors=True)
+                if directory is not None:
+                    shutil.rmtree(directory, ignore_errors=True)
                 raise
             lora_id = next_lora_id()
             request = _lora_request(self.request_name(snap.version, lora_id), lora_id,

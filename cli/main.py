@@ -556,6 +556,13 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
 
     Versions published faster than they are noticed are reported once, as the newest. A new
     training run at ROOT (a new run id) is reported even though its versions start again."""
+    if as_json:  # a script reading the lines gets one JSON line even for a root not there
+        from dbsync.store import root_problem
+
+        if (problem := root_problem(root)) is not None:
+            click.echo(json_line({"root": os.path.abspath(root), "error": problem,
+                                  "version": None}, sort_keys=True))
+            fail(problem)
     store = _existing_store(root)
     printed = [0]
     done = threading.Event()

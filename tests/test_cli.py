@@ -480,6 +480,8 @@ def test_status_of_empty_and_missing_stores(tmp_path):
     a_file.write_text("")
     filed = run("status", str(a_file), "--json")
     assert filed.exit_code == 1 and "is a regular file" in json.loads(filed.stdout)["error"]
+    watched = run("watch", missing, "--json")  # (watch's lines: one JSON line too)
+    assert watched.exit_code == 1 and json.loads(watched.stdout)["version"] is None
     assert not os.path.exists(missing)
 
 

@@ -155,6 +155,17 @@ def _unexpected(exc: Exception) -> click.ClickException:
 READ_ROOT = click.Path(path_type=str, readable=False)
 
 
+def _fail_as_json_unless_usable(root: str, indent: int | None = None) -> None:
+    """For --json: where ``root`` is no usable store directory (``root_problem``), print one
+    JSON object saying why (``version`` null) and exit 1."""
+    from dbsync.store import root_problem
+
+    if (problem := root_problem(root)) is not None:
+        click.echo(json_line({"root": os.path.abspath(root), "error": problem, "version": None},
+                             indent=indent, sort_keys=True))
+        fail(problem)
+
+
 def _existing_store(root: str) -> Store:
     """A Store for reading; never creates ``root`` (a typo must not make a directory)."""
     from dbsync.store import Store, root_problem
@@ -439,12 +450,7 @@ def status(root: str, as_json: bool) -> None:
     from .fleet import with_reasons
 
     if as_json:  # a monitoring script gets one JSON object even for a root that is not there
-        from dbsync.store import root_problem
-
-        if (problem := root_problem(root)) is not None:
-            click.echo(json_line({"root": os.path.abspath(root), "error": problem,
-                                  "version": None}, indent=1, sort_keys=True))
-            fail(problem)
+        _fail_as_json_unless_usable(root, indent=1)
     store = _existing_store(root)
     try:
         manifest, problems = current_problems(store)
@@ -557,12 +563,7 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
     Versions published faster than they are noticed are reported once, as the newest. A new
     training run at ROOT (a new run id) is reported even though its versions start again."""
     if as_json:  # a script reading the lines gets one JSON line even for a root not there
-        from dbsync.store import root_problem
-
-        if (problem := root_problem(root)) is not None:
-            click.echo(json_line({"root": os.path.abspath(root), "error": problem,
-                                  "version": None}, sort_keys=True))
-            fail(problem)
+        _fail_as_json_unless_usable(root)
     store = _existing_store(root)
     printed = [0]
     done = threading.Event()

@@ -118,10 +118,8 @@ def _v1_room(path: str, mount: str) -> Room | None:
             # this level's usage can be set against it)
             limit = stat["hierarchical_memory_limit"]
         if limit is not None and limit < _NO_LIMIT and usage is not None:
-            droppable = stat.get("total_cache", 0) - stat.get("total_shmem", 0)
-            level = Room(max(0, limit - max(0, usage - droppable)), limit, where)
-            if best is None or level.free < best.free:
-                best = level
+            best = _tighter(best, limit, usage,
+                            stat.get("total_cache", 0) - stat.get("total_shmem", 0), where)
         if os.path.normpath(where) == os.path.normpath(mount):
             return best
         parent = os.path.dirname(where)
@@ -170,8 +168,13 @@ def _v2_room(root: str, path: str) -> Room | None:
         if limit is None or usage is None:
             continue
         stat = _stat(where)
-        droppable = stat.get("file", 0) - stat.get("shmem", 0)
-        level = Room(max(0, limit - max(0, usage - droppable)), limit, where)
-        if best is None or level.free < best.free:
-            best = level
+        best = _tighter(best, limit, usage, stat.get("file", 0) - stat.get("shmem", 0), where)
     return best
+
+
+def _tighter(best: Room | None, limit: int, usage: int, droppable: int, where: str
+             ) -> Room:
+    """``best`` or the room of one level (``limit`` against ``usage`` less the page cache
+    the kernel can drop), whichever leaves less."""
+    level = Room(max(0, limit - max(0, usage - droppable)), limit, where)
+    return level if best is None or level.free < best.free else best

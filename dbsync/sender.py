@@ -858,10 +858,10 @@ class Sender:
                 if isinstance(reads, int) and reads != FORMAT_VERSION:
                     why = (f"which reads store format {reads} (this store is format "
                            f"{FORMAT_VERSION}): upgrade dbsync on its host")
-                elif refused is not None and refused[0] >= self._version > loaded[r]:
-                    why = (f"which refused version {refused[0]} "
-                           f"({printable(refused[1][:300])}); it loads the next version that "
-                           "fits")
+                elif refused is not None and refused.version >= self._version > loaded[r]:
+                    why = (f"which refused version {refused.version} "
+                           f"({printable(refused.reason[:300])}); it loads the next version "
+                           "that fits")
                 else:
                     continue
                 del behind[r]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import DBSyncError, ReceiverRefusedError, check_int, check_seconds
 from .format import SLOTS_DIR
@@ -58,12 +58,27 @@ def _current_run(store: Store) -> str | None:
     return None if head is None else head.run_id
 
 
-def refusal_of(lease: dict[str, Any]) -> tuple[int, str] | None:
-    """(version, reason) of the receiver's latest refusal or failed apply, if any."""
+class Refusal(NamedTuple):
+    """A receiver's latest refusal or failed apply, as its lease records it."""
+
+    version: int
+    reason: str
+    #: the refused version's run (None: unknown, or written by a release before 0.3.1)
+    run_id: str | None
+
+    def of_run(self, run: str | None) -> bool:
+        """Whether it may be a refusal of ``run`` (either unknown counts as yes)."""
+        return run is None or self.run_id is None or self.run_id == run
+
+
+def refusal_of(lease: dict[str, Any]) -> Refusal | None:
+    """The receiver's latest refusal or failed apply, if any."""
     refused = lease.get("refused")
     if not isinstance(refused, dict) or not isinstance(refused.get("version"), int):
         return None
-    return refused["version"], str(refused.get("reason", ""))[:2000]
+    run = refused.get("run_id")
+    return Refusal(refused["version"], str(refused.get("reason", ""))[:2000],
+                   run if isinstance(run, str) else None)
 
 
 def refusal_stands(lease: dict[str, Any], current_run: str | None = None) -> bool:
@@ -71,15 +86,12 @@ def refusal_stands(lease: dict[str, Any], current_run: str | None = None) -> boo
     the refusal's run at least as new (a load of another run before a refusal does not
     cover it: versions of two runs are not compared). A refusal of another run than the
     store's current one (``current_run``, where known) does not stand either."""
-    refused = lease.get("refused")
-    if refusal_of(lease) is None:
+    refused = refusal_of(lease)
+    if refused is None or not refused.of_run(current_run):
         return False
-    if current_run is not None and refused.get("run_id") not in (None, current_run):
-        return False
-    loaded, loaded_run = lease.get("loaded_version"), lease.get("loaded_run_id")
-    refused_run = refused.get("run_id")
-    same_run = refused_run is None or loaded_run is None or refused_run == loaded_run
-    return not (same_run and isinstance(loaded, int) and loaded >= refused["version"])
+    loaded = lease.get("loaded_version")
+    return not (refused.of_run(lease.get("loaded_run_id")) and isinstance(loaded, int)
+                and loaded >= refused.version)
 
 
 def state_of(lease: dict[str, Any], now: float | None = None,
@@ -145,9 +157,7 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
                 and loaded_run != current_run) else current - loaded,
             "last_seen": updated,
             "seconds_since_seen": (now - updated) if isinstance(updated, int | float) else None,
-            "refused": None if refused is None else {
-                "version": refused[0], "reason": refused[1],
-                "run_id": lease["refused"].get("run_id")},
+            "refused": None if refused is None else refused._asdict(),
             "lease_timeout": lease.get("lease_timeout"),
             "reads_format": lease.get("reads_format"),  # (None: a release before 0.3)
         })
@@ -204,14 +214,12 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
         refusals = {}
         for r, lease in leases.items():
             refused = refusal_of(lease)
-            refused_run = lease["refused"].get("run_id") if refused is not None else None
             # (a refusal of a newer version by a receiver that did load this one is not a
             # failure of this one: a pipelined trainer waits for v while v+1 is refused; nor
             # is a refusal of an earlier run's version)
-            if (refused is not None and refused[0] >= version
-                    and (run is None or refused_run is None or refused_run == run)
-                    and loaded.get(r, 0) < min(refused[0], version)):
-                refusals[r] = f"version {refused[0]}: {refused[1]}"
+            if (refused is not None and refused.version >= version and refused.of_run(run)
+                    and loaded.get(r, 0) < min(refused.version, version)):
+                refusals[r] = f"version {refused.version}: {refused.reason}"
         if refusals:
             listing = "; ".join(f"{printable(r)} refused {printable(why)}"
                                 for r, why in sorted(refusals.items()))

@@ -4,6 +4,7 @@ stores reported in one line without spinning, and the fleet view of ``dbsync sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -125,27 +128,37 @@ def test_status_and_watch_import_no_torch(store2):
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
-# ---- Ctrl-C during push --------------------------------------------------------------------
+# ---- a push waiting for readers ------------------------------------------------------------
+@contextlib.contextmanager
+def reader_holding(root: str, **receiver_args: Any) -> Iterator[subprocess.Popen]:
+    """A Receiver in a process of its own (``Receiver(root, **receiver_args)``) holding the
+    current version open until the block ends (then killed)."""
+    code = ("import json, sys, dbsync; r = dbsync.Receiver(sys.argv[1], **json.loads(sys.argv[2]));"
+            " s = r.open(); print(s.version, flush=True); sys.stdin.read()")
+    reader = subprocess.Popen([sys.executable, "-c", code, root, json.dumps(receiver_args)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=cli_env())
+    try:
+        assert reader.stdout.readline().strip() == str(version_of(root))  # holding it
+        yield reader
+    finally:
+        reader.kill()
+        reader.wait()
+
+
 def test_a_push_that_waited_out_a_stopped_reader_says_so(store2, st_file):
     """A reader stopped (SIGSTOP: a frozen or hung engine) while it holds the slot the push
     needs: the push waits out its lease timeout, then says at WARNING that the slot was taken
     from a reader judged dead, and its summary tells the wait apart from the writing (it
     said "wrote 1 MiB in 2.0 s" of a write that took milliseconds, and nothing else)."""
-    code = ("import sys, dbsync; r = dbsync.Receiver(sys.argv[1], lease_timeout=1.0); "
-            "s = r.open(); print(s.version, flush=True); sys.stdin.read()")
-    reader = subprocess.Popen([sys.executable, "-c", code, store2], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=cli_env())
-    try:
-        assert reader.stdout.readline().strip() == "2"  # holds slot b
+    with reader_holding(store2, lease_timeout=1.0) as reader:  # version 2: slot b
         with dbsync.Sender(store2, durable=False) as sender:
             assert sender.push({"w": torch.full((4,), 3.0)}) == 3  # slot a; next needs b
         os.kill(reader.pid, signal.SIGSTOP)
         pushed = subprocess.run(cli_cmd("push", st_file, store2), capture_output=True,
                                 text=True, env=cli_env(), timeout=120)
-    finally:
-        reader.kill()
-        reader.wait()
     assert pushed.returncode == 0, pushed.stderr
+    assert version_of(store2) == 4  # published, into the slot the stopped reader held
     assert "judged dead" in pushed.stderr and "is free after" in pushed.stderr
     [summary] = [line for line in pushed.stderr.splitlines() if line.startswith("published")]
     waited = float(summary.split("(of it ")[1].split(" s waiting for readers")[0])
@@ -159,12 +172,7 @@ def test_reader_timeout_bounds_the_wait_for_a_live_reader(store2, st_file):
     reader that stopped renewing (SIGSTOP, a crashed host) is waited out to its lease timeout
     instead: each new writer starts that clock again, so refusing at reader_timeout would
     refuse for ever."""
-    code = ("import sys, dbsync; r = dbsync.Receiver(sys.argv[1], reader_id='stuck-engine', "
-            "lease_timeout=2.0); s = r.open(); print(s.version, flush=True); sys.stdin.read()")
-    reader = subprocess.Popen([sys.executable, "-c", code, store2], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=cli_env())
-    try:
-        assert reader.stdout.readline().strip() == "2"  # holds slot b
+    with reader_holding(store2, reader_id="stuck-engine", lease_timeout=2.0) as reader:
         with dbsync.Sender(store2, durable=False, reader_timeout=0.5) as sender:
             assert sender.push({"w": torch.full((4,), 3.0)}) == 3  # slot a; next needs b
             start = time.monotonic()
@@ -180,9 +188,6 @@ def test_reader_timeout_bounds_the_wait_for_a_live_reader(store2, st_file):
             start = time.monotonic()
             assert sender.push({"w": torch.full((4,), 4.0)}) == 4  # the stopped one waited out
             assert 1.0 <= time.monotonic() - start < 10
-    finally:
-        reader.kill()
-        reader.wait()
     assert pushed.returncode == 1 and "stuck-engine" in pushed.stderr, pushed.stderr
     assert "Traceback" not in pushed.stderr
 

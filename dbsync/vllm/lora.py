@@ -234,8 +234,6 @@ def _lora_request(name: str, lora_id: int, directory: str) -> Any:
     return LoRARequest(name, lora_id, directory)
 
 
-#: where materialised adapters go, if set (else ``/dev/shm`` when roomy, else the temp dir)
-WORKDIR_ENV = LORA_WORKDIR_ENV
 #: the free space ``/dev/shm`` needs to be chosen (a container's default is 64 MiB: adapters
 #: kept ``--max-loras`` times would soon fill it)
 SHM_MIN_FREE = 256 << 20
@@ -245,7 +243,7 @@ def default_workdir() -> str:
     """Where materialised adapters go: ``$DBSYNC_LORA_WORKDIR`` if set; else ``/dev/shm``
     (RAM) when it is writable with ``SHM_MIN_FREE`` free; else the temp dir. Directories a
     killed server left there are removed first (``workdirs``)."""
-    base = os.environ.get(WORKDIR_ENV) or None
+    base = os.environ.get(LORA_WORKDIR_ENV) or None
     if base is not None:
         os.makedirs(base, exist_ok=True)
     elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
@@ -255,7 +253,7 @@ def default_workdir() -> str:
         else:
             log.info("dbsync: /dev/shm has %.0f MiB free (a container's default?): adapters "
                      "go to the temp directory instead (set %s to choose)",
-                     st.f_bavail * st.f_frsize / 2**20, WORKDIR_ENV)
+                     st.f_bavail * st.f_frsize / 2**20, LORA_WORKDIR_ENV)
     return workdirs.make("dbsync-lora-", base)
 
 
@@ -359,7 +357,7 @@ class AdapterVersions:
                     f"no room for adapter version {snap.version} "
                     f"({snap.manifest.total_bytes / 2**20:.1f} MiB) in {self.workdir}, where "
                     f"served adapters are written ({exc.strerror}); {self._serving()}. Give "
-                    f"it more room{shm}, or set {WORKDIR_ENV} to a directory with "
+                    f"it more room{shm}, or set {LORA_WORKDIR_ENV} to a directory with "
                     "room") from None
             except BaseException:
                 if directory is not None:

@@ -5,6 +5,7 @@ is started; the integration tests in test_vllm_server.py drive the real one."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -913,3 +914,45 @@ def test_working_directories_of_killed_servers_are_removed_by_the_next_one(
         alive.kill()
         alive.wait(30)
         killed.kill()
+
+
+def test_the_source_of_an_apply_is_what_this_version_s_worker_reports_say() -> None:
+    """With a broadcast transport each worker reports where it took the version from; the
+    controller's source is theirs: one source, "mixed" when they differ, None when none
+    reported this version (a report of another version, or a garbled one, is no report)."""
+    from dbsync.vllm.worker_transport import WorkerTransport
+
+    calls: list[dict[str, Any]] = []
+
+    class Workers:
+        def init(self, info: dict[str, Any]) -> None:
+            calls.append(info)
+
+    transport = WorkerTransport("/srv/store", Workers(), "auto")
+    transport.start()
+    transport.start()  # (once)
+    assert calls == [{"root": "/srv/store", "transport": "auto"}]
+
+    def report(directory: str, rank: int, version: int, source: str) -> None:
+        Path(directory, f"{rank}.json").write_text(json.dumps(
+            {"version": version, "source": source, "rank": rank, "staged_bytes": 100 * rank}))
+
+    first = transport.fresh_report_dir()
+    assert first is not None
+    report(first, 0, 7, "broadcast")
+    report(first, 1, 7, "broadcast")
+    report(first, 2, 6, "filesystem")  # (an earlier version's)
+    Path(first, "3.json").write_text("{garbled")
+    assert transport.sources(7) == ("broadcast", {"0": 0, "1": 100})
+    second = transport.fresh_report_dir()  # the next apply starts with no reports
+    assert second == first and transport.sources(8) == (None, None)
+    report(second, 0, 8, "broadcast")
+    report(second, 1, 8, "filesystem")
+    assert transport.sources(8)[0] == "mixed"
+    transport.stop()
+    assert calls[-1] == {"root": None, "transport": "filesystem"}
+    transport.close()
+    assert not os.path.exists(first)
+    plain = WorkerTransport("/srv/store", object(), "filesystem")
+    plain.start()  # (nothing to start: no init needed)
+    assert plain.fresh_report_dir() is None and plain.sources(3) == ("filesystem", None)

@@ -64,7 +64,6 @@ the old and partly by the new version; vLLM records which in ``CompletionOutput.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -87,9 +86,8 @@ from ..errors import (
 )
 from ..receiver import Receiver, Snapshot
 from ..watch import Watcher
-from . import workdirs
 from .plugin import NOTHING_APPLIED, SUPERSEDED
-from .transport import check_transport
+from .worker_transport import WorkerTransport
 
 if TYPE_CHECKING:
     from .metrics import SwapMetrics
@@ -241,9 +239,8 @@ class SwapController:
 
             metrics = default_metrics()
         self.metrics = metrics
-        self.transport = check_transport(transport)
-        self._transport_ready = transport == "filesystem"
-        self._report_dir: str | None = None
+        self._worker_transport = WorkerTransport(self.root, ops, transport)
+        self.transport = self._worker_transport.transport
         self.expected = expected
         self.allow_missing = tuple(allow_missing)
         self.verify = verify
@@ -361,34 +358,12 @@ class SwapController:
         """Start the workers' staging receivers (transport "auto"/"broadcast"); once, before
         the first apply. Blocks: call it from a thread, never from an ``AsyncLLM``'s loop."""
         with self._lock:
-            if self._transport_ready:
-                return
-            init = getattr(self.ops, "init", None)
-            if init is None:
-                raise DBSyncError(f"transport {self.transport!r} needs engine ops with init(); "
-                                  "use LLMOps/AsyncEngineOps or transport='filesystem'")
-            try:
-                init({"root": self.root, "transport": self.transport})
-            except Exception as exc:
-                raise DBSyncError(
-                    f"the engine's workers could not start the {self.transport!r} transport "
-                    f"({type(exc).__name__}: {exc}); use transport='filesystem' or fix the "
-                    "cause") from exc
-            self._transport_ready = True
-            log.info("dbsync: transport %s for %s", self.transport, self.root)
+            self._worker_transport.start()
 
     def stop_transport(self) -> None:
         """Stop the workers' staging (best effort: an engine already shut down is fine)."""
         with self._lock:
-            if self.transport == "filesystem" or not self._transport_ready:
-                return
-            self._transport_ready = False
-            init = getattr(self.ops, "init", None)
-            try:
-                if init is not None:
-                    init({"root": None, "transport": "filesystem"})
-            except Exception as exc:  # noqa: BLE001 - the engine may be gone
-                log.debug("dbsync: could not stop the workers' staging: %s", exc)
+            self._worker_transport.stop()
 
     def start_watching(self) -> Watcher:
         """Apply every version published from now on (and the current one) in a background
@@ -424,9 +399,7 @@ class SwapController:
             self._watcher = None
         self._release_served()
         self.receiver.close()
-        if self._report_dir is not None:
-            workdirs.remove(self._report_dir)
-            self._report_dir = None
+        self._worker_transport.close()
 
     # ---- internals ----------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
@@ -550,7 +523,7 @@ class SwapController:
             raise SwapError(f"version {version}: {exc}", version, partial=False) from exc
         timings = SwapTimings(version, read_verify_s=time.perf_counter() - t0,
                               nbytes=snap.manifest.total_bytes)
-        report = self._clear_reports()
+        report = self._worker_transport.fresh_report_dir()
         s.applying = version
         t_pause = time.perf_counter()
         started = False
@@ -567,7 +540,7 @@ class SwapController:
             self.ops.update(update)
             self.ops.finish(str(version))
             timings.apply_s = time.perf_counter() - t_apply
-            timings.source, timings.staged_bytes = self._read_reports(version)
+            timings.source, timings.staged_bytes = self._worker_transport.sources(version)
             snap.check_unchanged()  # our lease kept the slot; this catches an expired one
             self.ops.reset_prefix_cache()
         except Exception as exc:
@@ -598,41 +571,6 @@ class SwapController:
                  "verify %.1f ms)", version, timings.source or "unreported source",
                  timings.pause_s * 1e3, timings.apply_s * 1e3, timings.read_verify_s * 1e3)
         return True
-
-    def _clear_reports(self) -> str | None:
-        """The directory the workers report their source into, emptied (broadcast transports
-        only: with "filesystem" the source is the filesystem)."""
-        if self.transport == "filesystem":
-            return None
-        if self._report_dir is None:
-            self._report_dir = workdirs.make("dbsync-apply-")
-        for name in os.listdir(self._report_dir):
-            if not name.startswith(workdirs.OWNER):
-                os.unlink(os.path.join(self._report_dir, name))
-        return self._report_dir
-
-    def _read_reports(self, version: int) -> tuple[str | None, dict[str, int] | None]:
-        """Where the workers on this host took ``version`` from ("mixed" if they differ), and
-        the bytes each held staged for it (None if none reported any)."""
-        if self.transport == "filesystem":
-            return "filesystem", None
-        assert self._report_dir is not None
-        sources = set()
-        staged: dict[str, int] = {}
-        for name in os.listdir(self._report_dir):
-            if not name.endswith(".json"):
-                continue
-            try:
-                with open(os.path.join(self._report_dir, name), "rb") as f:
-                    record = json.loads(f.read())
-            except (OSError, ValueError):
-                continue
-            if isinstance(record, dict) and record.get("version") == version:
-                sources.add(str(record.get("source")))
-                if isinstance(record.get("staged_bytes"), int):
-                    staged[str(record.get("rank"))] = record["staged_bytes"]
-        source = "mixed" if len(sources) > 1 else (sources.pop() if sources else None)
-        return source, staged or None
 
     def _resume(self) -> None:
         if self.state.paused:

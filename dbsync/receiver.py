@@ -485,8 +485,10 @@ class Receiver:
                             snap.check_unchanged()  # stays good; a leased slot must hold it)
                 except SlotReused:
                     if attempt + 1 < _LEASELESS_RETRIES:
-                        log.info("version %d was replaced while %s read it without a lease; "
-                                 "reading again", snap.version, self.reader_id)
+                        log.info("version %d was replaced while %s read it (%s); reading "
+                                 "again", snap.version, self.reader_id,
+                                 "a lease the writer did not see" if snap.leased else
+                                 "without a lease")
                         continue
                     raise
                 except LeaseNotRenewed as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -46,7 +47,7 @@ from .format import (
     shard_file,
     unwrap_compiled,
 )
-from .store import mount_read_error
+from .store import REREAD_PAUSES, mount_read_error
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -68,7 +69,8 @@ class LeaseNotRenewed(LeaseExpiredError):
 
 
 class SlotReused(LeaseExpiredError):
-    """A leaseless read saw the slot change before anything was applied: read again."""
+    """The slot changed under a read that held no lease, or a lease the writer did not see
+    (through a caching mount: see ``Snapshot.check_unchanged``): read again."""
 
 
 class Snapshot:
@@ -202,10 +204,12 @@ class Snapshot:
                 r = ranges[i]
                 damaged[f"<bytes [{r.offset}, {r.offset + r.nbytes}) of shard {r.shard}>"] = \
                     bad[i]
-        if damaged or self.leased:
-            # (a private copy whose every checksum matched is the version, whatever the slot
-            # holds now; damage in one may be a writer's reuse of the slot: said as such)
-            self.check_unchanged()
+        if damaged:
+            # (damage may be a writer's reuse of the slot, seen late through a caching mount:
+            # said as such, never as damage)
+            self._check_unchanged_patiently()
+        elif self.leased:  # (a private copy whose every checksum matched is the version,
+            self.check_unchanged()  # whatever the slot holds now)
         if damaged:
             names = ", ".join(describe_name(n) for n in list(damaged)[:10])
             more = " ..." if len(damaged) > 10 else ""
@@ -606,6 +610,17 @@ class Snapshot:
             raise
         return fds
 
+    def _check_unchanged_patiently(self) -> None:
+        """``check_unchanged``, looked at again after the pauses a caching mount needs
+        (``REREAD_PAUSES``, 1.3 s in all) before bytes that do not match their checksums are
+        called damage: through NFS or FUSE, the head and the slot's stamp can be read from a
+        cache (1 s by default) while the shards already hold the writer's next version, which
+        is not damage. Hazard: real damage is reported that much later."""
+        self.check_unchanged()
+        for pause in REREAD_PAUSES:
+            time.sleep(pause)
+            self.check_unchanged()
+
     def check_unchanged(self) -> None:
         """Raise ``LeaseExpiredError`` if the writer may have started reusing this slot. (A
         leaseless snapshot's private copy, once every checksum of it matched, is the version
@@ -615,16 +630,21 @@ class Snapshot:
             return
         stamp = self.receiver.store.read_stamp(self.manifest.slot)
         if stamp != (self.version, self.run_id):
-            cls = SlotReused if not self.leased else LeaseExpiredError
-            error = self.receiver._keeper.error
+            keeper = self.receiver._keeper
+            # (a lease renewed in time that did not keep the slot was not seen by the writer)
+            cls = SlotReused if not self.leased or keeper.trusted() else LeaseExpiredError
+            error = keeper.error
             expired = ("stalled longer than the lease timeout" if error is None else
                        f"it could not be renewed: {error.strerror or error}")
             raise cls(
                 f"slot {self.manifest.slot} no longer holds version {self.version} (its stamp "
                 f"says {stamp[0]!r}): "
                 + ("a writer reused it while this reader held no lease" if not self.leased else
-                   f"a writer reused it after this reader's lease expired ({expired}), or the "
-                   "stamp file was damaged")
+                   (f"a writer reused it after this reader's lease expired ({expired}), or the "
+                    "stamp file was damaged") if cls is LeaseExpiredError else
+                   ("a writer reused it without seeing this reader's lease (a head this mount "
+                    "showed from its cache after the writer moved on, or leases the writer "
+                    "sees late: NFS or FUSE caches longer than 1 s, see docs/DEPLOY.md)"))
                 + ". What was read cannot be trusted: load again"
             )
         keeper = self.receiver._keeper

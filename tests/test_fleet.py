@@ -475,6 +475,48 @@ def test_read_only_view_soak_has_no_torn_applies(tmp_path, how):
 
 
 @needs_root
+def test_leased_loads_through_a_caching_fuse_mount_never_call_a_reused_slot_damaged(tmp_path):
+    """Receivers on a caching FUSE mount (bindfs with ``auto_cache``, which keeps a file's
+    pages while its attributes look unchanged, as many FUSE filesystems do, and libfuse's
+    default 1 s attribute and entry caches), the trainer writing the store directly (as
+    from another host) every 0.1 s. The mount can show a head and slot stamp from its cache
+    while the shards already hold the writer's next version in that slot: a leased load then
+    found bytes that did not match their checksums and raised ``DamagedVersionError`` within
+    a few seconds, which serve-vllm refuses and reports to the trainer. Such a load now looks
+    again for as long as those caches last, sees the slot moved on, and reads again: every
+    load applies exactly one whole version, and none is called damaged."""
+    base = str(tmp_path / "base")
+    with dbsync.Sender(base) as sender:
+        sender.push(weights_for(1))
+    stop, done = str(tmp_path / "stop"), str(tmp_path / "done")
+    fuse = FuseView(base, tmp_path / "view", options="auto_cache")
+    view = fuse.mount()
+    writer = spawn("writer_loop", base, stop, "5", str(tmp_path / "writer.json"), "0.1")
+    reader = spawn("reader_loop", view, str(tmp_path / "reader.json"), done, "30", "20")
+    try:
+        deadline = time.monotonic() + 60
+        while (Store(base).read_head().version < 80 and reader.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.05)  # the soak runs until the writer has published 80 versions
+        open(done, "w").close()  # then the reader stops (after at least 20 loads)
+        assert reader.wait(timeout=60) == 0, "the reader failed (a DamagedVersionError?)"
+        open(stop, "w").close()
+        assert writer.wait(timeout=30) == 0, "the writer failed"
+    finally:
+        open(stop, "w").close()
+        kill(reader)
+        kill(writer)
+        fuse.close()
+    result = wait_json(tmp_path / "reader.json")
+    versions = [r["version"] for r in result["loads"]]
+    torn = [r for r in result["loads"] if r["values"] != expected_values(r["version"])]
+    print(f"caching FUSE soak: {len(versions)} loads of {len(set(versions))} versions, "
+          f"{result['retried']} said to load again")
+    assert torn == [] and len(versions) >= 20 and len(set(versions)) >= 3, versions
+    assert result["read_only"] is False  # (leased: its lease written through the mount)
+
+
+@needs_root
 def test_a_read_only_snapshot_stays_usable_after_its_slot_is_reused(tmp_path):
     """A snapshot opened through a read-only view holds a private copy; once every checksum of
     that copy matched, it is the version, even if the writer has reused the slot since (no

@@ -116,6 +116,16 @@ def _warn_if_under_an_overlay(root: str) -> None:
             "volume)", root, lower)
 
 
+def _check_applied(snap: Snapshot) -> None:
+    """``check_unchanged`` after a callable target was applied: a slot reused meanwhile is
+    ``LeaseExpiredError`` for the caller to load again (the target is called once per load,
+    so it is not read again here, as it is when the check fails before the apply)."""
+    try:
+        snap.check_unchanged()
+    except SlotReused as exc:
+        raise LeaseExpiredError(str(exc)) from None
+
+
 class Receiver:
     """Reads versions from ``root``, which must exist (a typo is an error, not a new empty
     store to wait on forever). Registers itself (a lease file) on construction, so the writer
@@ -355,16 +365,22 @@ class Receiver:
     def _check_head_moved(self, head: Head) -> None:
         """After a read found ``head``'s slot stamped otherwise: fine (read again)
         if the head moved on, as it does before a writer reuses a slot; if it still names that
-        version, the slot's stamp is missing or damaged, and reading again cannot help."""
+        version after the pauses a caching mount needs (``REREAD_PAUSES``), the slot's stamp
+        is missing or damaged, and reading again cannot help."""
         again = self.store.read_head()
-        if again is None or (again.run_id, again.version) != (head.run_id, head.version):
-            return
-        stamp = self.store.read_stamp(head.slot, absent=NO_STAMP)
-        if stamp == (None, None):
-            self._check_stamp_readable(head.slot)
-            return  # not readable then, readable now (a passing I/O error): again
-        if stamp == (head.version, head.run_id):
-            return  # stamped right after all: again
+        for pause in (*REREAD_PAUSES, None):  # (a caching mount, NFS or FUSE, can show the
+            # head and the stamp of different moments until its caches expire, 1 s by default)
+            if again is None or (again.run_id, again.version) != (head.run_id, head.version):
+                return
+            stamp = self.store.read_stamp(head.slot, absent=NO_STAMP)
+            if stamp == (None, None):
+                self._check_stamp_readable(head.slot)
+                return  # not readable then, readable now (a passing I/O error): again
+            if stamp == (head.version, head.run_id):
+                return  # stamped right after all: again
+            if pause is not None:
+                time.sleep(pause)
+                again = self.store.read_head()
         if stamp is NO_STAMP:
             stamp = (None, None)
         path = os.path.join(self.store.slot_dir(head.slot), SLOT_STAMP_FILE)
@@ -482,7 +498,7 @@ class Receiver:
                             snap.verify()
                         target(snap._views())
                         if snap.leased:  # (a private copy was verified before the apply: it
-                            snap.check_unchanged()  # stays good; a leased slot must hold it)
+                            _check_applied(snap)  # stays good; a leased slot must hold it)
                 except SlotReused:
                     if attempt + 1 < _LEASELESS_RETRIES:
                         log.info("version %d was replaced while %s read it (%s); reading "

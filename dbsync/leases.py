@@ -309,7 +309,7 @@ def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: flo
             noted = None  # unreadable or garbled: written again below
         if isinstance(noted, dict) and {k: noted.get(k) for k in seen} == seen:
             noted_at = noted.get("noted_at")
-            if (clock is not None and noted.get("clock") == clock
+            if (clock is not None and _same_clock(noted.get("clock"), clock)
                     and isinstance(noted_at, int | float) and not isinstance(noted_at, bool)):
                 # (stood still since it was noted, by this host's clock: gone once a timeout
                 # and the margin for a loaded host's heartbeats passed; else a later writer)
@@ -329,9 +329,18 @@ def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: flo
     return False
 
 
+def _same_clock(noted: Any, clock: list[Any]) -> bool:
+    """Whether a note's clock is ``clock``: the same boot and time namespace. The host name
+    is kept in notes for people to read, not compared: containers of one machine (a new pod
+    per trainer start) have names of their own but one monotonic clock, and a note of the
+    last one must count for the next."""
+    return isinstance(noted, list) and len(noted) == len(clock) and noted[1:] == clock[1:]
+
+
 def _monotonic_clock_id() -> list[Any] | None:
-    """What ``time.monotonic()`` values are comparable across: this host, boot and time
-    namespace (None where the boot cannot be told)."""
+    """What ``time.monotonic()`` values are comparable across: this boot (a random id per
+    boot of a machine) and time namespace, with the host name for the reader of a note
+    (None where the boot cannot be told)."""
     me = host_identity()
     if me["boot_id"] is None:
         return None

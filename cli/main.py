@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 DTYPES = ("bf16", "fp16", "fp32")
 INTERRUPTED_EXIT = 130
+#: dead receivers the text of `dbsync status` lists (the rest are counted)
+DEAD_LISTED = 20
 
 
 class Failure(click.ClickException):
@@ -439,7 +441,10 @@ def _wait_for(store: Store, root: str, version: int, count: int,
 @cli.command()
 @click.argument("root", type=READ_ROOT)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def status(root: str, as_json: bool) -> None:
+@click.option("--all", "list_all", is_flag=True,
+              help=f"List every dead receiver (the text lists {DEAD_LISTED} and counts the rest; "
+                   "--json always lists all).")
+def status(root: str, as_json: bool, list_all: bool) -> None:
     """Show ROOT's current version and its receivers: host, loaded version, lag, last seen,
     state (live: reading now, idle, refused with the reason, stale: not renewed for its lease
     timeout, dead). Exits 1 if the current
@@ -486,7 +491,7 @@ def status(root: str, as_json: bool) -> None:
     if as_json:
         click.echo(json_line(info, indent=1, sort_keys=True))
     else:
-        for line in _status_lines(info):
+        for line in _status_lines(info, None if list_all else DEAD_LISTED):
             click.echo(printable(line))
     if problems:
         fail(f"version {info['version']} in {store.root} is damaged ({len(problems)} "
@@ -510,7 +515,9 @@ def _foreign_format_view(store: Store) -> dict[str, Any]:
     return {"head": head, "receivers": found}
 
 
-def _status_lines(info: dict[str, Any]) -> list[str]:
+def _status_lines(info: dict[str, Any], dead_listed: int | None = None) -> list[str]:
+    """``info`` for people; at most ``dead_listed`` dead receivers listed (None: all), the
+    rest counted in one line, so that thousands of dead leases do not bury the live ones."""
     lines = [f"store      {info['root']}"]
     if info["version"] is None:
         lines.append("version    none published yet")
@@ -533,6 +540,11 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
               for s in ("live", "idle", "refused", "stale", "dead")}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     lines.append(f"receivers  {len(rx)}" + (f" ({summary})" if summary else ""))
+    unlisted = 0
+    if dead_listed is not None and counts["dead"] > dead_listed:
+        dead = [r for r in rx if r["state"] == "dead"][dead_listed:]
+        unlisted, dropped = len(dead), {id(r) for r in dead}
+        rx = [r for r in rx if id(r) not in dropped]
     if rx:
         rows = [[r["id"], str(r.get("host")), str(r.get("state")),
                  "-" if r["version"] is None else str(r["version"]),
@@ -541,6 +553,9 @@ def _status_lines(info: dict[str, Any]) -> list[str]:
         lines += ["  " + line for line in table(
             ["ID", "HOST", "STATE", "LOADED", "LAG", "LAST SEEN"], rows)]
         lines += [f"  {r['id']} {r['state']}: {r['reason']}" for r in rx if r.get("reason")]
+    if unlisted:
+        lines.append(f"  ... and {unlisted} more dead receivers, not listed (`--all` lists "
+                     "them; the next writer to start removes dead leases once old enough)")
     for reader_id, problem in info.get("malformed_reader_files", {}).items():
         lines.append(f"ignored    readers/{reader_id}.json: not a reader's lease ({problem})")
     if info.get("note"):

@@ -421,6 +421,34 @@ def test_status_reports_version_and_receivers(store_v1, st_file):
         assert "engine-0" in human.stdout and "receivers  1" in human.stdout
 
 
+def test_status_lists_the_live_receivers_and_counts_dead_ones_past_twenty(store_v1):
+    """A store with hundreds or thousands of dead leases (readers of hosts gone for good)
+    printed a row and a reason line per dead reader, burying the live engines; the text now
+    lists 20 dead receivers and counts the rest (`--all` lists every one; `--json` always
+    does)."""
+    from cli.main import DEAD_LISTED
+
+    readers = os.path.join(store_v1, "readers")
+    with dbsync.Receiver(store_v1, reader_id="engine-0") as rx:
+        rx.load(lambda pairs: None)
+        record = Store(store_v1).read_leases()["engine-0"]
+        an_hour_ago = time.time() - 3600
+        for i in range(DEAD_LISTED + 15):
+            path = os.path.join(readers, f"gone-host-{i}-4242-0a1b2c3d.json")
+            with open(path, "w") as f:
+                json.dump(dict(record, host=f"gone-host-{i}", pid=4242, boot_id="other-boot",
+                               updated_at=an_hour_ago), f)
+            os.utime(path, (an_hour_ago, an_hour_ago))
+        text = run("status", store_v1).stdout
+        every = run("status", store_v1, "--all").stdout
+        info = json.loads(run("status", store_v1, "--json").stdout)
+    assert f"receivers  {DEAD_LISTED + 16} (1 idle, {DEAD_LISTED + 15} dead)" in text
+    assert "engine-0" in text and "... and 15 more dead receivers" in text
+    assert text.count(" dead: ") == DEAD_LISTED  # (a reason line each, below the table)
+    assert every.count(" dead: ") == DEAD_LISTED + 15 and "more dead" not in every
+    assert len(info["receivers"]) == DEAD_LISTED + 16
+
+
 def test_status_does_not_compare_versions_of_two_runs(tmp_path):
     """A store recreated at the same path is a new run: an engine still on the old run's
     version 5 that refused the new run's version 1 is shown refused, with that reason and

@@ -145,6 +145,26 @@ def _injected_failure(version: int) -> int | None:
 SUPERSEDED = "[dbsync: superseded]"
 #: vLLM loggers that report a failed worker/utility call with a traceback
 _RPC_LOGGERS = ("vllm.v1.executor.multiproc_executor", "vllm.v1.engine.core")
+#: the logger of vLLM's layerwise reload, and its per-layer "nothing loaded" warning
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_NOTHING_LOADED = "%s: Failed to load weights"
+
+
+class _RotaryFilter(logging.Filter):
+    """vLLM's layerwise reload warns ``RotaryEmbedding: Failed to load weights`` on every swap
+    of a model whose rotary tables are computed, not stored (no checkpoint has them): a
+    WARNING per swap per worker that alerting on warnings fires on. Such lines go to DEBUG
+    under ``dbsync``. The warning for any other layer stays: a version that lacks a layer's
+    weights is refused by the fit check before it is applied, so it would mean something."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if (record.msg == _NOTHING_LOADED and len(args) == 1
+                and "rotary" in str(args[0]).lower()):
+            log.debug("dbsync: vLLM reloaded %s with its computed tables (no checkpoint "
+                      "tensors)", args[0])
+            return False
+        return True
 
 #: how long an apply waits for a broadcast of the requested version that is still arriving
 STAGE_WAIT_SECONDS = 10.0
@@ -163,6 +183,7 @@ def register() -> None:
                 BACKEND, "dbsync.vllm.plugin", "DBSyncWeightTransferEngine")
             for name in _RPC_LOGGERS:
                 logging.getLogger(name).addFilter(_RaceFilter())
+            logging.getLogger(_RELOAD_LOGGER).addFilter(_RotaryFilter())
 
 
 _VERSION_IN = re.compile(r"version (\d+)")

@@ -13,6 +13,7 @@ command imports what it needs when it runs (``--help`` never imports torch).
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import signal
 import stat
@@ -541,10 +542,10 @@ def _status_lines(info: dict[str, Any], dead_listed: int | None = None) -> list[
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     lines.append(f"receivers  {len(rx)}" + (f" ({summary})" if summary else ""))
     unlisted = 0
-    if dead_listed is not None and counts["dead"] > dead_listed:
-        dead = [r for r in rx if r["state"] == "dead"][dead_listed:]
-        unlisted, dropped = len(dead), {id(r) for r in dead}
-        rx = [r for r in rx if id(r) not in dropped]
+    if dead_listed is not None:  # (the first ``dead_listed`` dead ones, in their order)
+        unlisted = max(0, counts["dead"] - dead_listed)
+        dead_seen = itertools.count()
+        rx = [r for r in rx if r["state"] != "dead" or next(dead_seen) < dead_listed]
     if rx:
         rows = [[r["id"], str(r.get("host")), str(r.get("state")),
                  "-" if r["version"] is None else str(r["version"]),

@@ -78,7 +78,7 @@ from .leases import (
     release_reader_id,
 )
 from .snapshot import LeaseNotRenewed, SlotReused, Snapshot
-from .store import REREAD_PAUSES, Store
+from .store import Store, rereads
 from .workers import WorkerPools
 
 if TYPE_CHECKING:
@@ -365,11 +365,10 @@ class Receiver:
     def _check_head_moved(self, head: Head) -> None:
         """After a read found ``head``'s slot stamped otherwise: fine (read again)
         if the head moved on, as it does before a writer reuses a slot; if it still names that
-        version after the pauses a caching mount needs (``REREAD_PAUSES``), the slot's stamp
+        version over the looks a caching mount needs (``store.rereads``), the slot's stamp
         is missing or damaged, and reading again cannot help."""
-        again = self.store.read_head()
-        for pause in (*REREAD_PAUSES, None):  # (a caching mount, NFS or FUSE, can show the
-            # head and the stamp of different moments until its caches expire, 1 s by default)
+        for _ in rereads():  # (a caching mount can show head and stamp of different moments)
+            again = self.store.read_head()
             if again is None or (again.run_id, again.version) != (head.run_id, head.version):
                 return
             stamp = self.store.read_stamp(head.slot, absent=NO_STAMP)
@@ -378,9 +377,6 @@ class Receiver:
                 return  # not readable then, readable now (a passing I/O error): again
             if stamp == (head.version, head.run_id):
                 return  # stamped right after all: again
-            if pause is not None:
-                time.sleep(pause)
-                again = self.store.read_head()
         if stamp is NO_STAMP:
             stamp = (None, None)
         path = os.path.join(self.store.slot_dir(head.slot), SLOT_STAMP_FILE)
@@ -401,7 +397,7 @@ class Receiver:
         mount (ESTALE, EIO) for ~1.3 s: opening again and again could not help (it ended in
         "the head changed 100 times" before)."""
         failure: StoreUnreachableError | None = None
-        for pause in (*REREAD_PAUSES, None):  # (the store's own re-read pauses)
+        for _ in rereads():
             try:
                 self.store.read_record((SLOTS_DIR, slot, SLOT_STAMP_FILE), MAX_STAMP_BYTES)
                 return
@@ -409,8 +405,6 @@ class Receiver:
                 failure = exc
             except (OSError, FormatError):
                 return  # (the next look says what it is)
-            if pause is not None:
-                time.sleep(pause)
         assert failure is not None
         raise failure
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -47,7 +46,7 @@ from .format import (
     shard_file,
     unwrap_compiled,
 )
-from .store import REREAD_PAUSES, mount_read_error
+from .store import mount_read_error, rereads
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -612,13 +611,11 @@ class Snapshot:
 
     def _check_unchanged_patiently(self) -> None:
         """``check_unchanged``, looked at again after the pauses a caching mount needs
-        (``REREAD_PAUSES``, 1.3 s in all) before bytes that do not match their checksums are
+        (``store.rereads``: 1.3 s in all) before bytes that do not match their checksums are
         called damage: through NFS or FUSE, the head and the slot's stamp can be read from a
         cache (1 s by default) while the shards already hold the writer's next version, which
         is not damage. Hazard: real damage is reported that much later."""
-        self.check_unchanged()
-        for pause in REREAD_PAUSES:
-            time.sleep(pause)
+        for _ in rereads():
             self.check_unchanged()
 
     def check_unchanged(self) -> None:
@@ -628,26 +625,26 @@ class Snapshot:
         if not self.leased and self._verified:
             self._unchecked = False
             return
+        keeper = self.receiver._keeper
         stamp = self.receiver.store.read_stamp(self.manifest.slot)
         if stamp != (self.version, self.run_id):
-            keeper = self.receiver._keeper
-            # (a lease renewed in time that did not keep the slot was not seen by the writer)
-            cls = SlotReused if not self.leased or keeper.trusted() else LeaseExpiredError
-            error = keeper.error
-            expired = ("stalled longer than the lease timeout" if error is None else
-                       f"it could not be renewed: {error.strerror or error}")
-            raise cls(
-                f"slot {self.manifest.slot} no longer holds version {self.version} (its stamp "
-                f"says {stamp[0]!r}): "
-                + ("a writer reused it while this reader held no lease" if not self.leased else
-                   (f"a writer reused it after this reader's lease expired ({expired}), or the "
-                    "stamp file was damaged") if cls is LeaseExpiredError else
-                   ("a writer reused it without seeing this reader's lease (a head this mount "
-                    "showed from its cache after the writer moved on, or leases the writer "
-                    "sees late: NFS or FUSE caches longer than 1 s, see docs/DEPLOY.md)"))
-                + ". What was read cannot be trusted: load again"
-            )
-        keeper = self.receiver._keeper
+            cls: type[LeaseExpiredError] = SlotReused
+            if not self.leased:
+                how = "a writer reused it while this reader held no lease"
+            elif keeper.trusted():  # (a lease renewed in time that did not keep the slot
+                how = ("a writer reused it without seeing this reader's lease (a head this "
+                       "mount showed from its cache after the writer moved on, or leases the "
+                       "writer sees late: NFS or FUSE caches longer than 1 s, see "
+                       "docs/DEPLOY.md)")  # was not seen by the writer)
+            else:
+                cls = LeaseExpiredError
+                expired = ("stalled longer than the lease timeout" if keeper.error is None
+                           else f"it could not be renewed: {keeper.error.strerror or keeper.error}")
+                how = (f"a writer reused it after this reader's lease expired ({expired}), or "
+                       "the stamp file was damaged")
+            raise cls(f"slot {self.manifest.slot} no longer holds version {self.version} (its "
+                      f"stamp says {stamp[0]!r}): {how}. What was read cannot be trusted: load "
+                      "again")
         if self.leased and not keeper.trusted():
             why = (f"renewing it failed: {keeper.error}" if keeper.error is not None else
                    "this process, or its lease thread, was stalled (stopped, or starved of "

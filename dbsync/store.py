@@ -35,6 +35,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import xxhash
@@ -84,6 +85,18 @@ FILE_MODE = 0o644
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
+
+
+def rereads() -> Iterator[int]:
+    """Looks over the time a caching mount (NFS, FUSE: caches of 1 s by default) may show
+    files of different moments: the first at once, one after each of ``REREAD_PAUSES``
+    (1.3 s in all). For a verdict such a mount can fake until its caches expire ("damaged",
+    "unreachable"): the caller stops looking as soon as a look settles it, and gives the
+    verdict only after the last. Hazard: a true verdict comes that much later."""
+    yield 0
+    for look, pause in enumerate(REREAD_PAUSES, 1):
+        time.sleep(pause)
+        yield look
 
 class _DirFd:
     """``Store.dir_fd``'s context manager (a class, not a generator: an interrupt inside a
@@ -395,9 +408,7 @@ class Store:
         kernel may show a replaced head for up to its entry and attribute timeouts (1 s by
         default) while the slot already holds the writer's next version, which is not
         damage. False as soon as the head moved or the index matches (read again)."""
-        for pause in (0.0, *REREAD_PAUSES):
-            if pause:
-                time.sleep(pause)
+        for _ in rereads():
             if self.read_head() != head or self.read_index(slot, head) is not None:
                 return False
         stamp_version, stamp_run = self.read_stamp(slot)

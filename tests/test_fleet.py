@@ -429,6 +429,37 @@ def test_read_only_view_serves_load_wait_watch_status_verify(tmp_path, how):
         assert os.listdir(os.path.join(base, "readers")) == [], "nothing registered via ro"
 
 
+def _soak(tmp_path: Any, base: str, view: str, *, versions: int, min_loads: int, lease: str,
+          per_sender: int, pause: float) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """A writer process publishing into ``base`` (a new Sender every ``per_sender`` pushes,
+    ``pause`` s apart; content = the version) and a reader process loading through ``view``
+    again and again (leases of ``lease`` s), until the writer has published ``versions``
+    versions and the reader has made ``min_loads`` loads; both must exit 0 (a reader dies on
+    any error but "load again"). Returns the reader's and the writer's records, and the
+    loads that applied values of more than one version."""
+    stop, done = str(tmp_path / "stop"), str(tmp_path / "done")
+    writer = spawn("writer_loop", base, stop, str(per_sender), str(tmp_path / "writer.json"),
+                   str(pause))
+    reader = spawn("reader_loop", view, str(tmp_path / "reader.json"), done, lease,
+                   str(min_loads))
+    try:
+        deadline = time.monotonic() + 60
+        while (Store(base).read_head().version < versions and reader.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.05)  # the soak runs until the writer has published that many
+        open(done, "w").close()  # then the reader stops (after at least min_loads loads)
+        assert reader.wait(timeout=60) == 0, "the reader failed"
+        open(stop, "w").close()
+        assert writer.wait(timeout=30) == 0, "the writer failed"
+    finally:
+        open(stop, "w").close()
+        kill(reader)
+        kill(writer)
+    result = wait_json(tmp_path / "reader.json")
+    torn = [r for r in result["loads"] if r["values"] != expected_values(r["version"])]
+    return result, wait_json(tmp_path / "writer.json"), torn
+
+
 @needs_root
 @pytest.mark.parametrize("how", ["bind", "bindfs"])
 def test_read_only_view_soak_has_no_torn_applies(tmp_path, how):
@@ -439,31 +470,14 @@ def test_read_only_view_soak_has_no_torn_applies(tmp_path, how):
     base = str(tmp_path / "base")
     with dbsync.Sender(base) as sender:
         sender.push(weights_for(1))
-    stop, done = str(tmp_path / "stop"), str(tmp_path / "done")
     with read_only_view(base, tmp_path / "view", how) as view:
         # (through FUSE a reader sees a new head about once a second, when the kernel's
         # cached entry expires: the writer's 40 versions are spread over ~8 s there)
-        pause = "0.2" if how == "bindfs" else "0"
-        writer = spawn("writer_loop", base, stop, "3", str(tmp_path / "writer.json"), pause)
-        reader = spawn("reader_loop", view, str(tmp_path / "reader.json"), done, "1.0", "60")
-        try:
-            deadline = time.monotonic() + 60
-            while (Store(base).read_head().version < 40 and reader.poll() is None
-                   and time.monotonic() < deadline):
-                time.sleep(0.05)  # the soak runs until the writer has published 40 versions
-            open(done, "w").close()  # then the reader stops (after at least 60 loads)
-            assert reader.wait(timeout=60) == 0, "the reader failed"
-            open(stop, "w").close()
-            assert writer.wait(timeout=30) == 0, "the writer failed"
-        finally:
-            open(stop, "w").close()
-            kill(reader)
-            kill(writer)
-    result = wait_json(tmp_path / "reader.json")
-    pushed = wait_json(tmp_path / "writer.json")
+        result, pushed, torn = _soak(tmp_path, base, view, versions=40, min_loads=60,
+                                     lease="1.0", per_sender=3,
+                                     pause=0.2 if how == "bindfs" else 0)
     assert result["read_only"] is True
     versions = [r["version"] for r in result["loads"]]
-    torn = [r for r in result["loads"] if r["values"] != expected_values(r["version"])]
     print(f"soak: {len(versions)} loads of {len(set(versions))} versions, {result['retried']} "
           f"refused as replaced meanwhile; {len(pushed['pushed'])} pushes by {pushed['senders']} "
           "Senders")
@@ -488,28 +502,13 @@ def test_leased_loads_through_a_caching_fuse_mount_never_call_a_reused_slot_dama
     base = str(tmp_path / "base")
     with dbsync.Sender(base) as sender:
         sender.push(weights_for(1))
-    stop, done = str(tmp_path / "stop"), str(tmp_path / "done")
     fuse = FuseView(base, tmp_path / "view", options="auto_cache")
-    view = fuse.mount()
-    writer = spawn("writer_loop", base, stop, "5", str(tmp_path / "writer.json"), "0.1")
-    reader = spawn("reader_loop", view, str(tmp_path / "reader.json"), done, "30", "20")
     try:
-        deadline = time.monotonic() + 60
-        while (Store(base).read_head().version < 80 and reader.poll() is None
-               and time.monotonic() < deadline):
-            time.sleep(0.05)  # the soak runs until the writer has published 80 versions
-        open(done, "w").close()  # then the reader stops (after at least 20 loads)
-        assert reader.wait(timeout=60) == 0, "the reader failed (a DamagedVersionError?)"
-        open(stop, "w").close()
-        assert writer.wait(timeout=30) == 0, "the writer failed"
+        result, _, torn = _soak(tmp_path, base, fuse.mount(), versions=80, min_loads=20,
+                                lease="30", per_sender=5, pause=0.1)
     finally:
-        open(stop, "w").close()
-        kill(reader)
-        kill(writer)
         fuse.close()
-    result = wait_json(tmp_path / "reader.json")
     versions = [r["version"] for r in result["loads"]]
-    torn = [r for r in result["loads"] if r["values"] != expected_values(r["version"])]
     print(f"caching FUSE soak: {len(versions)} loads of {len(set(versions))} versions, "
           f"{result['retried']} said to load again")
     assert torn == [] and len(versions) >= 20 and len(set(versions)) >= 3, versions

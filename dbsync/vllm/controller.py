@@ -240,7 +240,6 @@ class SwapController:
             metrics = default_metrics()
         self.metrics = metrics
         self._worker_transport = WorkerTransport(self.root, ops, transport)
-        self.transport = self._worker_transport.transport
         self.expected = expected
         self.allow_missing = tuple(allow_missing)
         self.verify = verify
@@ -269,6 +268,11 @@ class SwapController:
     @property
     def version(self) -> int | None:
         return self.state.version
+
+    @property
+    def transport(self) -> str:
+        """The workers' transport as given: "filesystem", "auto" or "broadcast"."""
+        return self._worker_transport.transport
 
     @property
     def healthy(self) -> bool:

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import dbsync  # noqa: E402
-from tests.vllm_helpers import (  # noqa: E402 - needs the repo on sys.path
+from dbsync.testing import (  # noqa: E402 - needs the repo on sys.path
     Server,
     engine_kwargs,
     http_json,

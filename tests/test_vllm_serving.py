@@ -7,6 +7,8 @@ model directory is sharded with an index and a stray safetensors file the index 
 
 from __future__ import annotations
 
+import http.client
+import json
 import signal
 import socket
 import subprocess
@@ -256,7 +258,10 @@ def test_sigterm_during_a_swap_holding_a_stream_stops_cleanly(
     """SIGTERM while a swap holds generation paused (pause mode keep) with a stream in flight,
     the apply ending soon after: the held stream is aborted rather than kept waiting on an
     engine left paused, and the server exits 0 within its shutdown timeout, without
-    tracebacks. (It waited for the stream forever.)"""
+    tracebacks. (It waited for the stream forever.) Two more streams, sent while the swap
+    held generation, never generated a token: each still ends with finish_reason "abort"
+    (vLLM streamed no finish for them: the completion stream was empty, the chat stream a
+    role chunk and usage, both indistinguishable from an empty answer)."""
     version = sender.next_version
     faults.write_text(f"{version} hold\n")  # the apply stays under way until the stop
     first, result = threading.Event(), {}
@@ -274,6 +279,10 @@ def test_sigterm_during_a_swap_holding_a_stream_stops_cleanly(
     assert sender.push(str(tiny_model("A"))) == version
     wait_until(lambda: (s := server.status())["applying"] == version and s["paused"], 60,
                0.05, "the swap to hold generation")
+    unstarted = [RawStream(server, "/v1/completions", {"prompt": PROMPTS[0]}),
+                 RawStream(server, "/v1/chat/completions", {
+                     "messages": [{"role": "user", "content": PROMPTS[0]}],
+                     "stream_options": {"include_usage": True}})]
     start = len(server.tail(10_000_000))
     server.proc.send_signal(signal.SIGTERM)
     # The apply under way ends soon after the signal, once the server took it (/health answers
@@ -286,6 +295,13 @@ def test_sigterm_during_a_swap_holding_a_stream_stops_cleanly(
     assert not reader.is_alive(), "the held stream was never ended"
     ends = [c.choices[0].finish_reason for c in result.get("chunks", []) if c.choices]
     assert "length" not in ends, "the held request ran to its end: it was never held"
+    for raw in unstarted:
+        events = raw.events()
+        assert events[-1] == "[DONE]", events
+        finishes = [c for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+        assert [(c["finish_reason"], c.get("text") or c.get("delta", {}).get("content") or "")
+                for c in finishes] == [("abort", "")], (raw.path, events)
+        assert all(e["model"] == server.model for e in events[:-1]), events
     after = server.tail(10_000_000)[start:]
     for noise in ("Traceback", "EngineDeadError", "leaked", " ERROR "):
         assert noise not in after, after[-3000:]
@@ -363,6 +379,35 @@ def test_a_configuration_vllm_refuses_is_said_as_such_not_as_a_bug(tmp_path: Pat
     assert "vLLM refused its configuration" in proc.stderr, proc.stderr[-2000:]
     assert "max_model_len" in proc.stderr or "max-model-len" in proc.stderr
     assert "bug in dbsync" not in proc.stderr
+
+
+class RawStream:
+    """A streamed request sent over a plain HTTP connection, read in a thread; the constructor
+    returns once the response's headers came (the server handed the request to the engine)."""
+
+    def __init__(self, server: Server, path: str, body: dict[str, Any]):
+        self.path = path
+        self.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        self.conn.request("POST", path, json.dumps({
+            "model": server.model, "max_tokens": 20, "temperature": 0.0, "stream": True,
+            **body}), {"Content-Type": "application/json"})
+        self.response = self.conn.getresponse()
+        assert self.response.status == 200, self.response.read()
+        self.body = b""
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        self.body = self.response.read()
+        self.conn.close()
+
+    def events(self) -> list[Any]:
+        """The stream's events: JSON objects, and the closing "[DONE]"."""
+        self.reader.join(60)
+        assert not self.reader.is_alive(), f"the stream of {self.path} never ended"
+        data = [line[6:] for line in self.body.decode().splitlines()
+                if line.startswith("data: ")]
+        return [d if d == "[DONE]" else json.loads(d) for d in data]
 
 
 def _shutting_down(server: Server) -> bool:

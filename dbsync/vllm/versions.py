@@ -18,14 +18,24 @@ How: ``wrap_generate`` replaces the engine client's ``generate`` with one that r
 output's spans into the record of the HTTP request being served (a context variable that
 ``VersionStamp``, the outermost ASGI layer, sets per request).
 
+A streamed choice that ended without generating a token (a request aborted by a swap's pause
+mode ``abort``, or at shutdown, before its first token) gets the chunk vLLM leaves out for it:
+``finish_reason`` ``"abort"`` (or whatever ended it) with empty text, before the usage chunk
+and ``[DONE]``. Without it the stream ended with no ``finish_reason`` at all, which a client
+cannot tell from an empty answer.
+
 Hazards: a request whose prompt produced no token (an error, ``max_tokens`` 0) carries no
-version. A request served by several engine calls (several prompts, ``n`` > 1, beam search)
+version. The missing finish chunk is added only for a request of one engine call (chat, or a
+completion of one prompt): with several prompts the choices' numbering is the server's own.
+A request served by several engine calls (several prompts, ``n`` > 1, beam search)
 reports the union of their versions, with ``x-dbsync-version`` the first call's first one.
 """
 
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -48,12 +58,28 @@ class RequestVersions:
 
     versions: list[str] = field(default_factory=list)  # in order of first appearance
     active: int = 0  # engine calls started and not finished
+    calls: int = 0  # engine calls started
+    #: choice index -> finish reason, for choices that ended without generating a token
+    silent: dict[int, str] = field(default_factory=dict)
 
     def record(self, output: Any) -> None:
         for completion in getattr(output, "outputs", None) or ():
             for span in getattr(completion, "weight_versions", None) or ():
                 if span.version not in self.versions:
                     self.versions.append(span.version)
+
+    def note_silent(self, output: Any, produced: set[int]) -> None:
+        """Record the choices of ``output`` that finished while ``produced`` (the indices of
+        choices that generated a token so far) does not hold them."""
+        for completion in getattr(output, "outputs", None) or ():
+            reason = getattr(completion, "finish_reason", None)
+            if reason is not None and completion.index not in produced:
+                self.silent[completion.index] = str(reason)
+
+    def unanswered(self) -> dict[int, str]:
+        """The silent choices a stream must still end, once every engine call is done; none
+        for a request of several engine calls (see the module docstring)."""
+        return dict(self.silent) if self.calls == 1 and self.active == 0 else {}
 
     @property
     def done(self) -> bool:
@@ -83,9 +109,15 @@ def wrap_generate(engine_client: Any) -> None:
                 yield output
             return
         record.active += 1
+        record.calls += 1
         counted = True
+        produced: set[int] = set()
         try:
             async for output in original(*args, **kwargs):
+                completions = getattr(output, "outputs", None) or ()
+                produced.update(c.index for c in completions if c.token_ids)
+                if any(c.finish_reason is not None for c in completions):
+                    record.note_silent(output, produced)
                 if getattr(output, "finished", False) and counted:
                     record.record(output)
                     record.active -= 1  # before the caller turns it into the last chunk
@@ -111,6 +143,8 @@ class VersionStamp:
         record = RequestVersions()
         token = _current.set(record)
         streaming = False
+        request = _RequestBody(receive)
+        stream = _StreamEnd(record, scope.get("path", ""), request)
 
         async def stamped(message: dict[str, Any]) -> None:
             nonlocal streaming
@@ -120,15 +154,120 @@ class VersionStamp:
                 streaming = ctype.startswith(b"text/event-stream")
                 if not streaming and record.done:
                     message = {**message, "headers": headers + record.headers()}
-            elif (message["type"] == "http.response.body" and streaming and record.done
-                  and message.get("body")):
-                message = {**message, "body": stamp_events(message["body"], record.fields())}
+            elif message["type"] == "http.response.body" and streaming and message.get("body"):
+                body = stream.end_silent_choices(message["body"])
+                if record.done:
+                    body = stamp_events(body, record.fields())
+                message = {**message, "body": body}
             await send(message)
 
         try:
-            await self.inner(scope, receive, stamped)
+            await self.inner(scope, request.receive, stamped)
         finally:
             _current.reset(token)
+
+
+class _RequestBody:
+    """Keeps the first ``LIMIT`` bytes of a request's body as the app reads it (the model name
+    a finish chunk must carry when the stream sent no chunk to copy it from)."""
+
+    LIMIT = 1 << 20
+
+    def __init__(self, receive: Any):
+        self._receive = receive
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    async def receive(self) -> Any:
+        message = await self._receive()
+        body = message.get("body") if message.get("type") == "http.request" else None
+        if body and self._size < self.LIMIT:
+            self._parts.append(body)
+            self._size += len(body)
+        return message
+
+    def model(self) -> str:
+        try:
+            value = json.loads(b"".join(self._parts)).get("model")
+        except (ValueError, AttributeError):
+            return ""
+        return value if isinstance(value, str) else ""
+
+
+class _StreamEnd:
+    """Adds the finish chunk vLLM leaves out of a stream for a choice that ended without a
+    token (see the module docstring): before the usage chunk or ``[DONE]``, once."""
+
+    def __init__(self, record: RequestVersions, path: str, request: _RequestBody):
+        self.record = record
+        self.chat = path.rstrip("/").endswith("chat/completions")
+        self.request = request
+        self.first_event: bytes | None = None  # the stream's first JSON event (a template)
+        self.finished: set[int] = set()  # choices whose finish vLLM streamed
+        self.ended = False
+
+    def _note_finished(self, body: bytes) -> None:
+        for line in body.split(b"\n"):
+            if line.startswith(b"data: {") and b'"finish_reason":"' in line:
+                try:
+                    event = json.loads(line[6:])
+                except ValueError:
+                    continue
+                for choice in event.get("choices") or () if isinstance(event, dict) else ():
+                    if isinstance(choice, dict) and choice.get("finish_reason"):
+                        self.finished.add(choice.get("index"))
+
+    def end_silent_choices(self, body: bytes) -> bytes:
+        if self.ended:
+            return body
+        if self.first_event is None:
+            self.first_event = next(
+                (line[6:] for line in body.split(b"\n") if line.startswith(b"data: {")), None)
+        if not self.record.silent:
+            return body
+        if b'"finish_reason":"' in body:  # (vLLM sent some finish itself: an echoed prompt)
+            self._note_finished(body)
+        if not (b"data: [DONE]" in body or b'"choices":[]' in body):
+            return body
+        unanswered = {index: reason for index, reason in self.record.unanswered().items()
+                      if index not in self.finished}
+        if not unanswered:
+            return body
+        self.ended = True
+        out: list[bytes] = []
+        added = False
+        for line in body.split(b"\n"):
+            if not added and (line.startswith(b"data: [DONE]") or (
+                    line.startswith(b"data: {") and b'"choices":[]' in line)):
+                out += [b"data: " + json.dumps(self._chunk(line, unanswered),
+                                               separators=(",", ":")).encode(), b""]
+                added = True
+            out.append(line)
+        return b"\n".join(out)
+
+    def _chunk(self, line: bytes, unanswered: dict[int, str]) -> dict[str, Any]:
+        template: dict[str, Any] = {}
+        for event in (line[6:] if line.startswith(b"data: {") else None, self.first_event):
+            try:
+                template = json.loads(event) if event else {}
+            except ValueError:
+                continue
+            if isinstance(template, dict) and template.get("id"):
+                break
+            template = {}
+        if self.chat:
+            choices = [{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
+                       for i, reason in sorted(unanswered.items())]
+        else:
+            choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": reason}
+                       for i, reason in sorted(unanswered.items())]
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        return {"id": template.get("id") or f"{prefix}-{uuid.uuid4().hex}",
+                "object": template.get("object") or (
+                    "chat.completion.chunk" if self.chat else "text_completion"),
+                "created": template.get("created") or int(time.time()),
+                "model": template.get("model") or self.request.model(),
+                "choices": choices}
 
 
 def stamp_events(body: bytes, fields: dict[str, Any]) -> bytes:

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-#: the directory above the package: a source checkout's root (the child processes' cwd)
+#: the directory above the package: a source checkout's root (the child processes' cwd; its
+#: ``cli`` package is the command line there, ``dbsync_cli`` where dbsync is installed)
 REPO = Path(__file__).resolve().parents[1]
 
 #: each engine caps its KV cache at this
@@ -165,7 +166,8 @@ class Server:
         self.model = str(model_dir)
         self.log_path = log_path
         if plain:
-            cmd = [sys.executable, "-m", "cli.main", "serve-vllm", str(root),
+            cli = "cli.main" if (REPO / "cli" / "main.py").exists() else "dbsync_cli.main"
+            cmd = [sys.executable, "-m", cli, "serve-vllm", str(root),
                    "--model", str(model_dir), "--port", str(self.port), *options, *extra]
         else:
             cmd = [sys.executable, "-m", "dbsync.vllm.server", str(root),

@@ -457,6 +457,12 @@ def wait_all(futures: Sequence[Future]) -> None:
 
 
 # ---- reading a version ---------------------------------------------------------------------------
+class ShardSizeError(OSError):
+    """A shard file whose size is not the manifest's: damage, or a size this mount shows
+    from its attribute cache (a caching FUSE mount, NFS without close-to-open) while the
+    writer already resized the file; the caller looks again before it says which."""
+
+
 class ShardView:
     """The bytes of one shard, read-only to its users: either a private copy-on-write mapping
     of the file (``private_copy=False``: no copy; valid only while the slot is leased) or a
@@ -479,7 +485,7 @@ class ShardView:
             #: the file this view was read from: a later reopen must find the same file
             self.file_id = (st.st_dev, st.st_ino)
             if size != nbytes:
-                raise OSError(f"has {size} bytes, expected {nbytes}")
+                raise ShardSizeError(f"has {size} bytes, expected {nbytes}")
             self._buf: Any = b""
             if copied and private_copy:
                 try:

@@ -36,7 +36,7 @@ from .errors import (
     check_int,
     resource_limit,
 )
-from .fileio import ShardView, checksum, settle, wait_all
+from .fileio import ShardSizeError, ShardView, checksum, settle, wait_all
 from .format import (
     Manifest,
     describe_name,
@@ -108,8 +108,7 @@ class Snapshot:
                 "user may write the store's readers/, a load needs no copy)")
         for i, size in enumerate(manifest.shards):
             try:
-                self._shards[i] = ShardView(store.open_shard(manifest.slot, i), size,
-                                            private_copy=not leased, needed=needed[i])
+                self._shards[i] = self._shard_view(i, size, needed[i])
             except FileNotFoundError:
                 bad_shards[i] = "its shard file is missing"
             except StoreUnreachableError:  # not damage: the store's mount went away
@@ -144,6 +143,23 @@ class Snapshot:
                     self._missing[entry.name] = bad_shards[entry.shard]
         if bad_shards and not self._missing:  # shards no tensor uses: still damage
             self._missing.update({f"<shard {i}>": why for i, why in bad_shards.items()})
+
+    def _shard_view(self, shard: int, size: int, needed: int) -> ShardView:
+        """Shard ``shard`` opened and checked to have ``size`` bytes. A size that does not
+        match is looked at again after the pauses a caching mount needs (``store.rereads``:
+        1.3 s in all): a FUSE mount shows a file's size from its attribute cache (1 s by
+        default) after the writer resized it for this version, which is not damage. Raises
+        the last ``ShardSizeError`` if the size never matched."""
+        store = self.receiver.store
+        mismatch: ShardSizeError | None = None
+        for _ in rereads():
+            try:
+                return ShardView(store.open_shard(self.manifest.slot, shard), size,
+                                 private_copy=not self.leased, needed=needed)
+            except ShardSizeError as exc:
+                mismatch = exc
+        assert mismatch is not None
+        raise mismatch
 
     @property
     def version(self) -> int:

@@ -76,6 +76,9 @@ log = logging.getLogger(__name__)
 
 #: pauses before a record (head, stamp) read cut short is read again (``Store.read_record``)
 REREAD_PAUSES = (0.05, 0.25, 1.0)
+#: how often a record whose read failed with ESTALE (replaced since it was opened, as NFS
+#: says it) is opened again before the error is raised
+STALE_REOPENS = 3
 #: pauses between the tries of a writer's read of a lease that fails (EIO, ESTALE)
 LEASE_READ_PAUSES = (0.02, 0.08)
 
@@ -277,7 +280,21 @@ class Store:
         """The bytes of a small record (None if absent); FormatError if larger than ``limit``.
         With ``exact``, a file of any other size gives ``b""`` (at most ``exact + 1`` bytes
         are read: memory and time stay bounded by what the caller expects, not by the file).
-        Read until end of file, whatever size ``fstat`` reports (see ``fileio.read_to_end``)."""
+        Read until end of file, whatever size ``fstat`` reports (see ``fileio.read_to_end``).
+
+        ``ESTALE`` on a record opened a moment ago is the normal race of NFS (the writer, on
+        another host, replaced the record between this open and its read): the record is
+        opened again, up to ``STALE_REOPENS`` times, before it is said as the mount's failure."""
+        for reopens_left in range(STALE_REOPENS, -1, -1):
+            try:
+                return self._read_small_once(parts, limit, exact)
+            except StoreUnreachableError as exc:
+                if exc.errno != errno.ESTALE or not reopens_left:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _read_small_once(self, parts: tuple[str, ...], limit: int,
+                         exact: int | None) -> bytes | None:
         fd = -1
         try:
             try:

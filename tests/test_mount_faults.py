@@ -1,6 +1,7 @@
 """What a writer and readers do when the store's mount fails some operations, as NFS and Lustre
-clients do (``EIO``, ``ESTALE``). The faults are injected where the store reads a file (its
-``read_small``), everything else is the real store on a real filesystem."""
+clients do (``EIO``, ``ESTALE``, sizes from an attribute cache). The faults are injected where
+the store reads a file (its ``read_small``, the reads and ``fstat`` under it), everything else is
+the real store on a real filesystem."""
 
 from __future__ import annotations
 
@@ -117,3 +118,89 @@ def test_reads_the_mount_fails_are_not_called_damage(root):
             assert rx.load(lambda pairs, got=got: got.update(
                 (n, t.clone()) for n, t in pairs)) == 1
             assert torch.equal(got["w"], torch.arange(8.0))
+
+
+def test_a_record_replaced_between_open_and_read_is_opened_again(root, monkeypatch):
+    """NFS says ESTALE when a file opened a moment ago was replaced by another host before it
+    is read: the writer's atomic flip of the head, which happens on every push. Readers took
+    it for a failed mount (`StoreUnreachableError` "check the mount"): 25 of ~2,200 loads in
+    30 s through an NFS-like FUSE view with a push every 0.1 s. The head is now opened again
+    (and reads the new version); a read that keeps failing is still the mount's failure."""
+    from dbsync import fileio, store
+
+    stale: dict[str, Any] = {"left": 0, "push": True, "writing": False}
+    read_to_end = fileio.read_to_end
+
+    def stale_head(fd: int, bound: int) -> bytes:
+        if (os.readlink(f"/proc/self/fd/{fd}").endswith("dbsync.json") and stale["left"]
+                and not stale["writing"]):
+            stale["left"] -= 1
+            if stale["push"]:  # (another host: the head replaced between open and read)
+                stale["writing"] = True
+                with dbsync.Sender(root) as writer:
+                    writer.push({"w": torch.full((4,), float(writer.next_version))})
+                stale["writing"] = False
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return read_to_end(fd, bound)
+
+    monkeypatch.setattr(fileio, "read_to_end", stale_head)
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.full((4,), 1.0)})
+    with dbsync.Receiver(root) as rx:
+        stale["left"] = store.STALE_REOPENS
+        out = {"w": torch.zeros(4)}
+        version = rx.load(out)
+        assert stale["left"] == 0 and version == 1 + store.STALE_REOPENS
+        assert torch.equal(out["w"], torch.full((4,), float(version)))
+
+        stale.update(left=10**6, push=False)  # every read fails: the mount's failure
+        try:
+            rx.load(out)
+        except dbsync.StoreUnreachableError as exc:
+            assert exc.errno == errno.ESTALE and "mount" in str(exc)
+        else:
+            raise AssertionError("a head that can never be read was loaded")
+        assert torch.equal(out["w"], torch.full((4,), float(version)))  # nothing applied
+
+
+def test_a_shard_size_the_mount_cached_is_looked_at_again(root, monkeypatch):
+    """The writer resizes a slot's shard files when the tensors' sizes change; a FUSE mount
+    (or NFS without close-to-open) reports a file's size from its attribute cache for up to
+    a second after that. Loads failed with ``DamagedVersionError`` ("shard 0: has 131072
+    bytes, expected 196608") for an intact current version: 1-5 times per reader in 30 s of
+    a push every 0.1 s with changing sizes, through an NFS-like FUSE view with 1 s attribute
+    caching. The size is now looked at again over the time such a cache lasts; a shard
+    that stays the wrong size is still damage, and nothing is applied."""
+    from dbsync import fileio
+
+    cached = {"left": 0, "size": 0}
+    fstat = os.fstat
+
+    def cached_size(fd: Any, *args: Any, **kwargs: Any) -> Any:
+        st = fstat(fd, *args, **kwargs)
+        if (isinstance(fd, int) and cached["left"]
+                and "shard-" in os.readlink(f"/proc/self/fd/{fd}")):
+            cached["left"] -= 1
+            return os.stat_result((*st[:6], cached["size"], *st[7:]))
+        return st
+
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.full((1024,), 1.0)})
+        sender.push({"w": torch.full((4096,), 2.0)})  # (the other slot)
+        sender.push({"w": torch.full((2048,), 3.0)})  # slot of version 1, its shard resized
+    monkeypatch.setattr(fileio.os, "fstat", cached_size)
+    with dbsync.Receiver(root) as rx:
+        cached.update(left=2, size=1024 * 4)  # the size of version 1's shard, twice
+        out = {"w": torch.zeros(2048)}
+        assert rx.load(out) == 3 and cached["left"] == 0
+        assert torch.equal(out["w"], torch.full((2048,), 3.0))
+
+        cached.update(left=10**6)  # a shard that stays the wrong size: damage
+        out["w"].zero_()
+        try:
+            rx.load(out)
+        except dbsync.DamagedVersionError as exc:
+            assert "has 4096 bytes, expected 8192" in str(exc)
+        else:
+            raise AssertionError("a shard of the wrong size was loaded")
+        assert not out["w"].any()  # nothing applied

@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 
 #: pauses before a record (head, stamp) read cut short is read again (``Store.read_record``)
 REREAD_PAUSES = (0.05, 0.25, 1.0)
+#: what an NFS client renames a file to that was unlinked while its own processes held it
+NFS_SILLY_PREFIX = ".nfs"
 #: how often a record whose read failed with ESTALE (replaced since it was opened, as NFS
 #: says it) is opened again before the error is raised
 STALE_REOPENS = 3
@@ -597,19 +599,31 @@ class Store:
 
     def remove_slot_files(self, slot: str, keep: set[str] = frozenset()) -> int:
         """Unlink data files of a slot that are not in ``keep`` (shards, the index, files of
-        older formats); returns the bytes freed. The stamp is always kept."""
+        older formats); returns the bytes freed. The stamp is always kept.
+
+        An NFS client renames a file unlinked while one of its own processes still has it open
+        or mapped to ``.nfsXXXX`` until that process lets go, and refuses to unlink that file
+        (``EBUSY``): such files are left to the client (a slot's shard unmapped late by a
+        reader on the trainer's host), and a file the filesystem says is busy is skipped."""
         freed = 0
         with self.dir_fd(SLOTS_DIR, slot) as dfd:
             for entry in list(os.scandir(dfd)):
-                if entry.name in keep or entry.name == SLOT_STAMP_FILE:
+                if (entry.name in keep or entry.name == SLOT_STAMP_FILE
+                        or entry.name.startswith(NFS_SILLY_PREFIX)):
                     continue
                 if entry.is_dir(follow_symlinks=False):
                     continue
                 try:
-                    freed += entry.stat(follow_symlinks=False).st_size
+                    size = entry.stat(follow_symlinks=False).st_size
                     os.unlink(entry.name, dir_fd=dfd)
+                    freed += size
                 except FileNotFoundError:
                     pass
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        raise
+                    log.info("dbsync: %s is in use (%s); left for its user to let go",
+                             os.path.join(self.slot_dir(slot), entry.name), exc.strerror)
         return freed
 
     def free_bytes(self) -> int:

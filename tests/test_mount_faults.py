@@ -204,3 +204,40 @@ def test_a_shard_size_the_mount_cached_is_looked_at_again(root, monkeypatch):
         else:
             raise AssertionError("a shard of the wrong size was loaded")
         assert not out["w"].any()  # nothing applied
+
+
+def test_files_an_nfs_client_keeps_busy_do_not_stop_a_push(root, monkeypatch, caplog):
+    """On NFS a file unlinked while a process of the same client still maps it (a reader on
+    the trainer's host, say) becomes ``.nfsXXXX`` until that process lets go, and unlinking
+    it fails with ``EBUSY``. The writer, clearing a slot it reuses, unlinked every file it did
+    not write and failed the push on the first refusal. Such files are now left alone (the
+    client removes them), and a file said to be busy is skipped with an INFO line."""
+    import logging
+
+    from dbsync.store import Store
+
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.full((4,), 1.0)})
+        sender.push({"w": torch.full((4,), 2.0)})
+        slot_dir = Store(root).slot_dir(Store(root).require_manifest().slot)
+        slot_dir = slot_dir[:-1] + ("a" if slot_dir.endswith("b") else "b")  # version 1's
+        silly, busy = ".nfs000000000123abcd00000001", "shard-00007.bin"
+        for name in (silly, busy):
+            with open(os.path.join(slot_dir, name), "wb") as f:
+                f.write(b"x" * 100)
+        unlink = os.unlink
+
+        def nfs_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+            if os.path.basename(str(path)) in (silly, busy):
+                raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
+            unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", nfs_unlink)
+        with caplog.at_level(logging.INFO, logger="dbsync"):
+            assert sender.push({"w": torch.full((4,), 3.0)}) == 3
+    with dbsync.Receiver(root) as rx:
+        out = {"w": torch.zeros(4)}
+        assert rx.load(out) == 3 and torch.equal(out["w"], torch.full((4,), 3.0))
+    assert sorted(n for n in os.listdir(slot_dir) if n in (silly, busy)) == [silly, busy]
+    busy_lines = [r for r in caplog.records if busy in r.getMessage()]
+    assert len(busy_lines) == 1 and busy_lines[0].levelno == logging.INFO

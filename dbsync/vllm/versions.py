@@ -169,9 +169,10 @@ class VersionStamp:
 
 class _RequestBody:
     """Keeps the first ``LIMIT`` bytes of a request's body as the app reads it (the model name
-    a finish chunk must carry when the stream sent no chunk to copy it from)."""
+    a finish chunk must carry when the stream sent no chunk to copy it from; clients send it
+    ahead of the prompt, and a body is parsed only in that rare case)."""
 
-    LIMIT = 1 << 20
+    LIMIT = 64 << 10
 
     def __init__(self, receive: Any):
         self._receive = receive
@@ -187,10 +188,17 @@ class _RequestBody:
         return message
 
     def model(self) -> str:
+        """The request's ``"model"``, or "" where its first ``LIMIT`` bytes do not say it."""
+        text = b"".join(self._parts)[: self.LIMIT].decode("utf-8", "replace")
         try:
-            value = json.loads(b"".join(self._parts)).get("model")
+            value = json.loads(text).get("model")  # (the whole body came)
         except (ValueError, AttributeError):
-            return ""
+            key = text.find('"model"')
+            colon = text.find(":", key) if key >= 0 else -1
+            try:
+                value = json.JSONDecoder().raw_decode(text[colon + 1:].lstrip())[0]
+            except ValueError:
+                return ""
         return value if isinstance(value, str) else ""
 
 

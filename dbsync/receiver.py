@@ -329,6 +329,12 @@ class Receiver:
                     continue
                 snap = Snapshot(self, manifest, token, leased)
                 self._snapshots[token] = snap
+            except SlotReused:  # (a shard the writer replaced meanwhile: NFS's ESTALE)
+                self._keeper.release(token)
+                if version is not None:
+                    raise self._gone(version) from None
+                self._check_head_moved(head)
+                continue
             except BaseException:
                 self._keeper.release(token)
                 raise
@@ -350,8 +356,15 @@ class Receiver:
                 raise
             self._remember(head)
             return snap
-        raise DBSyncError("the head changed 100 times while opening; is a writer publishing "
-                          "in a tight loop?")
+        if not leased:  # (copies the writer spoiled, one after another)
+            raise DBSyncError(
+                f"the head of {self.store.root} changed 100 times while opening: each time "
+                "the writer published, or reused the slot being read, before this reader had "
+                "copied it. A reader without a lease (this one may not write "
+                f"{self.store.readers_dir}) cannot keep the writer off its slot: let it write "
+                "there (it then leases and maps instead of copying), or publish less often")
+        raise DBSyncError(f"the head of {self.store.root} changed 100 times while opening; "
+                          "is a writer publishing in a tight loop? Publish less often")
 
     def _remember(self, head: Head) -> None:
         """Keep ``head`` for a later ``open(version)``/``wait(newer_than)`` of its version:

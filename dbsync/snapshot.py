@@ -16,6 +16,7 @@ Hazards, stated plainly:
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import weakref
@@ -122,6 +123,7 @@ class Snapshot:
                     "known to be damaged: read the store as a user who may read its files"
                 ) from None
             except OSError as exc:  # the mount or this process's limit is no damage either
+                self._check_unchanged_if_stale(exc, close=True)
                 failed = (mount_read_error(
                     os.path.join(store.slot_dir(manifest.slot), shard_file(i)), exc,
                     f"reading version {manifest.version}")
@@ -143,6 +145,22 @@ class Snapshot:
                     self._missing[entry.name] = bad_shards[entry.shard]
         if bad_shards and not self._missing:  # shards no tensor uses: still damage
             self._missing.update({f"<shard {i}>": why for i, why in bad_shards.items()})
+
+    def _check_unchanged_if_stale(self, exc: OSError, close: bool = False) -> None:
+        """For a shard read that failed with ``ESTALE``: NFS says so for a file the writer
+        replaced since this reader opened it (a slot reused under a leaseless read, a shard
+        resized for a version of other tensor sizes), which is no failure of the mount. Raises
+        ``SlotReused`` (read again) if the slot's stamp moved on, else returns (the caller says
+        the mount failed). ``close``: the snapshot is closed before that is raised (one still
+        being opened)."""
+        if exc.errno != errno.ESTALE:
+            return
+        try:
+            self.check_unchanged()
+        except LeaseExpiredError:
+            if close:
+                self.close()
+            raise
 
     def _shard_view(self, shard: int, size: int, needed: int) -> ShardView:
         """Shard ``shard`` opened and checked to have ``size`` bytes. A size that does not
@@ -311,6 +329,7 @@ class Snapshot:
                            for shard in batch for i in by_shard[shard])
                 continue
             except OSError as exc:
+                self._check_unchanged_if_stale(exc)
                 failed = mount_read_error(self.receiver.store.slot_dir(self.manifest.slot),
                                           exc, f"verifying version {self.version}")
                 if failed is None:
@@ -327,6 +346,7 @@ class Snapshot:
                     bad.update(future.result())
             except OSError as exc:
                 settle(futures)  # (before the files close: no task may read a closed fd)
+                self._check_unchanged_if_stale(exc)
                 failed = mount_read_error(self.receiver.store.slot_dir(self.manifest.slot), exc,
                                           f"verifying version {self.version}")
                 if failed is None:

@@ -43,8 +43,9 @@ async def generate_timed(engine: Any, prompt: str, tag: str, max_tokens: int,
 
 #: pushes of the same weights while requests run, until one of those requests spans the swap
 #: (each round's requests are generating before its push; on a busy machine they may still
-#: all end before the watcher applies it)
-ROUNDS = 4
+#: all end before the watcher applies it: all of 4 rounds once did, with another vLLM test
+#: running beside)
+ROUNDS = 8
 
 
 async def push_while_generating(engine: Any, att: Any, sender: Any) -> dict[str, Any]:

@@ -72,7 +72,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> Any:
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
+    """POST ``body`` as JSON (GET without one) and return the answer's JSON."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data,
                                      headers={"Content-Type": "application/json"})
@@ -121,7 +122,7 @@ class DemoServer:
                             f"of {self.log_path}:\n{self.log_tail()}")
 
     def status(self) -> dict[str, Any]:
-        return _http_json(f"{self.base}/dbsync/status", timeout=10)
+        return http_json(f"{self.base}/dbsync/status", timeout=10)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -129,7 +130,7 @@ class DemoServer:
             self._check_alive()
             try:
                 self.status()
-                _http_json(f"{self.base}/v1/models", timeout=10)
+                http_json(f"{self.base}/v1/models", timeout=10)
                 return
             except (OSError, ValueError):
                 time.sleep(0.5)
@@ -157,7 +158,7 @@ class DemoServer:
                         f"(its status: {json.dumps(last)}); see {self.log_path}")
 
     def complete(self, prompt: str) -> str:
-        answer = _http_json(f"{self.base}/v1/completions", {
+        answer = http_json(f"{self.base}/v1/completions", {
             "model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
             "temperature": 0.0,
         }, timeout=60)

@@ -123,11 +123,15 @@ class Snapshot:
                     "known to be damaged: read the store as a user who may read its files"
                 ) from None
             except OSError as exc:  # the mount or this process's limit is no damage either
-                self._check_unchanged_if_stale(exc, close=True)
-                failed = (mount_read_error(
-                    os.path.join(store.slot_dir(manifest.slot), shard_file(i)), exc,
-                    f"reading version {manifest.version}")
-                    or resource_limit(exc, f"opening version {manifest.version}'s shard {i}"))
+                try:
+                    failed = (self._read_failure(
+                        exc, os.path.join(store.slot_dir(manifest.slot), shard_file(i)),
+                        f"reading version {manifest.version}")
+                        or resource_limit(exc, f"opening version {manifest.version}'s shard "
+                                               f"{i}"))
+                except LeaseExpiredError:  # (the writer reused the slot: read again)
+                    self.close()
+                    raise
                 if failed is None:
                     bad_shards[i] = f"shard {i}: {exc}"
                     continue
@@ -146,21 +150,16 @@ class Snapshot:
         if bad_shards and not self._missing:  # shards no tensor uses: still damage
             self._missing.update({f"<shard {i}>": why for i, why in bad_shards.items()})
 
-    def _check_unchanged_if_stale(self, exc: OSError, close: bool = False) -> None:
-        """For a shard read that failed with ``ESTALE``: NFS says so for a file the writer
-        replaced since this reader opened it (a slot reused under a leaseless read, a shard
-        resized for a version of other tensor sizes), which is no failure of the mount. Raises
-        ``SlotReused`` (read again) if the slot's stamp moved on, else returns (the caller says
-        the mount failed). ``close``: the snapshot is closed before that is raised (one still
-        being opened)."""
-        if exc.errno != errno.ESTALE:
-            return
-        try:
+    def _read_failure(self, exc: OSError, path: str, doing: str
+                      ) -> StoreUnreachableError | None:
+        """``mount_read_error`` for a shard read that failed, once a slot the writer reused is
+        ruled out: NFS answers ``ESTALE`` for a file the writer replaced since this reader
+        opened it (a slot reused under a leaseless read, a shard resized for a version of
+        other tensor sizes), which is no failure of the mount; ``check_unchanged`` then
+        raises ``SlotReused`` (read again)."""
+        if exc.errno == errno.ESTALE:
             self.check_unchanged()
-        except LeaseExpiredError:
-            if close:
-                self.close()
-            raise
+        return mount_read_error(path, exc, doing)
 
     def _shard_view(self, shard: int, size: int, needed: int) -> ShardView:
         """Shard ``shard`` opened and checked to have ``size`` bytes. A size that does not
@@ -329,9 +328,8 @@ class Snapshot:
                            for shard in batch for i in by_shard[shard])
                 continue
             except OSError as exc:
-                self._check_unchanged_if_stale(exc)
-                failed = mount_read_error(self.receiver.store.slot_dir(self.manifest.slot),
-                                          exc, f"verifying version {self.version}")
+                failed = self._read_failure(exc, self.receiver.store.slot_dir(self.manifest.slot),
+                                            f"verifying version {self.version}")
                 if failed is None:
                     raise
                 raise failed from exc
@@ -346,9 +344,8 @@ class Snapshot:
                     bad.update(future.result())
             except OSError as exc:
                 settle(futures)  # (before the files close: no task may read a closed fd)
-                self._check_unchanged_if_stale(exc)
-                failed = mount_read_error(self.receiver.store.slot_dir(self.manifest.slot), exc,
-                                          f"verifying version {self.version}")
+                failed = self._read_failure(exc, self.receiver.store.slot_dir(self.manifest.slot),
+                                            f"verifying version {self.version}")
                 if failed is None:
                     raise
                 raise failed from exc

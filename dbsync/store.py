@@ -91,7 +91,6 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-
 def rereads() -> Iterator[int]:
     """Looks over the time a caching mount (NFS, FUSE: caches of 1 s by default) may show
     files of different moments: the first at once, one after each of ``REREAD_PAUSES``
@@ -102,6 +101,7 @@ def rereads() -> Iterator[int]:
     for look, pause in enumerate(REREAD_PAUSES, 1):
         time.sleep(pause)
         yield look
+
 
 class _DirFd:
     """``Store.dir_fd``'s context manager (a class, not a generator: an interrupt inside a
@@ -287,13 +287,13 @@ class Store:
         ``ESTALE`` on a record opened a moment ago is the normal race of NFS (the writer, on
         another host, replaced the record between this open and its read): the record is
         opened again, up to ``STALE_REOPENS`` times, before it is said as the mount's failure."""
-        for reopens_left in range(STALE_REOPENS, -1, -1):
+        for _ in range(STALE_REOPENS):
             try:
                 return self._read_small_once(parts, limit, exact)
             except StoreUnreachableError as exc:
-                if exc.errno != errno.ESTALE or not reopens_left:
+                if exc.errno != errno.ESTALE:
                     raise
-        raise AssertionError("unreachable")
+        return self._read_small_once(parts, limit, exact)
 
     def _read_small_once(self, parts: tuple[str, ...], limit: int,
                          exact: int | None) -> bytes | None:

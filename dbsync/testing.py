@@ -17,9 +17,7 @@ of two seeds differ clearly), their tokenizer knows the words ``w0`` .. ``w399``
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .demo import free_port, http_json
+
+__all__ = ["CHAT_TEMPLATE", "DTYPE", "EOS", "KV_CACHE_BYTES", "VOCAB_WORDS", "Server",
+           "build_tokenizer", "child_env", "engine_kwargs", "free_port", "http_json",
+           "make_tiny_qwen2", "scrape_metrics", "wait_until"]
 
 #: the directory above the package: a source checkout's root (the child processes' cwd; its
 #: ``cli`` package is the command line there, ``dbsync_cli`` where dbsync is installed)
@@ -125,19 +129,6 @@ def child_env(plain: bool = False, **extra: str) -> dict[str, str]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.2, what: str = "") -> Any:

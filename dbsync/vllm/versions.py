@@ -68,14 +68,6 @@ class RequestVersions:
                 if span.version not in self.versions:
                     self.versions.append(span.version)
 
-    def note_silent(self, output: Any, produced: set[int]) -> None:
-        """Record the choices of ``output`` that finished while ``produced`` (the indices of
-        choices that generated a token so far) does not hold them."""
-        for completion in getattr(output, "outputs", None) or ():
-            reason = getattr(completion, "finish_reason", None)
-            if reason is not None and completion.index not in produced:
-                self.silent[completion.index] = str(reason)
-
     def unanswered(self) -> dict[int, str]:
         """The silent choices a stream must still end, once every engine call is done; none
         for a request of several engine calls (see the module docstring)."""
@@ -114,10 +106,12 @@ def wrap_generate(engine_client: Any) -> None:
         produced: set[int] = set()
         try:
             async for output in original(*args, **kwargs):
-                completions = getattr(output, "outputs", None) or ()
-                produced.update(c.index for c in completions if c.token_ids)
-                if any(c.finish_reason is not None for c in completions):
-                    record.note_silent(output, produced)
+                for completion in getattr(output, "outputs", None) or ():
+                    if completion.token_ids:
+                        produced.add(completion.index)
+                    elif completion.finish_reason is not None and (
+                            completion.index not in produced):  # (ended with no token)
+                        record.silent[completion.index] = str(completion.finish_reason)
                 if getattr(output, "finished", False) and counted:
                     record.record(output)
                     record.active -= 1  # before the caller turns it into the last chunk

@@ -29,7 +29,6 @@ import socket
 import sys
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,12 +42,10 @@ from .errors import (
     FormatError,
     InvalidArgumentError,
     InvalidWeightsError,
-    StalenessError,
     StoreBusyError,
     StoreFullError,
     StoreReadOnlyError,
     StoreUnreachableError,
-    UnsupportedFormatError,
     check_flag,
     check_seconds,
     resource_limit,
@@ -56,9 +53,7 @@ from .errors import (
     short_repr,
 )
 from .format import (
-    FORMAT_VERSION,
     INDEX_FILE,
-    MANIFEST_FILE,
     MAX_VERSION,
     SHARD_BYTES,
     SLOTS,
@@ -69,15 +64,14 @@ from .format import (
 )
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
-    SLOW_HOLDER_WARN_S,
     LeaseMonitor,
     check_lease_timeout,
-    loaded_by_thread,
-    of_this_process,
     prune_abandoned,
 )
+from .numbering import continue_from_store, refuse_newer_format
 from .pushlayout import LayoutCache, PushLayout
-from .status import loaded_versions, printable, refusal_of, wait_for_receivers
+from .staleness import wait_for_lag
+from .status import printable, wait_for_receivers
 from .store import MOUNT_READ_ERRNOS, WRITING, Store
 
 log = logging.getLogger(__name__)
@@ -364,29 +358,6 @@ def _identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _plausible_version(value: Any) -> bool:
-    """Whether a version read from a lease, stamp or older head can be numbered on from (a
-    damaged file may name anything)."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_VERSION
-
-
-def _refuse_newer_format(root: str | os.PathLike[str]) -> None:
-    """Raise ``UnsupportedFormatError`` if ``root`` holds a head written by a newer dbsync:
-    rewriting it would hide its versions from newer readers. Reads only; an unreadable head
-    is left to the Sender (it starts a new run)."""
-    root = os.fspath(root)
-    if not os.path.isdir(root):
-        return
-    try:
-        raw = Store(root, create=False).read_raw_head_json() or {}
-    except (OSError, FormatError):
-        return
-    found = raw.get("format_version")
-    if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION:
-        raise UnsupportedFormatError(
-            f"{os.path.join(os.path.abspath(root), MANIFEST_FILE)} (nothing was written)", found)
-
-
 class Sender:
     """Publishes versions into ``root``. One Sender per store (it takes the writer lock).
 
@@ -437,7 +408,7 @@ class Sender:
         reader_timeout = check_seconds(reader_timeout, "reader_timeout",
                                        none="wait as long as readers hold it")
         check_lease_timeout(lease_timeout)
-        _refuse_newer_format(root)  # before anything is created or removed in it
+        refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)
         self.dtype = dtype
         self.strategy = strategy
@@ -463,7 +434,7 @@ class Sender:
             #: own last version once it published; None: none, or unreadable): another head
             #: means another writer (``_check_head_unchanged``)
             self._run_id, self._version, self._slot, self._head_seen = (
-                self._continue_from_store())
+                continue_from_store(self.store))
         except BaseException:
             # Release now: the traceback (a notebook keeps the last one) still references
             # this half-built Sender, so garbage collection would not run for a long time.
@@ -496,103 +467,6 @@ class Sender:
         #: the error of the last push that failed (background pushes included), else None
         self.last_error: BaseException | None = None
         self.last_push_seconds: dict[str, float] = {}
-
-    def _readers_of_other_formats(self) -> list[str]:
-        """Reader ids whose lease does not say they read this format (``reads_format``;
-        receivers of releases before 0.3 do not say it)."""
-        try:
-            leases = self.store.read_leases({})
-        except (OSError, DBSyncError):
-            return []
-        return sorted(printable(r) for r, lease in leases.items()
-                      if lease.get("reads_format") != FORMAT_VERSION)
-
-    def _continue_from_store(self) -> tuple[str, int, str | None, tuple[str, int] | None]:
-        """(run id, current version, current slot) to continue from, and (run id, version)
-        of the head as read (None: no head, or one of another format or unreadable)."""
-        head_path = os.path.join(self.store.root, MANIFEST_FILE)
-        if os.path.isdir(head_path) and not os.path.islink(head_path):
-            raise DBSyncError(f"{head_path} is a directory, where the store's head (a small "
-                              "file) must be written; nothing was published. Remove it "
-                              "(rm -r) and push again")
-        try:
-            head = self.store.read_head()
-        except FormatError as exc:
-            if not isinstance(exc, UnsupportedFormatError):
-                log.warning("the head of %s is unreadable (%s); the next push starts a new run "
-                            "at version 1", self.store.root, exc)
-                return uuid.uuid4().hex, 0, None, None
-            raw = self.store.read_raw_head_json() or {}
-            version = raw.get("version") if _plausible_version(raw.get("version")) else 0
-            slot = raw.get("slot") if raw.get("slot") in SLOTS else None
-            run = raw.get("run_id")
-            if not (isinstance(run, str) and len(run) == 32 and run.isalnum()):
-                run = uuid.uuid4().hex  # (a format upgrade is no new run: its id is kept)
-            stranded = self._readers_of_other_formats()
-            log.warning("%s holds format %s; the next push rewrites it in format %d and "
-                        "continues from version %d. Readers of older releases cannot read it "
-                        "from then on: upgrade them too%s", self.store.root,
-                        printable(str(raw.get("format_version"))[:20]), FORMAT_VERSION,
-                        version, "" if not stranded else
-                        " (leases in readers/ now: " + ", ".join(stranded[:10]) +
-                        (" ..." if len(stranded) > 10 else "") + ")")
-            return run, version, slot, None
-        if head is None:
-            return uuid.uuid4().hex, 0, None, None
-        return (head.run_id, self._past_loaded(head.run_id, head.version, head.slot), head.slot,
-                (head.run_id, head.version))
-
-    def _past_loaded(self, run_id: str, version: int, slot: str) -> int:
-        """``version``, or the highest version of run ``run_id`` that a reader reports loaded
-        or, when the head's own slot was rewritten since (its stamp names another version), a
-        slot's stamp names, if that is higher: the head was restored from an older copy, and
-        numbering on from it would publish versions that readers take for ones they already
-        have. (The other slot stamped ``version + 1`` alone is a writer that died between its
-        stamp and its flip: nobody saw that version.)"""
-        seen: list[Any] = []
-        reported: dict[str, int] = {}  # reader id -> the version its lease reports loaded
-        try:
-            leases = self.store.read_leases()
-        except (OSError, FormatError):
-            leases = {}
-        for reader, lease in leases.items():
-            loaded = lease.get("loaded_version")
-            if lease.get("loaded_run_id") != run_id or loaded is None:
-                continue
-            if not _plausible_version(loaded):
-                log.warning("%s: the lease of reader %s reports version %s loaded, which no "
-                            "store can hold: ignored (a damaged lease file? remove %s)",
-                            self.store.root, reader, str(loaded)[:40],
-                            self.store.lease_path(reader))
-                continue
-            reported[reader] = loaded
-        seen += reported.values()
-        stamps = {}
-        for name in SLOTS:
-            try:
-                stamps[name] = self.store.read_stamp(name)
-            except (OSError, FormatError):
-                stamps[name] = (None, None)
-        if stamps[slot] != (version, run_id):
-            for name, (stamped, stamp_run) in stamps.items():
-                if stamp_run != run_id or stamped == "writing":
-                    continue
-                if _plausible_version(stamped):
-                    seen.append(stamped)
-                else:
-                    log.warning("%s: the stamp of slot %s names version %s, which no store can "
-                                "hold: ignored (a damaged stamp; the next push into that slot "
-                                "rewrites it)", self.store.root, name, str(stamped)[:40])
-        highest = max(seen, default=version)
-        if highest > version:
-            by = sorted(r for r, v in reported.items() if v == highest)
-            log.warning("%s went back to version %d of run %s, but version %d of that run was "
-                        "%s there (its head was restored from an older copy?): the next push "
-                        "is version %d", self.store.root, version, run_id, highest,
-                        f"loaded by reader(s) {', '.join(by[:5])}" if by else "written",
-                        highest + 1)
-            return highest
-        return version
 
     @property
     def root(self) -> str:
@@ -837,76 +711,6 @@ class Sender:
             self._publisher.submit(self._prune_abandoned)  # (after the push: never delays it)
         return version
 
-    def _wait_for_lag(self, abort: threading.Event, waiter: int | None = None) -> float:
-        if self.max_lag is None or self._version == 0:
-            return 0.0
-        start = time.monotonic()
-        interval = 0.02
-        told = False
-        excused: set[str] = set()
-        while True:
-            live, _ = self._leases.scan()
-            loaded = loaded_versions(live)
-            behind = {r: self._version - v for r, v in loaded.items()
-                      if self._version - v > self.max_lag}
-            # Not waited for: a receiver of another store format (it cannot read this one),
-            # and one that refused the newest version (it cannot catch up until a newer one,
-            # this one maybe a fix, is published). Each said once.
-            for r in list(behind):
-                lease = live.get(r) or {}
-                reads, refused = lease.get("reads_format"), refusal_of(lease)
-                if isinstance(reads, int) and reads != FORMAT_VERSION:
-                    why = (f"which reads store format {reads} (this store is format "
-                           f"{FORMAT_VERSION}): upgrade dbsync on its host")
-                elif refused is not None and refused.version >= self._version > loaded[r]:
-                    why = (f"which refused version {refused.version} "
-                           f"({printable(refused.reason[:300])}); it loads the next version "
-                           "that fits")
-                else:
-                    continue
-                del behind[r]
-                if r not in excused:
-                    excused.add(r)
-                    log.warning("max_lag=%d: not waiting for receiver %s, %s", self.max_lag,
-                                printable(r), why)
-            if not behind:
-                return time.monotonic() - start
-            # A receiver of this process (a reference model the training loop loads) that the
-            # pushing thread itself loads cannot catch up while that thread waits here.
-            here = sorted(r for r in behind if of_this_process(live.get(r) or {}))
-            for r in here:
-                if waiter is not None and loaded_by_thread(self.store, r, waiter):
-                    raise StalenessError(
-                        f"max_lag={self.max_lag}: receiver {printable(r)} of this process is "
-                        f"{behind[r]} versions behind version {self._version} and was last "
-                        "loaded by this thread, which this push blocks: it cannot catch up. Load "
-                        "it before pushing, or create it with `report_loaded=False` (a reference "
-                        "model the trainer loads itself is not an engine to wait for); nothing "
-                        "was published")
-            waited = time.monotonic() - start
-            if here and not told and waited > 1.0:
-                log.warning("the push waits for receiver(s) %s of this process (pid %d) to "
-                            "catch up (max_lag=%d): a reference model loaded by the trainer? "
-                            "Create it with `report_loaded=False` to keep it out of max_lag",
-                            ", ".join(map(printable, here)), os.getpid(), self.max_lag)
-                told = True
-            if self.max_lag_timeout is not None and waited >= self.max_lag_timeout:
-                listing = ", ".join(f"{r} ({n} behind)" for r, n in sorted(behind.items()))
-                raise StalenessError(
-                    f"max_lag={self.max_lag}: after {waited:.1f} s, receiver(s) {listing} are "
-                    f"still more than {self.max_lag} version(s) behind version {self._version};"
-                    f" nothing was published. See `dbsync status {self.store.root}`"
-                )
-            if not told and waited > SLOW_HOLDER_WARN_S:
-                log.warning("the push has waited %.0f s for receiver(s) %s to catch up "
-                            "(max_lag=%d); see `dbsync status %s`", waited,
-                            ", ".join(sorted(behind)), self.max_lag, self.store.root)
-                told = True
-            if abort.wait(interval):
-                raise _Aborted("push interrupted while waiting for receivers to catch up; "
-                               "nothing was published")
-            interval = min(interval * 1.5, 0.25)
-
     def _check_kind(self, kind: str) -> None:
         """A store holds one kind of version (full weights or LoRA adapters)."""
         current = self._kind
@@ -928,7 +732,8 @@ class Sender:
                  abort: threading.Event, waiter: int | None = None) -> int:
         t0 = time.perf_counter()
         self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
-        lagged = self._wait_for_lag(abort, waiter)
+        lagged = wait_for_lag(self._leases, self._version, self.max_lag, self.max_lag_timeout,
+                              abort, waiter, _Aborted)
         self._check_root_unchanged()
         version = self._version + 1
         if version > MAX_VERSION:

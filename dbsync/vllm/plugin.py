@@ -315,8 +315,11 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        from .moe_updates import prepare_moe_updates  # (worker side)
+
         self._reads, self._keep_recorded = None, False
         self._casts.report()  # (an apply that never finished)
+        prepare_moe_updates(self.model)  # (once per layer: a no-op from the second swap)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:

@@ -32,7 +32,7 @@ from .demo import free_port, http_json
 
 __all__ = ["CHAT_TEMPLATE", "DTYPE", "EOS", "KV_CACHE_BYTES", "VOCAB_WORDS", "Server",
            "build_tokenizer", "child_env", "engine_kwargs", "free_port", "http_json",
-           "make_tiny_qwen2", "scrape_metrics", "wait_until"]
+           "make_tiny_qwen2", "make_tiny_qwen2_moe", "scrape_metrics", "wait_until"]
 
 #: the directory above the package: a source checkout's root (the child processes' cwd; its
 #: ``cli`` package is the command line there, ``dbsync_cli`` where dbsync is installed)
@@ -103,6 +103,34 @@ def make_tiny_qwen2(path: str | os.PathLike[str], seed: int, hidden: int = 128,
                   str(path / "original.safetensors"))
     else:
         model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(path)
+    return path
+
+
+def make_tiny_qwen2_moe(path: str | os.PathLike[str], seed: int, experts: int = 8,
+                        expert_intermediate: int = 40, layers: int = 2) -> Path:
+    """Save a random tiny Qwen2-MoE (float32, safetensors, one tensor per expert and
+    projection) with a tokenizer into ``path``: every layer sparse (``experts`` experts, two
+    per token, plus a shared expert). The default ``expert_intermediate`` is not a multiple of
+    the CPU kernel's alignment, so the CPU build pads the experts as well as prepacking them."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen2MoeConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256,
+        moe_intermediate_size=expert_intermediate, shared_expert_intermediate_size=128,
+        num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=0, torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2MoeForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
     build_tokenizer(path)
     return path
 

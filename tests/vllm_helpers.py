@@ -38,6 +38,7 @@ from dbsync.testing import (  # noqa: F401 - the tests' shared rig, re-exported
     free_port,
     http_json,
     make_tiny_qwen2,
+    make_tiny_qwen2_moe,
     scrape_metrics,
     wait_until,
 )
@@ -60,15 +61,17 @@ _model_lock = threading.Lock()
 
 def tiny_model(name: str) -> Path:
     """The session's shared checkpoints: "A" and "B" (same shapes, different weights), "C"
-    (a wider MLP: does not fit a model served from A or B) and "A-sharded" (A's weights in
-    shards with an index and a stray safetensors file)."""
+    (a wider MLP: does not fit a model served from A or B), "A-sharded" (A's weights in
+    shards with an index and a stray safetensors file), and "MoE-A" and "MoE-B" (tiny
+    Qwen2-MoE checkpoints of the same shapes)."""
     specs: dict[str, dict[str, Any]] = {
         "A": dict(seed=1), "B": dict(seed=2), "C": dict(seed=3, intermediate=384),
-        "A-sharded": dict(seed=1, sharded=True)}
+        "A-sharded": dict(seed=1, sharded=True), "MoE-A": dict(seed=1), "MoE-B": dict(seed=2)}
     with _model_lock:
         path = models_dir() / name
         if not (path / "config.json").exists():
-            make_tiny_qwen2(path, **specs[name])
+            make = make_tiny_qwen2_moe if name.startswith("MoE-") else make_tiny_qwen2
+            make(path, **specs[name])
         return path
 
 

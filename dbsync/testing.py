@@ -68,12 +68,13 @@ def build_tokenizer(path: Path) -> None:
 
 def make_tiny_qwen2(path: str | os.PathLike[str], seed: int, hidden: int = 128,
                     layers: int = 2, intermediate: int = 256, vocab: int = 512,
-                    sharded: bool = False) -> Path:
+                    sharded: bool = False, tied: bool = False) -> Path:
     """Save a random tiny Qwen2 (float32, safetensors) with a tokenizer into ``path``.
 
     Different seeds give different weights of the same shapes; a different ``hidden`` or
     ``intermediate`` gives a checkpoint that does not fit a served model of the default shape.
-    The model has no tied embeddings, so every parameter is in the checkpoint. ``sharded``
+    The model has no tied embeddings, so every parameter is in the checkpoint, unless ``tied``
+    (the LM head shares the token embedding's weight, stored once, as in Qwen2-0.5B). ``sharded``
     saves it in several files with a ``model.safetensors.index.json`` and adds a stray
     safetensors file the index does not name, with other names (like the
     ``consolidated.safetensors`` of Mistral-style repos); vLLM loads only what the index names.
@@ -86,7 +87,7 @@ def make_tiny_qwen2(path: str | os.PathLike[str], seed: int, hidden: int = 128,
     config = Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=2,
-        head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+        head_dim=32, max_position_embeddings=512, tie_word_embeddings=tied,
         bos_token_id=0, eos_token_id=0, torch_dtype="float32",
     )
     torch.manual_seed(seed)

@@ -62,11 +62,13 @@ _model_lock = threading.Lock()
 def tiny_model(name: str) -> Path:
     """The session's shared checkpoints: "A" and "B" (same shapes, different weights), "C"
     (a wider MLP: does not fit a model served from A or B), "A-sharded" (A's weights in
-    shards with an index and a stray safetensors file), and "MoE-A" and "MoE-B" (tiny
-    Qwen2-MoE checkpoints of the same shapes)."""
+    shards with an index and a stray safetensors file), "MoE-A" and "MoE-B" (tiny
+    Qwen2-MoE checkpoints of the same shapes), and "tied-A" and "tied-B" (an LM head tied to
+    the token embedding)."""
     specs: dict[str, dict[str, Any]] = {
         "A": dict(seed=1), "B": dict(seed=2), "C": dict(seed=3, intermediate=384),
-        "A-sharded": dict(seed=1, sharded=True), "MoE-A": dict(seed=1), "MoE-B": dict(seed=2)}
+        "A-sharded": dict(seed=1, sharded=True), "MoE-A": dict(seed=1), "MoE-B": dict(seed=2),
+        "tied-A": dict(seed=1, tied=True), "tied-B": dict(seed=2, tied=True)}
     with _model_lock:
         path = models_dir() / name
         if not (path / "config.json").exists():

@@ -61,6 +61,7 @@ from .reads import Layout, OutsideWindowError, ReadGuard, ReadRecorder, layout_o
 from .transport import TRANSPORTS
 
 if TYPE_CHECKING:
+    from .kernel_updates import TiedLayers
     from .staging import Staged, Stager
 
 if TYPE_CHECKING:
@@ -150,19 +151,32 @@ _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _NOTHING_LOADED = "%s: Failed to load weights"
 
 
-class _RotaryFilter(logging.Filter):
-    """vLLM's layerwise reload warns ``RotaryEmbedding: Failed to load weights`` on every swap
-    of a model whose rotary tables are computed, not stored (no checkpoint has them): a
-    WARNING per swap per worker that alerting on warnings fires on. Such lines go to DEBUG
-    under ``dbsync``. The warning for any other layer stays: a version that lacks a layer's
+class _NothingLoadedFilter(logging.Filter):
+    """vLLM's layerwise reload warns ``<layer>: Failed to load weights`` for every layer that
+    received no tensor in an update, on every swap: a WARNING per swap per worker that
+    alerting on warnings fires on. Two kinds of layer receive none by design, and their lines
+    go to DEBUG under ``dbsync``: rotary embeddings, whose tables are computed, not stored (no
+    checkpoint has them); and a layer that shares its weight with another (an LM head tied to
+    the token embedding: checkpoints store the weight once, under the embedding's name), which
+    dbsync prepares again after the update (``kernel_updates.TiedLayers``; its class name is
+    in ``tied``). The warning for any other layer stays: a version that lacks a layer's
     weights is refused by the fit check before it is applied, so it would mean something."""
+
+    #: class names of the tied layers that dbsync prepares again after an update
+    tied: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        if (record.msg == _NOTHING_LOADED and len(args) == 1
-                and "rotary" in str(args[0]).lower()):
+        if record.msg != _NOTHING_LOADED or len(args) != 1:
+            return True
+        layer = str(args[0])
+        if "rotary" in layer.lower():
             log.debug("dbsync: vLLM reloaded %s with its computed tables (no checkpoint "
-                      "tensors)", args[0])
+                      "tensors)", layer)
+            return False
+        if layer in self.tied:
+            log.debug("dbsync: %s shares its weight with another layer and received none "
+                      "itself; prepared again after the update", layer)
             return False
         return True
 
@@ -183,7 +197,7 @@ def register() -> None:
                 BACKEND, "dbsync.vllm.plugin", "DBSyncWeightTransferEngine")
             for name in _RPC_LOGGERS:
                 logging.getLogger(name).addFilter(_RaceFilter())
-            logging.getLogger(_RELOAD_LOGGER).addFilter(_RotaryFilter())
+            logging.getLogger(_RELOAD_LOGGER).addFilter(_NothingLoadedFilter())
 
 
 _VERSION_IN = re.compile(r"version (\d+)")
@@ -296,6 +310,8 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
         self._reads: ReadRecorder | None = None
         self._casts = _CastSummary()  # (vLLM's dtype warnings of the apply under way)
         self._keep_recorded = False
+        #: the layers that share a weight with another (``kernel_updates.TiedLayers``)
+        self._tied: TiedLayers | None = None
 
     def init_transfer_engine(self, init_info: DBSyncInitInfo) -> None:
         if init_info.root is not None and not os.path.isdir(init_info.root):
@@ -315,11 +331,14 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from .moe_updates import prepare_moe_updates  # (worker side)
+        from .kernel_updates import TiedLayers, prepare_moe_updates  # (worker side)
 
         self._reads, self._keep_recorded = None, False
         self._casts.report()  # (an apply that never finished)
         prepare_moe_updates(self.model)  # (once per layer: a no-op from the second swap)
+        if self._tied is None:  # (found while the sharing is intact: before the first reload)
+            self._tied = TiedLayers(self.model)
+            _NothingLoadedFilter.tied.update(type(m).__name__ for m in self._tied.layers)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -327,10 +346,13 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
 
         reads, self._reads = self._reads, None
         keep, self._keep_recorded = self._keep_recorded, False
+        unloaded = [] if self._tied is None else self._tied.unloaded()
         try:
             with reads if reads is not None else contextlib.nullcontext(), \
                     _casts_filtered(self._casts):
                 finalize_layerwise_reload(self.model, self.model_config)
+            if self._tied is not None:  # (the shared weight is back, new: prepare the layers
+                self._tied.prepare_again(unloaded)  # that share it and received nothing)
         except BaseException as exc:
             self._check_windows(exc)
             raise

@@ -36,6 +36,7 @@ from .format import (
     plain_state_dict,
     unwrap_compiled,
 )
+from .hfcheckpoint import checkpoint_views, is_transformers_model
 
 Pairs = list[tuple[str, torch.Tensor]]
 
@@ -113,7 +114,10 @@ def pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
                     if name not in transient]
         # (a submodule's ``get_extra_state`` that is no tensor is not weights: a receiver's
         # load into a module leaves it alone too)
-        return [(name, value) for name, value in plain_state_dict(weights).items()
+        state = plain_state_dict(weights)
+        if is_transformers_model(weights):  # (under its checkpoint's names: fused MoE experts
+            state = checkpoint_views(weights, state) or state  # split, as views)
+        return [(name, value) for name, value in state.items()
                 if isinstance(value, torch.Tensor) or not is_extra_state(name)]
     if is_tensordict(weights):
         return _tensordict_pairs(weights)

@@ -38,7 +38,13 @@ def test_an_moe_model_serves_each_pushed_version_experts_included(tmp_path: Path
         server.wait_version(version)
         assert answers() == fresh_b
 
-        version = sender.push(model_a)
+        # a trainer's module: transformers keeps each layer's experts fused in memory
+        # (mlp.experts.gate_up_proj), published under the checkpoint's names
+        from transformers import AutoModelForCausalLM
+
+        trained_a = AutoModelForCausalLM.from_pretrained(model_a)
+        assert any(name.endswith("experts.gate_up_proj") for name in trained_a.state_dict())
+        version = sender.push(trained_a)
         status = server.wait_version(version)
         assert answers() == served_a
         assert status["healthy"] and status["refused_versions"] == []

@@ -20,8 +20,8 @@ while reporting the new one, and nothing failed.
   prepares those again once the reload has put the shared weight back.
 
 Hazards, stated plainly:
-- Only unquantized methods are handled: the MoE method where its kernel's preparation is not
-  the no-op of vLLM's base class (on GPUs it is, for the Triton kernel), and tied layers whose
+- Only the CPU build's layers are changed, and only unquantized methods: the MoE method where
+  its kernel's preparation is not the no-op of vLLM's base class, and tied layers whose
   method is vLLM's unquantized embedding method (its preparation does nothing off CPU).
   Quantized layers are updated as vLLM does it.
 - It relies on vLLM internals (``moe_kernel.fused_experts``, ``process_weights_after_loading``,
@@ -46,6 +46,11 @@ def prepare_moe_updates(model: Any) -> int:
     its own run it in weight updates too (idempotent). Returns how many layers it changed
     in this call."""
     try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return 0  # (GPU kernels' preparations are skipped in updates on purpose: CUDA
+            # graphs hold their tensors' addresses; vLLM keeps those updates right itself)
         from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
         from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
             UnquantizedFusedMoEMethod,

@@ -1506,6 +1506,7 @@ def test_a_writer_refused_by_a_stopped_lock_holder_is_told_it_is_stopped(root):
     try:
         assert holder.stdout.readline().strip() == "locked"
         os.kill(holder.pid, signal.SIGSTOP)
+        os.waitpid(holder.pid, os.WUNTRACED)  # (returns once it is stopped: the signal is async)
         with pytest.raises(dbsync.StoreBusyError, match=f"process {holder.pid} of this host, "
                            "which is stopped .SIGSTOP, or a frozen cgroup"):
             dbsync.Sender(root)

@@ -14,6 +14,10 @@ A Sender publishes an ``nn.Module`` of transformers under its checkpoint's names
 engine expects); ``Receiver.load(module)`` takes such a version into the module's own tensors
 through the same views.
 
+Cost: the conversion runs in Python on every push and every load into such a module: 0.05-0.27
+s for the 18,867 checkpoint tensors of a Qwen3-30B-A3B-shaped model (531 in memory; 2-core VM,
+measured on the meta device).
+
 Hazards: the conversion mapping is transformers' internal API (``core_model_loading``,
 ``conversion_mapping``); where it is missing or fails, the module's own names are used (said
 once at INFO). A view may be non-contiguous where a conversion transposes; ``writable_views``

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dbsync
-from dbsync.hfcheckpoint import checkpoint_views
+from dbsync.hfcheckpoint import checkpoint_views, writable_views
 from dbsync.testing import make_tiny_qwen2, make_tiny_qwen2_moe
 
 transformers = pytest.importorskip("transformers")
@@ -73,3 +73,38 @@ def test_a_dense_module_keeps_its_own_names(tmp_path: Path) -> None:
     with dbsync.Sender(tmp_path / "store") as sender, dbsync.Receiver(tmp_path / "store") as rx:
         sender.push(module)
         assert [t.name for t in rx.manifest().tensors] == list(module.state_dict())
+
+
+SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, eos_token_id=0, bos_token_id=0)
+MOE_CONFIGS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+                       num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=96, moe_intermediate_size=48, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=1, topk_group=1,
+                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                         qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MOE_CONFIGS))
+def test_the_views_are_what_save_pretrained_writes(kind: str) -> None:
+    """Names and values exactly as transformers' own conversion (``save_pretrained``), each a
+    view inside the model's own tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    config_name, model_name, extra = MOE_CONFIGS[kind]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**SMALL, **extra))
+    state = model.state_dict()
+    views = checkpoint_views(model, state)
+    written = revert_weight_conversion(model, dict(state))
+    assert views is not None and list(views) == list(written) and len(views) > len(state)
+    assert all(torch.equal(views[name], written[name]) for name in written)
+    assert writable_views(views, state)

@@ -1,5 +1,6 @@
 """Tiny vLLM rigs for tests and benchmarks of code that uses dbsync: random Qwen2 checkpoints
-small enough for a CPU host, and ``serve-vllm`` run in a child process.
+(dense, with a tied LM head, or mixture-of-experts) small enough for a CPU host, and
+``serve-vllm`` run in a child process.
 
     from dbsync.testing import Server, make_tiny_qwen2
 

@@ -20,16 +20,17 @@ measured on the meta device).
 
 Hazards: the conversion mapping is transformers' internal API (``core_model_loading``,
 ``conversion_mapping``); where it is missing or fails, the module's own names are used (said
-once at INFO). A view may be non-contiguous where a conversion transposes; ``writable_views``
-accepts the views for writing only if every one of them shares memory with the model's own
+once at INFO). A view may be non-contiguous where a conversion transposes; ``destinations``
+uses the views for writing only if every one of them shares memory with the model's own
 tensors (else a copy would take the bytes and the model would keep its old weights).
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,10 @@ def is_transformers_model(module: Any) -> bool:
 
 def checkpoint_views(model: Any, state: Mapping[str, Any]) -> dict[str, Any] | None:
     """``state`` (``model``'s state_dict, names as the model has them) under the checkpoint's
-    names, in checkpoint order; None where the model has no conversion (its names are its
-    checkpoint's) or it cannot be run here."""
+    names, in checkpoint order; None where ``model`` is no transformers model, has no
+    conversion (its names are its checkpoint's) or it cannot be run here."""
+    if not is_transformers_model(model):
+        return None
     conversions = _viewing_conversions(model)
     if not conversions:
         return None
@@ -64,14 +67,24 @@ def checkpoint_views(model: Any, state: Mapping[str, Any]) -> dict[str, Any] | N
     return converted
 
 
-def writable_views(views: Mapping[str, Any], state: Mapping[str, Any]) -> bool:
+def destinations(model: Any, state: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """Where a load of a version whose tensors are ``names`` writes into ``model``: its own
+    tensors ``state`` (its state_dict with ``keep_vars``), or views of them under the
+    checkpoint's names where the version has those and not the model's own (a transformers
+    model's fused MoE experts, published by a Sender). ``state`` where the views would not
+    write into the model; a mismatch of names is then said by the caller's check."""
+    if all(name in state for name in names):
+        return state
+    views = checkpoint_views(model, state)
+    return views if views is not None and _writable(views, state) else state
+
+
+def _writable(views: Mapping[str, Any], state: Mapping[str, Any]) -> bool:
     """Whether writing into every tensor of ``views`` writes into the tensors of ``state``
     (each view lies within the memory of one of them)."""
     spans = sorted((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
                    for t in state.values() if hasattr(t, "untyped_storage"))
     starts = [s for s, _ in spans]
-    import bisect
-
     for view in views.values():
         if not hasattr(view, "untyped_storage"):
             return False

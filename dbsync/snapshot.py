@@ -47,7 +47,7 @@ from .format import (
     shard_file,
     unwrap_compiled,
 )
-from .hfcheckpoint import checkpoint_views, is_transformers_model, writable_views
+from .hfcheckpoint import destinations
 from .store import mount_read_error, rereads
 
 if TYPE_CHECKING:
@@ -462,8 +462,7 @@ class Snapshot:
             for name in [k for k in dest if is_extra_state(k)]:
                 if not isinstance(dest[name], torch.Tensor):
                     del dest[name]  # a module's extra state (get_extra_state): not weights
-            if is_transformers_model(inner):
-                dest = self._checkpoint_names(inner, dest)
+            dest = destinations(inner, dest, (entry.name for entry in self.manifest.tensors))
         elif is_tensordict(target):
             dest = dict(target.flatten_keys(".").items())  # (its own leaves, names as pushed)
         else:
@@ -511,17 +510,6 @@ class Snapshot:
         if self.leased:  # (a verified private copy stays good whatever the slot holds now)
             self.check_unchanged()
         return self.manifest.total_bytes
-
-    def _checkpoint_names(self, model: Any, dest: dict[str, Any]) -> dict[str, Any]:
-        """``dest`` (a transformers model's own tensors), or views of them under its
-        checkpoint's names where this version has those names and not the model's own (fused
-        MoE experts published by a Sender: ``dbsync.hfcheckpoint``)."""
-        if all(entry.name in dest for entry in self.manifest.tensors):
-            return dest
-        views = checkpoint_views(model, dest)
-        if views is None or not writable_views(views, dest):
-            return dest  # (the mismatch is then said by the names check)
-        return views
 
     def _copy(self, plan: Any, shards: list[int], by_torch: Callable[[Any], None],
               threads: int, drop: bool) -> None:

@@ -36,7 +36,7 @@ from .format import (
     plain_state_dict,
     unwrap_compiled,
 )
-from .hfcheckpoint import checkpoint_views, is_transformers_model
+from .hfcheckpoint import checkpoint_views
 
 Pairs = list[tuple[str, torch.Tensor]]
 
@@ -114,9 +114,8 @@ def pairs_of(weights: Any, strategy: str) -> list[tuple[Any, Any]]:
                     if name not in transient]
         # (a submodule's ``get_extra_state`` that is no tensor is not weights: a receiver's
         # load into a module leaves it alone too)
-        state = plain_state_dict(weights)
-        if is_transformers_model(weights):  # (under its checkpoint's names: fused MoE experts
-            state = checkpoint_views(weights, state) or state  # split, as views)
+        state = plain_state_dict(weights)  # (a transformers model: under its checkpoint's
+        state = checkpoint_views(weights, state) or state  # names, fused MoE experts split)
         return [(name, value) for name, value in state.items()
                 if isinstance(value, torch.Tensor) or not is_extra_state(name)]
     if is_tensordict(weights):

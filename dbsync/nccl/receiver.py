@@ -39,7 +39,7 @@ import torch
 
 from ..errors import DBSyncError
 from ..format import castable, plain_state_dict, unwrap_compiled
-from ..hfcheckpoint import checkpoint_views, is_transformers_model, writable_views
+from ..hfcheckpoint import destinations
 from ..leases import DEFAULT_LEASE_TIMEOUT
 from ..receiver import Receiver
 from . import checksum, paced
@@ -412,11 +412,8 @@ def _destinations(target: Any, header: Header) -> dict[str, torch.Tensor] | bool
     not a floating cast). None for a ``load_weights`` callable."""
     if isinstance(target, torch.nn.Module):
         inner = unwrap_compiled(target)
-        dest = plain_state_dict(inner, keep_vars=True)
-        if is_transformers_model(inner) and any(e.name not in dest for e in header.entries):
-            views = checkpoint_views(inner, dest)  # (a version under the checkpoint's names:
-            if views is not None and writable_views(views, dest):  # fused MoE experts split)
-                dest = views
+        dest = destinations(inner, plain_state_dict(inner, keep_vars=True),
+                            (entry.name for entry in header.entries))
     elif isinstance(target, Mapping):
         dest = dict(target)
     else:

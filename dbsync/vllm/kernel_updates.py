@@ -37,14 +37,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: marks a method whose update already runs the kernel's own preparation
-_MARK = "_dbsync_prepares_kernel_on_update"
-
-
 def prepare_moe_updates(model: Any) -> int:
     """Make every unquantized fused-MoE layer of ``model`` whose kernel has a preparation of
-    its own run it in weight updates too (idempotent). Returns how many layers it changed
-    in this call."""
+    its own run it in weight updates too. Call once per model (before its first update: the
+    layers and their methods stay for the engine's life). Returns how many layers it
+    changed."""
     try:
         from vllm.platforms import current_platform
 
@@ -62,7 +59,7 @@ def prepare_moe_updates(model: Any) -> int:
     changed = 0
     for layer in model.modules():
         method = getattr(layer, "quant_method", None)
-        if not isinstance(method, UnquantizedFusedMoEMethod) or getattr(method, _MARK, False):
+        if not isinstance(method, UnquantizedFusedMoEMethod):
             continue
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
         prepare = getattr(type(experts), "process_weights_after_loading", None)
@@ -70,7 +67,6 @@ def prepare_moe_updates(model: Any) -> int:
             continue  # (no preparation of its own: the update path is complete)
         method.process_weights_after_loading = _preparing_on_update(
             method, method.process_weights_after_loading)
-        setattr(method, _MARK, True)
         changed += 1
     if changed:
         log.info("dbsync: %d MoE layer(s) prepare their experts for the kernel (%s) at every "

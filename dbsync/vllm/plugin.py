@@ -335,8 +335,8 @@ class DBSyncWeightTransferEngine(WeightTransferEngine[DBSyncInitInfo, DBSyncUpda
 
         self._reads, self._keep_recorded = None, False
         self._casts.report()  # (an apply that never finished)
-        prepare_moe_updates(self.model)  # (once per layer: a no-op from the second swap)
-        if self._tied is None:  # (found while the sharing is intact: before the first reload)
+        if self._tied is None:  # the first update: the layers as the engine loaded them,
+            prepare_moe_updates(self.model)  # the sharing of tied ones still intact
             self._tied = TiedLayers(self.model)
             _NothingLoadedFilter.tied.update(type(m).__name__ for m in self._tied.layers)
         initialize_layerwise_reload(self.model)

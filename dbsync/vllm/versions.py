@@ -189,6 +189,9 @@ class _RequestBody:
         except (ValueError, AttributeError):
             key = text.find('"model"')
             colon = text.find(":", key) if key >= 0 else -1
+            if colon < 0:
+                return ""  # (not a string after a colon: decoding the whole text would
+                # hand back whatever value the body starts with)
             try:
                 value = json.JSONDecoder().raw_decode(text[colon + 1:].lstrip())[0]
             except ValueError:

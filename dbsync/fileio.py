@@ -505,6 +505,19 @@ class ShardView:
         finally:
             os.close(fd)
 
+    def read_again(self, fd: int, offset: int, nbytes: int) -> bool:
+        """Read bytes [offset, offset + nbytes) of a private copy again from ``fd`` (the
+        same file, after a caching mount's stale pages of them were dropped); False if the
+        file ends before them. A mapping needs nothing: it reads the file's pages itself."""
+        if not self.private_copy:
+            return True
+        view = memoryview(self._buf)[offset:offset + nbytes]
+        for start in range(0, len(view), CHUNK_BYTES):
+            piece = view[start:start + CHUNK_BYTES]
+            if os.preadv(fd, [piece], offset + start) != len(piece):
+                return False
+        return True
+
     def view(self) -> memoryview:
         """The whole shard as bytes (valid while this view is open)."""
         return memoryview(self._buf)

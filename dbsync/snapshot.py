@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
     from .receiver import Receiver
 
 __all__ = ["LeaseNotRenewed", "SlotReused", "Snapshot"]
+
+log = logging.getLogger(__name__)
 
 #: bytes per verification / copy task
 _TASK_BYTES = 16 << 20
@@ -227,6 +230,14 @@ class Snapshot:
         for i, r in enumerate(ranges):
             if r.shard not in present and (not r.nbytes and r.checksum != _EMPTY_CHECKSUM):
                 bad[i] = f"checksum {_EMPTY_CHECKSUM} != {r.checksum}"
+        if bad or self._missing:
+            # (damage may be a writer's reuse of the slot, seen late through a caching mount:
+            # said as such, never as damage)
+            self._check_unchanged_patiently()
+            if bad:
+                bad = self._read_again_past_the_cache(bad)
+        elif self.leased:  # (a private copy whose every checksum matched is the version,
+            self.check_unchanged()  # whatever the slot holds now)
         damaged = dict(self._missing)
         if bad:
             hit = self.manifest.tensors_in(set(bad))
@@ -237,12 +248,6 @@ class Snapshot:
                 r = ranges[i]
                 damaged[f"<bytes [{r.offset}, {r.offset + r.nbytes}) of shard {r.shard}>"] = \
                     bad[i]
-        if damaged:
-            # (damage may be a writer's reuse of the slot, seen late through a caching mount:
-            # said as such, never as damage)
-            self._check_unchanged_patiently()
-        elif self.leased:  # (a private copy whose every checksum matched is the version,
-            self.check_unchanged()  # whatever the slot holds now)
         if damaged:
             names = ", ".join(describe_name(n) for n in list(damaged)[:10])
             more = " ..." if len(damaged) > 10 else ""
@@ -258,6 +263,62 @@ class Snapshot:
                 damaged,
             )
         self._verified = True
+
+    def _read_again_past_the_cache(self, bad: dict[int, str]) -> dict[int, str]:
+        """The ranges of ``bad`` that still do not match their checksums once this host's
+        cached pages of them were dropped (``POSIX_FADV_DONTNEED``) and they were read again
+        (a private copy refilled; a mapping reads the file's pages anew), with the slot's
+        stamp then looked at once more. A caching mount (NFS, FUSE ``auto_cache``) keeps a
+        file's pages while its attributes look unchanged: pages a reader read while the
+        writer was still writing (a head its cache showed late) can outlive that write when
+        it left no newer time than the one seen (the time is set before the bytes land, and
+        to a clock tick), and every later load of that slot hashed them. Dropping clean
+        pages that no process maps costs nothing elsewhere; pages this process already
+        mapped stay, and stay damage. Hazard: real damage is read twice before it is said."""
+        ranges = self.manifest.ranges
+        again = sorted(i for i in bad if ranges[i].shard in self._shards and ranges[i].nbytes)
+        if not again:
+            return bad
+        by_shard: dict[int, list[int]] = {}
+        for i in again:
+            by_shard.setdefault(ranges[i].shard, []).append(i)
+        slot_dir = self.receiver.store.slot_dir(self.manifest.slot)
+        cut_short: set[int] = set()
+        try:
+            for first in range(0, len(by_shard), fileio.SHARDS_OPEN_AT_ONCE):
+                batch = sorted(by_shard)[first:first + fileio.SHARDS_OPEN_AT_ONCE]
+                fds = self._reopen(batch)
+                try:
+                    for shard in batch:
+                        for i in by_shard[shard]:
+                            r = ranges[i]
+                            os.posix_fadvise(fds[shard], r.offset, r.nbytes,
+                                             os.POSIX_FADV_DONTNEED)
+                            if not self._shards[shard].read_again(fds[shard], r.offset,
+                                                                  r.nbytes):
+                                cut_short.add(i)
+                finally:
+                    for fd in fds.values():
+                        os.close(fd)
+        except FileNotFoundError:  # removed while held: the damage stands as first seen
+            return bad
+        except OSError as exc:
+            failed = self._read_failure(exc, slot_dir, f"verifying version {self.version}")
+            if failed is None:
+                raise
+            raise failed from exc
+        # (a mapping is hashed by reading: a shard cut short would kill this process there)
+        still = (self._hash_by_reading(again, 4) if self.leased
+                 else self._hash_views([i for i in again if i not in cut_short], 4)())
+        still.update((i, bad[i]) for i in cut_short)
+        if still:
+            self.check_unchanged()  # (a leaseless reader's slot may have moved on meanwhile)
+        else:
+            log.info("version %d: %d checked range(s) read through %s's cache did not match "
+                     "their checksums; read again past the cache, they do (pages a caching "
+                     "mount kept from before the writer's last write)", self.version,
+                     len(again), self.receiver.store.root)
+        return {i: why for i, why in bad.items() if i not in again or i in still}
 
     def _hash_views(self, todo: list[int], threads: int) -> Callable[[], dict[int, str]]:
         """Start hashing; the returned call waits and gives {range: why} of every checked

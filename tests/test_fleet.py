@@ -516,6 +516,46 @@ def test_leased_loads_through_a_caching_fuse_mount_never_call_a_reused_slot_dama
 
 
 @needs_root
+@pytest.mark.parametrize("access", ["leased", "read-only"])
+def test_a_shard_a_caching_mount_serves_from_stale_pages_is_read_again_not_called_damaged(
+        tmp_path, access):
+    """A caching mount (bindfs ``auto_cache``; NFS revalidates the same way, by attributes)
+    keeps a file's pages while its attributes look unchanged. A reader that read a shard
+    while the writer was still writing it (a head its cache showed late) can keep those
+    pages although the file has changed since, when the writes left no newer time than the
+    one it saw (the time is set before the bytes land, and to a clock tick). Its next load of
+    that slot, stamp and head right, hashed the old pages and raised ``DamagedVersionError``
+    for a whole version: 1 in ~10 runs of the soak above on a loaded machine. Here the race
+    is made certain: after version 3 is written into version 1's slot, its shards' times are
+    set back to what the reader saw. The load drops the mount's cached pages of the ranges
+    that did not match, reads them again, and applies version 3, every byte of it."""
+    base = tmp_path / "base"
+    with dbsync.Sender(str(base)) as sender:
+        sender.push(weights_for(1))  # slot a
+        fuse = FuseView(base, tmp_path / "view",
+                        options="auto_cache" + (",ro" if access == "read-only" else ""))
+        try:
+            receiver = dbsync.Receiver(fuse.mount())
+            got = {name: torch.zeros_like(t) for name, t in weights_for(3).items()}
+            assert receiver.load(got) == 1  # (slot a's pages now in the mount's cache)
+            shards = sorted((base / "slots" / "a").glob("shard*"))
+            assert shards
+            seen = {path: os.stat(path).st_mtime_ns for path in shards}
+            assert sender.push(weights_for(2)) == 2  # slot b
+            assert sender.push(weights_for(3)) == 3  # slot a, its shards rewritten in place
+            for path, mtime in seen.items():  # (the write the attributes did not reveal)
+                os.utime(path, ns=(mtime, mtime))
+            assert receiver.wait(newer_than=2, timeout=30) == 3  # (the mount's head cache)
+            assert receiver.load(got) == 3
+            assert receiver.read_only is (access == "read-only")
+            assert sorted(got) == sorted(weights_for(3))
+            assert all(torch.equal(got[k], v) for k, v in weights_for(3).items())
+            receiver.close()
+        finally:
+            fuse.close()
+
+
+@needs_root
 def test_a_read_only_snapshot_stays_usable_after_its_slot_is_reused(tmp_path):
     """A snapshot opened through a read-only view holds a private copy; once every checksum of
     that copy matched, it is the version, even if the writer has reused the slot since (no

@@ -70,7 +70,7 @@ class ScriptedOps:
         self.calls.append(f"finish:{weight_version}")
         self.served = weight_version
 
-    def reset_prefix_cache(self) -> None:
+    def drop_stale_caches(self) -> None:
         self.calls.append("reset")
 
 

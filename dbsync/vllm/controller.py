@@ -161,7 +161,11 @@ class EngineOps(Protocol):
     def start(self) -> None: ...
     def update(self, update_info: dict[str, Any]) -> None: ...
     def finish(self, weight_version: str) -> None: ...
-    def reset_prefix_cache(self) -> None: ...
+    def drop_stale_caches(self) -> None:
+        """Drop what the engine computed with the old weights: cached prefixes (requests
+        held through the swap are preempted to recompute), and a multimodal model's cached
+        encoder outputs."""
+        ...
     # Optional: ``init(init_info)`` -> the engine's ``init_weight_transfer_engine`` (needed only
     # for the broadcast transports).
 
@@ -546,7 +550,7 @@ class SwapController:
             timings.apply_s = time.perf_counter() - t_apply
             timings.source, timings.staged_bytes = self._worker_transport.sources(version)
             snap.check_unchanged()  # our lease kept the slot; this catches an expired one
-            self.ops.reset_prefix_cache()
+            self.ops.drop_stale_caches()
         except Exception as exc:
             s.applying = None
             # With several workers one may report "nothing applied" while another
@@ -610,7 +614,7 @@ class SwapController:
             self.ops.update({"root": self.root, "version": held.version,
                              "head": held.manifest.head.dumps().decode()})
             self.ops.finish(str(held.version))
-            self.ops.reset_prefix_cache()
+            self.ops.drop_stale_caches()
             self._resume()
         except Exception as exc:
             log.error("dbsync: rolling back to version %d failed too (%s); the engine stays "

@@ -75,6 +75,16 @@ def check_backend(vllm_config: Any) -> None:
         )
 
 
+def _is_multimodal(engine: Any) -> bool:
+    """Whether ``engine`` (a ``vllm.LLM`` or an ``EngineClient``) serves a multimodal model,
+    whose encoder cache keeps the outputs of its vision (or audio) encoder by input: after a
+    swap they were computed with the old weights. vLLM's own update path (a pause with
+    ``clear_cache=True``) drops them; dbsync pauses without it (it would drop the KV of
+    requests held through the swap) and drops what is stale itself."""
+    config = getattr(engine, "model_config", None)
+    return bool(getattr(config, "is_multimodal_model", False))
+
+
 class LLMOps:
     """``EngineOps`` for an offline ``vllm.LLM``. ``pause``/``resume`` do nothing (see the
     module hazards)."""
@@ -100,9 +110,11 @@ class LLMOps:
     def finish(self, weight_version: str) -> None:
         self.llm.finish_weight_update(weight_version=weight_version)
 
-    def reset_prefix_cache(self) -> None:
+    def drop_stale_caches(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise DBSyncError("vLLM could not reset the prefix cache after the swap")
+        if _is_multimodal(self.llm):
+            self.llm.llm_engine.reset_encoder_cache()
 
 
 class EngineClosed(DBSyncError):
@@ -225,8 +237,11 @@ class AsyncEngineOps:
     def finish(self, weight_version: str) -> None:
         self._run(self.engine.finish_weight_update(weight_version=weight_version))
 
-    def reset_prefix_cache(self) -> None:
+    def drop_stale_caches(self) -> None:
         # Requests frozen by pause(keep) hold KV computed with the old weights: preempt them so
-        # they recompute with the new ones, and drop every cached prefix.
+        # they recompute with the new ones (a preempted request holds no encoder output), and
+        # drop every cached prefix.
         if not self._run(self.engine.reset_prefix_cache(reset_running_requests=True)):
             raise DBSyncError("vLLM could not reset the prefix cache after the swap")
+        if _is_multimodal(self.engine):
+            self._run(self.engine.reset_encoder_cache())

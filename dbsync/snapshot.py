@@ -292,8 +292,9 @@ class Snapshot:
                     for shard in batch:
                         for i in by_shard[shard]:
                             r = ranges[i]
-                            os.posix_fadvise(fds[shard], r.offset, r.nbytes,
-                                             os.POSIX_FADV_DONTNEED)
+                            with contextlib.suppress(OSError):  # (a hint: best effort)
+                                os.posix_fadvise(fds[shard], r.offset, r.nbytes,
+                                                 os.POSIX_FADV_DONTNEED)
                             if not self._shards[shard].read_again(fds[shard], r.offset,
                                                                   r.nbytes):
                                 cut_short.add(i)

@@ -83,7 +83,7 @@ class Attachment:
             ops = LLMOps(engine)
         self.controller = SwapController(root, ops, expected, allow_missing, verify=verify,
                                          poll_interval=poll_interval,
-                                         workers=vllm_config.parallel_config.world_size,
+                                         workers=vllm_config.parallel_config.world_size_across_dp,
                                          transport=transport, pause_mode=pause_mode,
                                          drain_timeout=drain_timeout)
         try:

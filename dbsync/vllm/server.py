@@ -35,8 +35,12 @@ compiling costs tens of seconds per start on a few cores: pass ``-O`` or
 flight finish and stops the engine cleanly instead of killing it). A ``--model`` path that does
 not exist fails at once instead of being tried as a Hugging Face hub id.
 
-Hazard: one API server process only (``--api-server-count`` > 1 and data parallelism are
-refused): the controller must own the only path to the engine.
+Data parallelism (``-- --data-parallel-size N``): one API server balances N engines, and every
+swap pauses, updates and resumes all of them together (vLLM's client sends each engine call to
+every engine), so no two engines serve different versions after a swap.
+
+Hazard: one API server process only (``--api-server-count`` > 1, and data-parallel ranks
+balanced outside it, are refused): the controller must own the only path to the engines.
 """
 
 from __future__ import annotations
@@ -149,10 +153,17 @@ def _configure_logging() -> None:
 
 
 def _add_dbsync_engine_args(args: argparse.Namespace) -> None:
-    if (getattr(args, "api_server_count", None) or 1) > 1 or (
-            getattr(args, "data_parallel_size", 1) or 1) > 1:
-        raise DBSyncError("serve-vllm runs one API server and one engine; remove "
-                          "--api-server-count / --data-parallel-size")
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        raise DBSyncError("serve-vllm runs one API server (the one path to its engines, which "
+                          "it pauses for each swap); remove --api-server-count")
+    if getattr(args, "data_parallel_rank", None) is not None or getattr(
+            args, "data_parallel_external_lb", False) or getattr(
+            args, "data_parallel_hybrid_lb", False):
+        raise DBSyncError("serve-vllm balances its data-parallel engines itself (one API "
+                          "server for all of them, each engine swapped in the same pause); "
+                          "remove --data-parallel-rank / --data-parallel-external-lb / "
+                          "--data-parallel-hybrid-lb, or run one serve-vllm per engine with "
+                          "--data-parallel-size 1")
     wanted = engine_args(worker_extension_cls=args.worker_extension_cls or None)
     current = args.weight_transfer_config
     backend = None if current is None else (
@@ -184,7 +195,7 @@ async def _serve(args: argparse.Namespace, root: str, poll_interval: float | Non
             controller = SwapController(
                 root, AsyncEngineOps(engine_client, asyncio.get_running_loop()), expected,
                 allow_missing, poll_interval=poll_interval,
-                workers=engine_client.vllm_config.parallel_config.world_size,
+                workers=engine_client.vllm_config.parallel_config.world_size_across_dp,
                 transport=transport, pause_mode=pause_mode, drain_timeout=drain_timeout)
             on_stop_signal(controller.stop_applying)  # (no swap while the server drains)
             supported_tasks = await engine_client.get_supported_tasks()

@@ -324,6 +324,9 @@ def test_mistyped_model_path_fails_at_once(tmp_path: Path) -> None:
     (["--", "--pause-mode", "wait"], "--pause-mode is an option of serve-vllm itself: give it "
                                      "before '--'"),
     (["--", "--max-model-len", "abc"], "argument --max-model-len: invalid"),
+    (["--", "--data-parallel-size", "2", "--data-parallel-external-lb"],
+     "remove --data-parallel-rank / --data-parallel-external-lb"),
+    (["--lora", "policy", "--", "--api-server-count", "2"], "remove --api-server-count"),
 ])
 def test_a_bad_option_is_one_line_naming_it(tmp_path: Path, args: list[str], hint: str) -> None:
     """Not the pages of vLLM's usage text: what is wrong, and what was meant."""

@@ -41,6 +41,24 @@ def parse_server_args(model: str, port: int, host: str | None, extra: Sequence[s
     return parser.parse_args(argv)
 
 
+def check_one_api_server(args: Any) -> None:
+    """Refuse the vLLM options that would give the engines another path than this server's:
+    more API server processes, and data-parallel ranks balanced outside it. (Data parallelism
+    balanced by this server, ``--data-parallel-size N``, is served: each engine call reaches
+    every engine.)"""
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        raise DBSyncError("serve-vllm runs one API server (the one path to its engines, which "
+                          "it pauses for each swap); remove --api-server-count")
+    if getattr(args, "data_parallel_rank", None) is not None or getattr(
+            args, "data_parallel_external_lb", False) or getattr(
+            args, "data_parallel_hybrid_lb", False):
+        raise DBSyncError("serve-vllm balances its data-parallel engines itself (one API "
+                          "server for all of them, each engine swapped in the same pause); "
+                          "remove --data-parallel-rank / --data-parallel-external-lb / "
+                          "--data-parallel-hybrid-lb, or run one serve-vllm per engine with "
+                          "--data-parallel-size 1")
+
+
 def _usage_error(message: str, parser: Any, own_options: Sequence[str]) -> str:
     """One paragraph for a bad vLLM option: what argparse said, and for each unknown option
     whether it is serve-vllm's own (given after '--') or what it may be a typo of."""

@@ -22,6 +22,9 @@ last swap. Requests for ``NAME`` before a first version is served get vLLM's 404
 published version, lag, swaps by outcome (refusals included), bytes applied, and the prepare
 time as ``dbsync_read_verify_seconds``; ``dbsync_pause_seconds`` records 0 per swap.
 
+Data parallelism (``-- --data-parallel-size N``): ``add_lora`` and ``remove_lora`` reach every
+engine (vLLM's client sends engine calls to each).
+
 Hazard: ``--transport``/``--pause-mode`` do not apply (adapters are read from the filesystem
 and never pause generation).
 """
@@ -41,6 +44,7 @@ from ..errors import DBSyncError, NothingPublishedError, StoreNotFoundError
 from ..store import Store
 from ..watch import Watcher
 from .http import (
+    check_one_api_server,
     on_stop_signal,
     parse_server_args,
     remove_stop_callback,
@@ -330,10 +334,7 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
 
     args = parse_server_args(model, port, host, extra, "dbsync serve-vllm --lora",
                              own_options())
-    if (getattr(args, "api_server_count", None) or 1) > 1 or (
-            getattr(args, "data_parallel_size", 1) or 1) > 1:
-        raise DBSyncError("serve-vllm runs one API server and one engine; remove "
-                          "--api-server-count / --data-parallel-size")
+    check_one_api_server(args)
     args.enable_lora = True
     args.max_loras = max_loras
     args.max_cpu_loras = max_loras

@@ -62,6 +62,7 @@ from .checkpoint import expected_from_checkpoint
 from .controller import DEFAULT_DRAIN_TIMEOUT, PAUSE_MODES, SwapController, check_pause_mode
 from .engine import AsyncEngineOps, engine_args
 from .http import (
+    check_one_api_server,
     check_owned_options,
     on_stop_signal,
     parse_server_args,
@@ -153,17 +154,7 @@ def _configure_logging() -> None:
 
 
 def _add_dbsync_engine_args(args: argparse.Namespace) -> None:
-    if (getattr(args, "api_server_count", None) or 1) > 1:
-        raise DBSyncError("serve-vllm runs one API server (the one path to its engines, which "
-                          "it pauses for each swap); remove --api-server-count")
-    if getattr(args, "data_parallel_rank", None) is not None or getattr(
-            args, "data_parallel_external_lb", False) or getattr(
-            args, "data_parallel_hybrid_lb", False):
-        raise DBSyncError("serve-vllm balances its data-parallel engines itself (one API "
-                          "server for all of them, each engine swapped in the same pause); "
-                          "remove --data-parallel-rank / --data-parallel-external-lb / "
-                          "--data-parallel-hybrid-lb, or run one serve-vllm per engine with "
-                          "--data-parallel-size 1")
+    check_one_api_server(args)
     wanted = engine_args(worker_extension_cls=args.worker_extension_cls or None)
     current = args.weight_transfer_config
     backend = None if current is None else (

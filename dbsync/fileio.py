@@ -463,6 +463,16 @@ class ShardSizeError(OSError):
     writer already resized the file; the caller looks again before it says which."""
 
 
+def _read_whole(fd: int, into: memoryview, offset: int) -> bool:
+    """Fill ``into`` from ``fd`` at ``offset``, ``CHUNK_BYTES`` per read; False if the file
+    ends first."""
+    for start in range(0, len(into), CHUNK_BYTES):
+        piece = into[start:start + CHUNK_BYTES]
+        if os.preadv(fd, [piece], offset + start) != len(piece):
+            return False
+    return True
+
+
 class ShardView:
     """The bytes of one shard, read-only to its users: either a private copy-on-write mapping
     of the file (``private_copy=False``: no copy; valid only while the slot is leased) or a
@@ -495,11 +505,8 @@ class ShardView:
                         f"a private copy of {copied} bytes does not fit in memory (readers "
                         "without a lease copy each shard; give this receiver write access to "
                         "the store's readers/ so it can lease and map instead)") from None
-                view = memoryview(self._buf)
-                for start in range(0, copied, CHUNK_BYTES):
-                    piece = view[start:start + CHUNK_BYTES]
-                    if os.preadv(fd, [piece], start) != len(piece):
-                        raise OSError("shrank while being read")
+                if not _read_whole(fd, memoryview(self._buf), 0):
+                    raise OSError("shrank while being read")
             elif nbytes and not private_copy:
                 self._buf = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
         finally:
@@ -511,12 +518,7 @@ class ShardView:
         file ends before them. A mapping needs nothing: it reads the file's pages itself."""
         if not self.private_copy:
             return True
-        view = memoryview(self._buf)[offset:offset + nbytes]
-        for start in range(0, len(view), CHUNK_BYTES):
-            piece = view[start:start + CHUNK_BYTES]
-            if os.preadv(fd, [piece], offset + start) != len(piece):
-                return False
-        return True
+        return _read_whole(fd, memoryview(self._buf)[offset:offset + nbytes], offset)
 
     def view(self) -> memoryview:
         """The whole shard as bytes (valid while this view is open)."""

@@ -284,9 +284,10 @@ class Snapshot:
             by_shard.setdefault(ranges[i].shard, []).append(i)
         slot_dir = self.receiver.store.slot_dir(self.manifest.slot)
         cut_short: set[int] = set()
+        shards = sorted(by_shard)
         try:
-            for first in range(0, len(by_shard), fileio.SHARDS_OPEN_AT_ONCE):
-                batch = sorted(by_shard)[first:first + fileio.SHARDS_OPEN_AT_ONCE]
+            for first in range(0, len(shards), fileio.SHARDS_OPEN_AT_ONCE):
+                batch = shards[first:first + fileio.SHARDS_OPEN_AT_ONCE]
                 fds = self._reopen(batch)
                 try:
                     for shard in batch:

@@ -4,10 +4,14 @@ empty store; versions pushed while it runs. The tests run in file order and shar
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 import threading
 import time
 import urllib.error
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +44,31 @@ def sender(store: Path) -> Any:
         yield s
 
 
+@contextlib.contextmanager
+def short_temp_dir() -> Iterator[Path]:
+    """A server's temp directory (``TMPDIR``), where what it leaves is seen. Its path is short:
+    serve-vllm keeps vLLM's default (sockets in the temp directory itself, left behind) where
+    a socket path one directory deeper would not fit, as under pytest's temp directories."""
+    path = Path(tempfile.mkdtemp(prefix="dbsync-test-tmp-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def server(store: Path, sender: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def server_tmp() -> Iterator[Path]:
+    with short_temp_dir() as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def server(store: Path, sender: Any, server_tmp: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Any:
     # the sender creates the (empty) store: a reader given a missing ROOT fails at once
     reference("B")  # start the reference engine now: it overlaps the server's start-up
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    with running_server(store, tiny_model("A"), log) as srv:
+    with running_server(store, tiny_model("A"), log, env={"TMPDIR": str(server_tmp)}) as srv:
         yield srv
 
 
@@ -160,17 +183,27 @@ def server_wait(server: Server, predicate: Any, timeout: float = 60) -> dict[str
 
 
 
-def test_ctrl_c_stops_cleanly_with_exit_status_130(server: Server) -> None:
+def _sockets_under(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_socket()]
+
+
+def test_ctrl_c_stops_cleanly_with_exit_status_130(server: Server, server_tmp: Path) -> None:
     """The last test of the module: it stops the shared server. Ctrl-C is a clean stop, as
-    SIGTERM is (test_vllm_serving), but its exit status says it was an interruption."""
+    SIGTERM is (test_vllm_serving), but its exit status says it was an interruption. Nothing
+    is left in the server's temp directory: vLLM leaves its engine sockets behind at every
+    stop, and a server its supervisor restarts used to fill /tmp with them."""
     import signal
 
+    serving = _sockets_under(server_tmp)
+    assert serving and all(p.parent.name.startswith("dbsync-sockets-") for p in serving), (
+        serving)
     start = len(server.tail(10_000_000))
     server.proc.send_signal(signal.SIGINT)
     assert server.proc.wait(60) == 130
     after = server.tail(10_000_000)[start:]
     for noise in ("Traceback", "EngineDeadError", " ERROR "):
         assert noise not in after, after[-3000:]
+    assert list(server_tmp.iterdir()) == []
 
 
 def _descendants(pid: int) -> set[int]:
@@ -202,15 +235,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.fixture
+def starting_tmp() -> Iterator[Path]:
+    with short_temp_dir() as path:
+        yield path
+
+
 def test_sigterm_while_the_engine_starts_stops_its_processes_too(
-        store: Path, sender: Any, tmp_path: Path) -> None:
+        store: Path, sender: Any, tmp_path: Path, starting_tmp: Path) -> None:
     """SIGTERM (``timeout``, a supervisor, a test harness's ``terminate()``) while the engine
     loads, before vLLM's own handlers are in place: the default action killed the server
     alone, and vLLM's engine and worker processes ran on (on a GPU, holding its memory). Now
-    the start-up is cancelled as Ctrl-C cancels it: exit 143, nothing left running."""
+    the start-up is cancelled as Ctrl-C cancels it: exit 143, nothing left running, nothing
+    left in the temp directory."""
     import signal
 
-    srv = Server(store, tiny_model("A"), tmp_path / "starting.log")
+    srv = Server(store, tiny_model("A"), tmp_path / "starting.log",
+                 env={"TMPDIR": str(starting_tmp)})
     try:
         # the handshake: the engine's processes exist (the server is loading, not serving)
         wait_until(lambda: len(_descendants(srv.proc.pid)) >= 2 or srv.proc.poll() is not None,
@@ -222,5 +263,6 @@ def test_sigterm_while_the_engine_starts_stops_its_processes_too(
         assert "stopped by SIGTERM while starting" in srv.tail()
         wait_until(lambda: not any(_alive(p) for p in engine), 60, 0.2,
                    "the engine's processes to end")
+        assert list(starting_tmp.iterdir()) == []  # (vLLM's engine sockets included)
     finally:
         srv.stop()

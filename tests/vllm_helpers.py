@@ -161,8 +161,8 @@ def child_output_to(path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def running_server(root: Path, model_dir: Path, log_path: Path,
-                   *extra: str) -> Iterator[Server]:
-    server = Server(root, model_dir, log_path, *extra)
+                   *extra: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    server = Server(root, model_dir, log_path, *extra, env=env)
     try:
         server.wait_ready()
         yield server

@@ -43,6 +43,7 @@ from typing import Any
 from ..errors import DBSyncError, NothingPublishedError, StoreNotFoundError
 from ..store import Store
 from ..watch import Watcher
+from . import workdirs
 from .http import (
     check_one_api_server,
     on_stop_signal,
@@ -344,7 +345,8 @@ def serve_lora(root: str | os.PathLike[str], model: str, name: str, max_loras: i
     _configure_logging()
     _apply_defaults(args, extra)
     validate_parsed_serve_args(args)
-    run_until_stopped(_serve(args, os.fspath(root), name, max_loras, poll_interval))
+    with workdirs.private_engine_sockets():
+        run_until_stopped(_serve(args, os.fspath(root), name, max_loras, poll_interval))
 
 
 async def _serve(args: Any, root: str, name: str, max_loras: int,

@@ -57,6 +57,7 @@ from typing import Any
 from ..errors import DBSyncError
 from ..serveargs import check_model, resolve_model_dir
 from ..store import root_problem
+from . import workdirs
 from .broadcast import TRANSPORTS, check_transport
 from .checkpoint import expected_from_checkpoint
 from .controller import DEFAULT_DRAIN_TIMEOUT, PAUSE_MODES, SwapController, check_pause_mode
@@ -116,8 +117,9 @@ def serve(root: str | os.PathLike[str], model: str, host: str | None = None,
     _configure_logging()
     _apply_defaults(args, extra)
     validate_parsed_serve_args(args)
-    run_until_stopped(_serve(args, os.fspath(root), poll_interval, transport, pause_mode,
-                             drain_timeout))
+    with workdirs.private_engine_sockets():
+        run_until_stopped(_serve(args, os.fspath(root), poll_interval, transport, pause_mode,
+                                 drain_timeout))
 
 
 def _given(extra: Sequence[str], *flags: str) -> bool:

@@ -1,6 +1,6 @@
 """Private working directories of a serving process (the controller's apply reports, LoRA
-adapter versions written out for vLLM, under ``/dev/shm`` where it exists), which a process
-that was killed cannot remove: the next one of the host removes them.
+adapter versions written out for vLLM, under ``/dev/shm`` where it exists, vLLM's engine
+sockets), which a process that was killed cannot remove: the next one of the host removes them.
 
 Each directory holds an owner file its process keeps ``flock``-ed for as long as it lives
 (the kernel drops the lock when the process dies, however it dies, in whatever PID namespace).
@@ -23,10 +23,17 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
 OWNER = ".dbsync-owner"
+#: the prefix of the directories that hold vLLM's engine sockets (``private_engine_sockets``)
+SOCKETS_PREFIX = "dbsync-sockets-"
+#: the longest path a Unix socket may have (``sun_path`` less its NUL), and the longest name
+#: vLLM gives one (a UUID)
+_SOCKET_PATH_MAX = 107
+_SOCKET_NAME_MAX = 36
 _held: dict[str, int] = {}  # directory -> fd of its locked owner file
 
 
@@ -63,6 +70,33 @@ def remove(path: str) -> None:
     fd = _held.pop(path, None)
     if fd is not None:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def private_engine_sockets() -> Iterator[str | None]:
+    """Within this block, vLLM's engine sockets (ZeroMQ ``ipc://`` files named by
+    ``VLLM_RPC_BASE_PATH``, default: the temp directory) go to a private directory of this
+    process, removed at the end (yields it). vLLM leaves its socket files behind at every stop,
+    clean or not (7 per start of a small engine): a server its supervisor restarts would fill
+    the temp directory with them. The processes the engine starts inherit the setting.
+
+    Left as it is (yields None) where ``VLLM_RPC_BASE_PATH`` is set, or where the temp
+    directory's path is so long that a socket path one directory deeper would not fit."""
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        yield None
+        return
+    base = tempfile.gettempdir()
+    if len(base) + len(SOCKETS_PREFIX) + 8 + 2 + _SOCKET_NAME_MAX > _SOCKET_PATH_MAX:
+        yield None
+        return
+    path = make(SOCKETS_PREFIX, base)
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    try:
+        yield path
+    finally:
+        if os.environ.get("VLLM_RPC_BASE_PATH") == path:
+            del os.environ["VLLM_RPC_BASE_PATH"]
+        remove(path)
 
 
 def sweep(prefix: str, base: str) -> list[str]:

@@ -31,6 +31,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import stat
 import threading
@@ -52,6 +53,7 @@ from .errors import (
     StoreUnreachableError,
 )
 from .format import (
+    FORMAT_NAME,
     INDEX_FILE,
     MANIFEST_FILE,
     MAX_HEAD_BYTES,
@@ -83,6 +85,17 @@ NFS_SILLY_PREFIX = ".nfs"
 STALE_REOPENS = 3
 #: pauses between the tries of a writer's read of a lease that fails (EIO, ESTALE)
 LEASE_READ_PAUSES = (0.02, 0.08)
+
+#: the names a writer gives files in a slot (shards, the index, the stamp, temp files), or gave
+#: them in format 1 (one ``<stem>.memmap`` per tensor and tensordict's ``meta.json``): the only
+#: files it ever removes there, and the only ones a directory it is asked to make a store of
+#: may hold in its slots
+_SLOT_FILE = re.compile(r"shard-[0-9]{5}\.bin|index\.json|dbsync-slot\.json|meta\.json"
+                        r"|[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.memmap|\.tmp-.*|\.nfs.*",
+                        re.DOTALL)
+#: what a store's root may hold besides hidden entries
+_ROOT_ENTRIES = frozenset((MANIFEST_FILE, SLOTS_DIR, READERS_DIR, WRITER_LOCK_FILE,
+                           "broadcast.json", "lost+found"))
 
 WRITING = "writing"
 DIR_MODE = 0o755
@@ -170,24 +183,60 @@ class Store:
 
     def _refuse_foreign_directory(self) -> None:
         """Refuse to make a store of a directory that holds other files (a checkpoint
-        directory given as ROOT, SRC and ROOT swapped): a push would mix the store's files
-        with them. An empty directory, a store, and a mount's ``lost+found`` and hidden
-        entries are fine."""
+        directory given as ROOT, SRC and ROOT swapped, a directory that only has a ``slots``
+        or a ``dbsync.json`` of something else): a push would mix the store's files with
+        them, and reuse its slots. A directory whose head is a dbsync head is a store (other
+        files beside it are never touched). One without such a head (empty, damaged, or never
+        published) may hold only what dbsync writes: the store's entries, slot files of
+        dbsync's names, a mount's ``lost+found`` and hidden entries."""
         try:
             names = os.listdir(self.root)
         except (FileNotFoundError, NotADirectoryError, PermissionError):
             return  # created below (or refused there, saying why)
-        if {MANIFEST_FILE, SLOTS_DIR, WRITER_LOCK_FILE} & set(names):
+        if MANIFEST_FILE in names and self._holds_a_dbsync_head():
             return
         # (readers/ alone proves nothing: a receiver creates it wherever it is pointed)
-        foreign = sorted(n for n in names if not n.startswith(".")
-                         and n not in ("lost+found", READERS_DIR))
+        foreign = sorted(n for n in names if not n.startswith(".") and n not in _ROOT_ENTRIES)
+        if SLOTS_DIR in names:
+            foreign += self._foreign_slot_entries()
+        if MANIFEST_FILE in names and SLOTS_DIR not in names and WRITER_LOCK_FILE not in names:
+            foreign.append(f"{MANIFEST_FILE} (not a dbsync head)")
         if foreign:
             shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
             raise FormatError(
                 f"{self.root} is not a dbsync store but holds other files ({shown}); a push "
-                "would mix a store's files with them. Give an empty or new directory, or the "
-                "root of an existing store (is SRC given as ROOT?)")
+                "would mix a store's files with them (and reuse its slots). Give an empty or "
+                "new directory, or the root of an existing store (is SRC given as ROOT?)")
+
+    def _holds_a_dbsync_head(self) -> bool:
+        """Whether the root's ``dbsync.json`` says it is a dbsync head (of any format version:
+        a version this dbsync cannot read is refused later, saying so)."""
+        try:
+            data = json.loads(self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES) or b"")
+        except (DBSyncError, OSError, ValueError, RecursionError):
+            return False
+        return isinstance(data, dict) and data.get("format") == FORMAT_NAME
+
+    def _foreign_slot_entries(self) -> list[str]:
+        """The entries under ``slots/`` that dbsync does not write ("slots/a/x.csv")."""
+        found: list[str] = []
+        try:
+            with self.dir_fd(SLOTS_DIR) as dfd:
+                entries = list(os.scandir(dfd))
+        except (OSError, DBSyncError):
+            return found  # (not a directory: the layout's creation says so)
+        for entry in entries:
+            if entry.name in SLOTS and entry.is_dir(follow_symlinks=False):
+                try:
+                    with self.dir_fd(SLOTS_DIR, entry.name) as slot_fd:
+                        inside = list(os.scandir(slot_fd))
+                except (OSError, DBSyncError):
+                    continue
+                found += [f"{SLOTS_DIR}/{entry.name}/{e.name}" for e in inside
+                          if e.is_dir(follow_symlinks=False) or not _SLOT_FILE.fullmatch(e.name)]
+            elif not entry.name.startswith("."):
+                found.append(f"{SLOTS_DIR}/{entry.name}")
+        return sorted(found)
 
     def _create_layout(self) -> None:
         """Create ROOT, readers/ and the slots with explicit modes (never the caller's umask).
@@ -612,6 +661,10 @@ class Store:
                         or entry.name.startswith(NFS_SILLY_PREFIX)):
                     continue
                 if entry.is_dir(follow_symlinks=False):
+                    continue
+                if not _SLOT_FILE.fullmatch(entry.name):  # (not dbsync's: never removed)
+                    log.warning("dbsync: %s is not a file dbsync writes; left where it is",
+                                os.path.join(self.slot_dir(slot), entry.name))
                     continue
                 try:
                     size = entry.stat(follow_symlinks=False).st_size

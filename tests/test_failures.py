@@ -1190,6 +1190,51 @@ def test_a_directory_holding_other_files_is_never_made_a_store(tmp_path):
             make("")
 
 
+def test_a_directory_that_only_looks_like_a_store_is_refused_and_nothing_in_it_removed(
+        tmp_path, caplog):
+    """A directory with a ``slots/a`` of someone else's files, or a ``dbsync.json`` that is no
+    dbsync head, was taken for a store: the first push reusing a slot deleted every file in
+    it, and the head was overwritten. Both are refused now, every file left as it was. A real
+    store whose head was damaged is still pushed to, and a file someone put into one of its
+    slots is left where it is (said at WARNING)."""
+    import logging
+
+    slots = tmp_path / "project" / "slots"
+    (slots / "a").mkdir(parents=True)
+    (slots / "b").mkdir()
+    (slots / "a" / "booking.csv").write_text("important")
+    (slots / "b" / "other.csv").write_text("important too")
+    other = tmp_path / "other-tool"
+    other.mkdir()
+    (other / "dbsync.json").write_text('{"database": "prod"}')
+    for path, named in ((slots.parent, "slots/a/booking.csv, slots/b/other.csv"),
+                        (other, "dbsync.json (not a dbsync head)")):
+        before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+        for _ in range(2):
+            with pytest.raises(dbsync.FormatError, match="not a dbsync store") as refused:
+                with dbsync.Sender(str(path)) as sender:
+                    sender.push({"w": torch.ones(2)})
+            assert named in str(refused.value)
+        assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before
+
+    store = tmp_path / "store"
+    with dbsync.Sender(str(store)) as sender:
+        for v in (1, 2):
+            sender.push({"w": torch.full((2,), float(v))})
+    (store / "slots" / "a" / "notes.txt").write_text("mine")
+    with caplog.at_level(logging.WARNING, logger="dbsync"), dbsync.Sender(str(store)) as s:
+        assert s.push({"w": torch.full((2,), 3.0)}) == 3  # (into slot a)
+    assert (store / "slots" / "a" / "notes.txt").read_text() == "mine"
+    assert "notes.txt is not a file dbsync writes; left where it is" in caplog.text
+    (store / "slots" / "a" / "notes.txt").unlink()
+    (store / "dbsync.json").write_bytes((store / "dbsync.json").read_bytes()[:20])  # damaged
+    with dbsync.Sender(str(store)) as sender:
+        assert sender.push({"w": torch.full((2,), 4.0)}) == 1  # (a new run: see FORMAT.md)
+    with dbsync.Receiver(str(store)) as rx:
+        dest = {"w": torch.zeros(2)}
+        assert rx.load(dest) == 1 and torch.equal(dest["w"], torch.full((2,), 4.0))
+
+
 def test_a_push_failing_after_its_stamp_leaves_the_numbering_alone(root, monkeypatch):
     """A push that fails after stamping its slot (here the final directory fsync) frees the
     slot: the next writer continues at the next version, not past a version never published."""

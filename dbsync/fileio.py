@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from . import unmapping
+from .errors import ResourceLimitError
 from .format import ALIGN, aligned  # noqa: F401  (re-exported: one alignment rule)
 
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -500,11 +501,13 @@ class ShardView:
             if copied and private_copy:
                 try:
                     self._buf = bytearray(copied)
-                except MemoryError:
-                    raise OSError(
-                        f"a private copy of {copied} bytes does not fit in memory (readers "
-                        "without a lease copy each shard; give this receiver write access to "
-                        "the store's readers/ so it can lease and map instead)") from None
+                except MemoryError:  # (this process's limit: no damage, said as such)
+                    raise ResourceLimitError(
+                        f"a private copy of {copied} bytes does not fit in this process's "
+                        "memory (`ulimit -v`, or the host's); nothing is known to be damaged. "
+                        "Readers without a lease copy each shard: give this receiver write "
+                        "access to the store's readers/ so it can lease and map instead, or "
+                        "raise the limit", errno.ENOMEM) from None
                 if not _read_whole(fd, memoryview(self._buf), 0):
                     raise OSError("shrank while being read")
             elif nbytes and not private_copy:

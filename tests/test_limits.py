@@ -39,12 +39,12 @@ LOAD_AT_A_LIMIT = """
     import json, os, resource, sys
     import torch, dbsync
     root, which = sys.argv[1], sys.argv[2]
-    rx = dbsync.Receiver(root, reader_id="engine-0")
+    rx = dbsync.Receiver(root, reader_id="engine-0", read_only=which.endswith("read-only"))
     rx.load(lambda pairs: None)  # (threads and caches warmed up: only the limit differs)
     from dbsync import unmapping
     assert unmapping.dropped(60)  # (that load's mapping is gone before VmSize is read)
     out = {}
-    if which == "address space":
+    if which.startswith("address space"):
         size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
         limit = resource.RLIMIT_AS, size + (64 << 20)  # less than the version's one shard
     else:
@@ -78,15 +78,17 @@ def big_store(tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.parametrize("which", ["address space", "open files 0", "open files 1"])
+@pytest.mark.parametrize("which", ["address space", "address space, read-only",
+                                   "open files 0", "open files 1"])
 def test_a_load_at_a_process_limit_names_the_limit_and_blames_no_version(big_store, which):
     """Before: out of address space (``ulimit -v``, or ``vm.max_map_count`` used up) the
     intact version was "damaged ... publish again" and recorded as refused (the trainer's
-    ``wait_for_receivers`` failed); out of descriptors, a bare EMFILE, or a lease "that
-    cannot be written" and a private copy of the whole version."""
+    ``wait_for_receivers`` failed), also for a reader without a lease, whose private copy of
+    a shard did not fit; out of descriptors, a bare EMFILE, or a lease "that cannot be
+    written" and a private copy of the whole version."""
     out = run_limited(LOAD_AT_A_LIMIT, big_store, which)
     assert out["error"] == "ResourceLimitError", out
-    limit = "ulimit -v" if which == "address space" else "ulimit -n"
+    limit = "ulimit -v" if which.startswith("address space") else "ulimit -n"
     assert limit in out["message"] and "nothing is known to be damaged" in out["message"]
     assert "publish again" not in out["message"]
     assert out["version_after"] == 1

@@ -497,6 +497,12 @@ def _read_tensordict_level(directory: str, prefix: str, pairs: Pairs, problems: 
             # is an entry like any other)
         described.add(key)
         name = prefix + key
+        if not key or key in (".", "..") or "/" in key or "\0" in key:
+            problems.append(f"{short_repr(name)}: the key is not a plain file name (empty, "
+                            "'.', '..', or holding '/' or NUL) and would name a file outside "
+                            f"{directory}; tensordict never saves such a key: the meta.json "
+                            "was edited or damaged")
+            continue
         if "dtype" in value:
             pairs_or_problem = _tensordict_leaf(directory, key, name, value)
             if isinstance(pairs_or_problem, str):
@@ -574,6 +580,8 @@ def _tensordict_leaf(directory: str, key: str, name: str, value: dict[str, Any]
         st = os.stat(file)
     except FileNotFoundError:
         return f"{name}: {file} is missing"
+    except OSError as exc:  # (a name too long, a loop of links, no permission)
+        return f"{name}: {file} cannot be read ({exc.strerror or exc})"
     if not stat.S_ISREG(st.st_mode):
         return f"{name}: {file} is not a regular file (a FIFO, device or directory)"
     size = st.st_size
@@ -581,6 +589,9 @@ def _tensordict_leaf(directory: str, key: str, name: str, value: dict[str, Any]
         return (f"{name}: {file} holds {size} bytes but its metadata says {nbytes} "
                 f"({dtype_text} {shape}); the directory is truncated or damaged")
     if numel == 0:
-        return name, torch.empty(shape, dtype=dtype)
+        try:
+            return name, torch.empty(shape, dtype=dtype)
+        except (RuntimeError, ValueError) as exc:  # (strides past what torch can hold)
+            return f"{name}: shape {str(shape)[:60]} cannot be held by torch ({first_line(exc)})"
     flat = torch.from_file(file, shared=False, size=nbytes, dtype=torch.uint8)
     return name, flat.view(dtype).reshape(shape)

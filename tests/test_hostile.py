@@ -577,6 +577,41 @@ def test_truncated_tensordict_source_is_refused_naming_the_file(root, tmp_path):
         assert rx.latest_version() == 1
 
 
+def test_tensordict_source_keys_never_name_files_outside_it(root, tmp_path):
+    """A tensordict directory's meta.json is data: a key such as "../outside" or an absolute
+    path published a file outside the directory under that name, a key holding NUL and a
+    zero-element shape past torch's strides each gave "this is a bug in dbsync". Now every
+    one is a problem named in the one refusal, and nothing is published."""
+    import json
+
+    from tensordict import TensorDict
+
+    publish(root, V1)
+    src = tmp_path / "td"
+    TensorDict({"w": torch.ones(4)}, batch_size=[]).memmap(str(src))
+    secret = tmp_path / "secret.memmap"
+    secret.write_bytes(b"SECRET!!")
+    (tmp_path / "outside.memmap").write_bytes(b"OUTSIDE!")
+    (src / "huge.memmap").write_bytes(b"")
+    meta = json.loads((src / "meta.json").read_text())
+    leaves = meta["leaves"] if "leaves" in meta else meta
+    entry = dict(leaves["w"], dtype="torch.uint8", shape=[8])
+    leaves.update({"../outside": entry, str(tmp_path / "secret"): entry, "a\0b": entry,
+                   "huge": dict(entry, shape=[0, 2**61, 2**61])})
+    (src / "meta.json").write_text(json.dumps(meta))
+    with dbsync.Sender(root) as sender:
+        exc = refused(lambda: sender.push(str(src)), InvalidWeightsError)
+        for named in ("'../outside'", repr(str(tmp_path / "secret")), "'a\\x00b'",
+                      "huge: shape [0, 2305843009213693952, 2305843009213693952] cannot be "
+                      "held by torch"):
+            assert named in str(exc), (named, str(exc))
+        assert "bug" not in str(exc)
+        assert sender.latest_version() == 1
+    result = run_cli("push", str(src), root)
+    assert result.exit_code == 1 and "../outside" in result.output, result.output
+    assert "bug" not in result.output
+
+
 @pytest.mark.parametrize("fifo", ["meta.json", "w.memmap", "layer/meta.json"])
 def test_tensordict_source_fifos_never_block(root, tmp_path, fifos, fifo):
     from tensordict import TensorDict

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from dbsync import __version__
-from dbsync.errors import DBSyncError, UnsupportedFormatError, resource_limit
+from dbsync.errors import DBSyncError, UnsupportedFormatError, resource_limit, short_repr
 from dbsync.format import FORMAT_VERSION
 
 from . import pipes
@@ -746,11 +746,20 @@ VERIFY_NAMES = 20
 
 
 def _stamp_failure(store: Store, root: str) -> NoReturn:
+    """Say why the current slot's stamp did not name the version verify read: the store moved
+    on meanwhile (verify again), or the stamp is missing or damaged (publish again)."""
     manifest = store.require_manifest()
-    stamp = store.read_stamp(manifest.slot)
-    fail(f"slot {manifest.slot} of {store.root} is stamped {stamp!r}, not version "
-         f"{manifest.version}: a writer reused it while verify read it (run verify again) or "
-         f"its stamp is damaged (publish again: dbsync push SRC {root})")
+    version, run_id = store.read_stamp(manifest.slot)
+    where = f"slot {manifest.slot} of {store.root}"
+    if run_id == manifest.head.run_id and isinstance(version, int) and not isinstance(
+            version, bool):
+        held = "" if version == manifest.version else f"; {where} holds version {version}"
+        fail(f"a writer published while verify read {store.root} (its head now names version "
+             f"{manifest.version}{held}): run verify again")
+    found = ("no stamp" if version is None and run_id is None else
+             f"a stamp of version {short_repr(version)}, run {short_repr(run_id)}")
+    fail(f"{where} holds {found} while the head names version {manifest.version} there: its "
+         f"stamp is missing or damaged; publish again to replace it (dbsync push SRC {root})")
 
 
 # ---- serve-vllm ----------------------------------------------------------------------------

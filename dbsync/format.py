@@ -83,6 +83,11 @@ DTYPE_SIZES: dict[str, int] = {
 _SHARD_FILE = re.compile(r"shard-[0-9]{5}\.bin")
 _SAFE_READER_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,100}")
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def is_run_id(value: object) -> bool:
+    """Whether ``value`` is a run id as a writer makes them (32 lowercase hex digits)."""
+    return isinstance(value, str) and _RUN_ID.fullmatch(value) is not None
 _HEX64 = re.compile(r"[0-9a-f]{16}")
 
 
@@ -239,7 +244,7 @@ class Head:
         run_id, version, slot = data.get("run_id"), data.get("version"), data.get("slot")
         kind, created = data.get("kind", "weights"), data.get("created_at")
         index = data.get("index")
-        if not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
+        if not is_run_id(run_id):
             problems.append("run_id must be 32 hex digits")
         if not _is_int(version, 1, MAX_VERSION):
             problems.append(f"version must be an integer in [1, {MAX_VERSION}]")
@@ -353,7 +358,7 @@ class Index:
         if data.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
             problems.append(f"checksum_algorithm must be {CHECKSUM_ALGORITHM!r}")
         run_id, version = data.get("run_id"), data.get("version")
-        if not (isinstance(run_id, str) and _RUN_ID.fullmatch(run_id)):
+        if not is_run_id(run_id):
             problems.append("run_id must be 32 hex digits")
         if not _is_int(version, 1, MAX_VERSION):
             problems.append(f"version must be an integer in [1, {MAX_VERSION}]")

@@ -59,11 +59,13 @@ from .errors import (
 )
 from .format import (
     MAX_STAMP_BYTES,
+    MAX_VERSION,
     SLOT_STAMP_FILE,
     SLOTS_DIR,
     Head,
     Manifest,
     check_reader_id,
+    is_run_id,
     is_tensordict,
 )
 from .leasekeeper import LeaseKeeper
@@ -538,7 +540,15 @@ class Receiver:
     def mark_loaded(self, version: int, run_id: str | None = None) -> None:
         """Record that ``version`` is now applied (shown by ``dbsync status``, counted by
         ``Sender.wait_for_receivers``). Clears an earlier refusal of an older version of the
-        same run, or of another run (a load after it is the newer word)."""
+        same run, or of another run (a load after it is the newer word). ``InvalidArgumentError``
+        for a version that is no version number or a run id no writer makes: the record is
+        what writers wait for."""
+        check_int(version, "version", 1)
+        if version > MAX_VERSION:
+            raise InvalidArgumentError(f"version must be at most {MAX_VERSION}, not {version}")
+        if run_id is not None and not is_run_id(run_id):
+            raise InvalidArgumentError(f"run_id must be a run id of the store (32 hex digits, "
+                                       f"as Manifest.run_id), not {short_repr(run_id)}")
         head = self._heads.get(version)
         self.loaded_version = version
         self.loaded_run_id = run_id or (head.run_id if head is not None else None)

@@ -72,7 +72,7 @@ from .numbering import continue_from_store, refuse_newer_format
 from .pushlayout import LayoutCache, PushLayout
 from .staleness import wait_for_lag
 from .status import printable, wait_for_receivers
-from .store import MOUNT_READ_ERRNOS, WRITING, Store
+from .store import MOUNT_READ_ERRNOS, WRITING, Store, check_root_path
 
 log = logging.getLogger(__name__)
 
@@ -408,6 +408,7 @@ class Sender:
         reader_timeout = check_seconds(reader_timeout, "reader_timeout",
                                        none="wait as long as readers hold it")
         check_lease_timeout(lease_timeout)
+        check_root_path(root)
         refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)
         self.dtype = dtype

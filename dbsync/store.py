@@ -45,12 +45,14 @@ from . import fileio
 from .errors import (
     DBSyncError,
     FormatError,
+    InvalidArgumentError,
     NothingPublishedError,
     StoreBusyError,
     StoreFullError,
     StoreNotFoundError,
     StoreReadOnlyError,
     StoreUnreachableError,
+    short_repr,
 )
 from .format import (
     FORMAT_NAME,
@@ -135,10 +137,22 @@ class _DirFd:
             os.close(fd)
 
 
+def check_root_path(root: object) -> None:
+    """``InvalidArgumentError`` unless ``root`` can name a directory (a str, bytes or path
+    object without NUL)."""
+    if not isinstance(root, (str, bytes, os.PathLike)):
+        raise InvalidArgumentError(f"the store path must be a str or a path object, not "
+                                   f"{type(root).__name__} ({short_repr(root)})")
+    if "\0" in os.fsdecode(root):
+        raise InvalidArgumentError(f"the store path {short_repr(os.fsdecode(root))} holds a "
+                                   "NUL character; no file can be named so")
+
+
 class Store:
     """Paths, safe opens and small atomic records under one dbsync root."""
 
     def __init__(self, root: str | os.PathLike[str], create: bool = False):
+        check_root_path(root)
         if not os.fspath(root):  # ("" would be the current directory: an unset variable?)
             raise StoreNotFoundError("the store path is empty (an unset variable?); give the "
                                      "path of the store directory")

@@ -586,12 +586,21 @@ def test_verify_names_truncated_tensor(store_v1):
 
 
 def test_verify_damaged_slot_stamp(store_v1):
+    """A stamp that does not name the head's version is said in words (it printed a Python
+    tuple, "stamped (None, None)"), and damage is told from a writer that moved on."""
     store = Store(store_v1)
-    store.write_stamp(store.require_manifest().slot, "writing", None, durable=False)
+    slot = store.require_manifest().slot
+    store.write_stamp(slot, "writing", None, durable=False)
     result = run("verify", store_v1)
     assert result.exit_code == 1
-    assert "stamp" in result.stderr and "dbsync push" in result.stderr
+    assert (f"slot {slot} of {store.root} holds a stamp of version 'writing', run None while "
+            "the head names version 1 there: its stamp is missing or damaged; publish again"
+            ) in result.stderr and "dbsync push" in result.stderr
     assert run("status", store_v1).exit_code == 1
+    os.unlink(os.path.join(store.slot_dir(slot), "dbsync-slot.json"))
+    result = run("verify", store_v1)
+    assert result.exit_code == 1 and f"slot {slot} of {store.root} holds no stamp" in (
+        result.stderr) and "(None" not in result.stderr
 
 
 def test_verify_nothing_published(tmp_path):

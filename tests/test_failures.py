@@ -1079,6 +1079,10 @@ def test_call_arguments_that_cannot_be_are_refused_before_anything_is_read(root)
                  (lambda: rx.wait(newer_than=float("nan"), timeout=1), "newer_than must be"),
                  (lambda: rx.open(version=-1), "version must be"),
                  (lambda: rx.watch(None), "callback must be callable"),
+                 (lambda: rx.mark_loaded("1"), "version must be an integer"),
+                 (lambda: rx.mark_loaded(-3), "version must be an integer"),
+                 (lambda: rx.mark_loaded(10**30), "version must be at most"),
+                 (lambda: rx.mark_loaded(1, "run-1"), "run_id must be a run id"),
                  (lambda: dbsync.Receiver(root, read_only="false"), "read_only must be")]
         for call, what in calls:
             with pytest.raises(dbsync.InvalidArgumentError, match=what):
@@ -1101,6 +1105,11 @@ def test_call_arguments_that_cannot_be_are_refused_before_anything_is_read(root)
         assert sender.latest_version() == 1
     with pytest.raises(dbsync.InvalidArgumentError, match="16 bits or more"):
         dbsync.Sender(root, dtype="bf16")
+    for make in (dbsync.Sender, dbsync.Receiver):
+        for path, what in ((None, "must be a str or a path object, not NoneType"),
+                           (root + "\0x", "holds a NUL character")):
+            with pytest.raises(dbsync.InvalidArgumentError, match=what):
+                make(path)
     with dbsync.Sender(os.fsencode(root)) as sender:  # a bytes path is a path
         assert sender.push({"w": torch.ones(2)}) == 2
     with dbsync.Receiver(os.fsencode(root)) as rx:

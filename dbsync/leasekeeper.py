@@ -23,7 +23,15 @@ from typing import Any
 
 from .errors import FormatError, resource_limit
 from .format import FORMAT_VERSION
-from .leases import IDLE, READING, forget_hold, host_identity, note_hold, release_reader_id
+from .leases import (
+    IDLE,
+    READING,
+    forget_hold,
+    host_identity,
+    note_hold,
+    own_start,
+    release_reader_id,
+)
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -65,6 +73,7 @@ class LeaseKeeper:
         slot, version = held[-1][:2] if held else (None, None)
         return {
             "reader_id": self.reader_id, **host_identity(), "pid": os.getpid(),
+            "pid_start": own_start(),
             "reads_format": FORMAT_VERSION,
             "lease_timeout": self.timeout,
             "state": READING if held else IDLE, "slot": slot, "version": version,

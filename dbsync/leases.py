@@ -46,7 +46,7 @@ from typing import Any
 
 from .errors import InvalidArgumentError, SelfHeldSlotError, SlotHeldError
 from .format import READERS_DIR, SLOTS, FormatError, is_reader_id
-from .processes import process_state
+from .processes import process_start, process_state
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,12 @@ def host_identity() -> dict[str, Any]:
     except OSError:
         pidns = None
     return {"host": socket.gethostname(), "boot_id": boot_id, "pidns": pidns}
+
+
+@functools.cache
+def own_start() -> int | None:
+    """When this process started (``processes.process_start``), for its leases."""
+    return process_start("self")
 
 
 def default_reader_id(role: str = "") -> str:
@@ -112,6 +118,20 @@ def pid_alive(pid: int) -> bool:
     except (PermissionError, OverflowError, ValueError):
         return True
     return process_state(pid) not in (b"Z", b"X")  # (None, no /proc here: kill's answer)
+
+
+def lease_pid_alive(lease: dict[str, Any]) -> bool:
+    """Whether the process that wrote ``lease`` (its ``pid``, checkable here: see
+    ``same_pid_namespace``) still runs: the pid is alive and, where the lease names when its
+    process started (``pid_start``), it is that same process, not a later one given the same
+    pid (a container restarted with the dead one's hostname and PID-namespace numbers)."""
+    pid = lease.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not pid_alive(pid):
+        return False
+    started = lease.get("pid_start")
+    if not isinstance(started, int) or isinstance(started, bool):
+        return True  # (a lease of an older dbsync: the pid alone)
+    return process_start(pid) in (None, started)
 
 
 def held_slots(lease: dict[str, Any]) -> set[str]:
@@ -295,7 +315,7 @@ def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: flo
     note left by a writer whose clock lagged looked old at once, and the next writer removed
     a live reader's lease that had not beaten since (it renews every ``timeout / 4``). A
     note left on another host (or boot) says nothing of the time passed: it is noted again."""
-    if lease and same_pid_namespace(lease) and not pid_alive(lease["pid"]):
+    if lease and same_pid_namespace(lease) and not lease_pid_alive(lease):
         return True
     # (a live pid here may be another process's by now: the beat decides, as elsewhere)
     seen = {"beat": lease.get("beat"), "mtime": mtime}
@@ -490,7 +510,7 @@ def _wait_until_unused(store: Store, reader_id: str, sleep: Callable[[float], No
         return
     pid = lease.get("pid")
     if same_pid_namespace(lease):
-        if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
+        if isinstance(pid, int) and pid != os.getpid() and lease_pid_alive(lease):
             raise ReaderIdInUse(
                 f"its lease was written by process {pid} on this host, which is alive (if that "
                 f"is not a dbsync receiver, remove {store.lease_path(reader_id)})")
@@ -546,8 +566,8 @@ class LeaseMonitor:
 
     def _dead_for(self, reader_id: str, lease: dict[str, Any], now: float) -> float | None:
         """Seconds past death (>= 0) if the lease is dead, else None."""
-        if same_pid_namespace(lease) and isinstance(lease.get("pid"), int) and not pid_alive(
-                lease["pid"]):
+        if same_pid_namespace(lease) and isinstance(lease.get("pid"), int) and (
+                not lease_pid_alive(lease)):
             return float("inf")
         beat = (lease.get("beat"), lease.get("held"), lease.get("version"))
         first = self._seen.get(reader_id)

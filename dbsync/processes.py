@@ -14,3 +14,16 @@ def process_state(pid: int | str) -> bytes | None:
         return None
     # "pid (comm) S ...": the state follows the last ")" (a command name may hold one)
     return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] or None
+
+
+def process_start(pid: int | str) -> int | None:
+    """When process ``pid`` started, in clock ticks since the boot (``/proc/PID/stat`` field
+    22), or None where it cannot be read: with the pid, it tells a process from a later one
+    given the same pid (a restarted container whose PID namespace reuses the dead one's
+    numbers)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -17,9 +17,9 @@ from .leases import (
     DEFAULT_LEASE_TIMEOUT,
     READING,
     held_slots,
+    lease_pid_alive,
     lease_problem,
     lease_timeout_of,
-    pid_alive,
     same_pid_namespace,
 )
 from .store import Store
@@ -106,7 +106,7 @@ def state_of(lease: dict[str, Any], now: float | None = None,
     now = time.time() if now is None else now
     pid = lease.get("pid")
     if same_pid_namespace(lease) and isinstance(pid, int) and not isinstance(pid, bool) and (
-            pid > 0 and not pid_alive(pid)):
+            pid > 0 and not lease_pid_alive(lease)):
         return DEAD
     updated = lease.get("updated_at")
     timeout = lease_timeout_of(lease, DEFAULT_LEASE_TIMEOUT)

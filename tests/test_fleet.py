@@ -672,6 +672,43 @@ def test_a_reader_id_in_use_is_refused_until_its_reader_is_gone(root, tmp_path):
         assert Store(root).read_lease("engine-2")["host"] == socket.gethostname()
 
 
+def test_a_reader_id_whose_pid_now_names_another_process_is_taken_over(root, tmp_path):
+    """A receiver killed in a container, restarted in a new container with the same hostname:
+    the kernel reuses freed PID-namespace numbers, so the new container can match the dead
+    one's host, boot and namespace, and the dead reader's pid can be a sidecar's by now. The
+    restarted receiver was refused ("written by process N on this host, which is alive") for
+    as long as that process lived. A lease names when its process started: a pid alive but
+    started later is another process, and the id is taken over at once."""
+    with dbsync.Sender(root) as sender:
+        sender.push(weights_for(1))
+    ready = tmp_path / "ready.json"
+    reader = spawn("idle", root, str(ready), "30", "engine-3")
+    try:
+        dead_pid = wait_json(ready, reader)["pid"]
+    finally:
+        kill(reader)
+    sidecar = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                               stdin=subprocess.PIPE)
+    try:
+        store = Store(root)
+        lease = store.read_lease("engine-3")
+        assert lease["pid"] == dead_pid and isinstance(lease["pid_start"], int)
+        store.write_lease("engine-3", dict(lease, pid=sidecar.pid))  # (the pid, reused)
+        start = time.monotonic()
+        with dbsync.Receiver(root, reader_id="engine-3") as taken:
+            assert time.monotonic() - start < 1.0  # (no wait: its process is known gone)
+            assert taken.load(lambda pairs: None) == 1
+        with open(f"/proc/{sidecar.pid}/stat") as f:
+            sidecar_start = int(f.read().rsplit(")", 1)[1].split()[19])
+        # (the sidecar's own lease, as a receiver in it would write: it is alive)
+        store.write_lease("engine-3", dict(lease, pid=sidecar.pid, pid_start=sidecar_start))
+        with pytest.raises(dbsync.ReaderIdInUseError, match=f"process {sidecar.pid} on this"):
+            dbsync.Receiver(root, reader_id="engine-3")
+    finally:
+        sidecar.stdin.close()
+        sidecar.wait(10)
+
+
 def _state(status: dict[str, Any], reader_id: str) -> str | None:
     for record in status["receivers"]:
         if record["id"] == reader_id:

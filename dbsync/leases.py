@@ -31,6 +31,7 @@ slot stamp (and a reader that cannot renew its lease stops trusting its slot) an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -45,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import InvalidArgumentError, SelfHeldSlotError, SlotHeldError
-from .format import READERS_DIR, SLOTS, FormatError, is_reader_id
+from .format import MAX_LEASE_BYTES, READERS_DIR, SLOTS, FormatError, is_reader_id
 from .processes import process_start, process_state
 from .store import Store
 
@@ -264,8 +265,9 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
     times = store.reader_file_times()
     removed = []
     for name, mtime in times.items():
-        if name.startswith(_STALE_NOTE):
-            if f"{name[len(_STALE_NOTE):]}.json" not in times:  # its lease is gone
+        if name.startswith((_STALE_NOTE, _DEAD_NOTE)):
+            prefix = _STALE_NOTE if name.startswith(_STALE_NOTE) else _DEAD_NOTE
+            if f"{name[len(prefix):]}.json" not in times:  # its lease is gone
                 store.remove_reader_file(name)
             continue
         reader_id: str | None = None
@@ -302,6 +304,9 @@ def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
 #: prefix of a starting writer's note of an old-looking lease (see ``prune_abandoned``): the
 #: lease's beat and file time as that writer found them
 _STALE_NOTE = ".stale-"
+#: prefix of a writer's note of a lease it watched stand still for the lease's timeout: the
+#: lease as it read it (see ``LeaseMonitor._dead_for``)
+_DEAD_NOTE = ".dead-"
 
 
 def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: float,
@@ -563,9 +568,19 @@ class LeaseMonitor:
         #: reader id -> its lease as last read (stands in while its file cannot be read)
         self._last_read: dict[str, dict[str, Any]] = {}
         self._unreadable_told: set[str] = set()  # (logged once per spell)
+        #: readers whose death this writer noted for later writers (``_DEAD_NOTE``)
+        self._noted_dead: set[str] = set()
 
     def _dead_for(self, reader_id: str, lease: dict[str, Any], now: float) -> float | None:
-        """Seconds past death (>= 0) if the lease is dead, else None."""
+        """Seconds past death (>= 0) if the lease is dead, else None.
+
+        A lease is dead once its beat stood still for its timeout, watched by this writer;
+        or at first sight, when an earlier writer watched it do so and left a note of the
+        lease as it was (``readers/.dead-<id>``), and the lease is still exactly that (a live
+        reader rewrites it, with a new ``updated_at``, every ``timeout / 4``). Writers started
+        per push (``dbsync push --max-lag``) otherwise each waited a whole lease timeout
+        for a reader that died on another host, push after push, until its lease was
+        removed."""
         if same_pid_namespace(lease) and isinstance(lease.get("pid"), int) and (
                 not lease_pid_alive(lease)):
             return float("inf")
@@ -573,11 +588,34 @@ class LeaseMonitor:
         first = self._seen.get(reader_id)
         timeout = lease_timeout_of(lease, self.timeout)
         self._timeouts[reader_id] = timeout
+        if first is None and self._noted_dead_before(reader_id, lease):
+            self._seen[reader_id] = (beat, now - timeout)
+            self._noted_dead.add(reader_id)
+            return 0.0
         if first is None or first[0] != beat:
             self._seen[reader_id] = (beat, now)
+            self._noted_dead.discard(reader_id)
             return None
         overdue = now - first[1] - timeout
-        return overdue if overdue >= 0 else None
+        if overdue < 0:
+            return None
+        if reader_id not in self._noted_dead:
+            self._noted_dead.add(reader_id)
+            try:
+                self.store.write_reader_file(_DEAD_NOTE + reader_id,
+                                             json.dumps(lease, sort_keys=True).encode())
+            except OSError as exc:  # (only later writers lose: they watch it themselves)
+                log.debug("could not note the death of reader %s: %s", reader_id, exc)
+        return overdue
+
+    def _noted_dead_before(self, reader_id: str, lease: dict[str, Any]) -> bool:
+        """Whether an earlier writer noted this very lease dead (see ``_dead_for``)."""
+        try:
+            raw = self.store.read_small((READERS_DIR, _DEAD_NOTE + reader_id), MAX_LEASE_BYTES)
+            noted = None if raw is None else json.loads(raw)
+        except (OSError, ValueError, RecursionError, FormatError):
+            return False
+        return isinstance(noted, dict) and noted == json.loads(json.dumps(lease))
 
     def _beat_of(self, reader_id: str) -> Any:
         """The reader's beat as last seen (what changes each time it renews its lease)."""
@@ -644,6 +682,8 @@ class LeaseMonitor:
                         exc.strerror or exc, self.store.readers_dir)
                     continue
                 self._seen.pop(reader_id, None)
+                with contextlib.suppress(OSError):
+                    self.store.remove_reader_file(_DEAD_NOTE + reader_id)
         for gone in set(self._seen) - set(leases):
             del self._seen[gone]
         for gone in set(self._last_read) - set(leases):

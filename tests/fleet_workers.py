@@ -95,6 +95,18 @@ def idle(root: str, ready: str, lease: str, reader_id: str = "") -> None:
         time.sleep(1)
 
 
+def loaded(root: str, ready: str, lease: str) -> None:
+    """A receiver that loads the current version (reporting it loaded), writes ``ready``
+    ({version, reader_id}), and then only beats, until killed."""
+    import dbsync
+
+    receiver = dbsync.Receiver(root, lease_timeout=float(lease))
+    version = receiver.load(lambda pairs: None)
+    _write_json(ready, {"version": version, "reader_id": receiver.reader_id})
+    while True:
+        time.sleep(1)
+
+
 def reader_loop(root: str, out: str, stop: str, lease: str, min_loads: str) -> None:
     """Load again and again until ``stop`` exists (and at least ``min_loads`` loads were
     made). Per load: the version returned and the distinct values applied. Errors that say
@@ -160,5 +172,6 @@ def default_ids(root: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    {"namespaced": namespaced, "hold": hold, "idle": idle, "reader_loop": reader_loop,
-     "writer_loop": writer_loop, "default_ids": default_ids}[sys.argv[1]](*sys.argv[2:])
+    {"namespaced": namespaced, "hold": hold, "idle": idle, "loaded": loaded,
+     "reader_loop": reader_loop, "writer_loop": writer_loop,
+     "default_ids": default_ids}[sys.argv[1]](*sys.argv[2:])

@@ -717,6 +717,37 @@ def _state(status: dict[str, Any], reader_id: str) -> str | None:
 
 
 @needs_root
+def test_a_reader_dead_on_another_host_holds_up_max_lag_pushes_once(root, tmp_path):
+    """`dbsync push --max-lag 0` once per checkpoint (a writer per push): a reader killed on
+    another host, left behind, made every such push wait one lease timeout to see it dead,
+    push after push, until its lease was removed minutes later. The first writer to see it
+    dead leaves a note of the lease as it stood; the next writers find it unchanged and go on
+    at once."""
+    timeout = 1.0
+    with dbsync.Sender(root, lease_timeout=timeout) as sender:
+        sender.push(weights_for(1))
+    ready = tmp_path / "ready.json"
+    reader = in_namespace("far-host", None, "loaded", root, str(ready), str(timeout))
+    try:
+        assert wait_json(ready, reader)["version"] == 1
+    finally:
+        kill(reader)
+    waits = []
+    for version in range(2, 8):
+        with dbsync.Sender(root, lease_timeout=timeout, max_lag=0) as sender:
+            assert sender.push(weights_for(version)) == version
+            seconds = sender.last_push_seconds
+            waits.append(seconds["wait_for_lag"] + seconds["wait_for_readers"])
+    print(f"max_lag pushes, one writer each, past a dead reader: waits {waits}")
+    assert 0.5 * timeout <= waits[1] <= 1.5 * timeout, waits  # (version 3: it lags by 1)
+    assert max(waits[2:]) < 0.3 * timeout, waits
+    with dbsync.Receiver(root) as rx:
+        dest = {k: torch.zeros_like(v) for k, v in weights_for(7).items()}
+        assert rx.load(dest) == 7 and all(torch.equal(dest[k], v)
+                                          for k, v in weights_for(7).items())
+
+
+@needs_root
 def test_dead_reader_on_another_host_costs_one_timeout(root, tmp_path):
     """A reader on another host (own UTS and PID namespaces) SIGKILLed while holding a slot
     stalls the writer once (<= 1.5 x lease_timeout over 10 pushes), is shown dead, and its

@@ -52,6 +52,8 @@ SLOTS_DIR = "slots"
 READERS_DIR = "readers"
 WRITER_LOCK_FILE = "writer.lock"
 SLOT_STAMP_FILE = "dbsync-slot.json"
+#: in a slot, once its version was published (the flip done): {"version": N, "run_id": R}
+PUBLISHED_FILE = "dbsync-published.json"
 
 #: Upper bounds on what a reader will read of a store's JSON files (a manifest pointing at
 #: /dev/zero, or a huge file, must not exhaust memory).

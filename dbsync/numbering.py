@@ -98,8 +98,9 @@ def _past_loaded(store: Store, run_id: str, version: int, slot: str) -> int:
     or, when the head's own slot was rewritten since (its stamp names another version), a
     slot's stamp names, if that is higher: the head was restored from an older copy, and
     numbering on from it would publish versions that readers take for ones they already
-    have. (The other slot stamped ``version + 1`` alone is a writer that died between its
-    stamp and its flip: nobody saw that version.)"""
+    have; or that the other slot notes it published (``Store.write_published``). (The other
+    slot stamped ``version + 1`` alone, without that note, is a writer that died between its
+    stamp and its flip: nobody saw that version, and the next push publishes that number.)"""
     seen: list[Any] = []
     reported: dict[str, int] = {}  # reader id -> the version its lease reports loaded
     try:
@@ -134,6 +135,11 @@ def _past_loaded(store: Store, run_id: str, version: int, slot: str) -> int:
                 log.warning("%s: the stamp of slot %s names version %s, which no store can "
                             "hold: ignored (a damaged stamp; the next push into that slot "
                             "rewrites it)", store.root, name, str(stamped)[:40])
+    else:  # (the other slot's newer version counts only if it was published, not just written)
+        for name, (stamped, stamp_run) in stamps.items():
+            if (name != slot and stamp_run == run_id and _plausible_version(stamped)
+                    and stamped > version and store.read_published(name) == (stamped, run_id)):
+                seen.append(stamped)
     highest = max(seen, default=version)
     if highest > version:
         by = sorted(r for r, v in reported.items() if v == highest)

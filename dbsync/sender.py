@@ -819,6 +819,12 @@ class Sender:
             log.warning("version %d of %s was published, but making the flip durable failed "
                         "(%s): a crash of the store's host may bring version %d back",
                         version, self.store.root, exc.strerror or exc, self._version)
+        try:  # (after the flip: tells a head restored later from a writer that died first)
+            self.store.write_published(slot, version, self._run_id)
+        except OSError as exc:
+            log.info("could not note in slot %s of %s that version %d was published (%s); "
+                     "a head restored from an older copy may not be told apart",
+                     slot, self.store.root, version, exc.strerror or exc)
         with self._numbering:  # (published: counted in _version, no longer pending)
             self._version, self._slot = version, slot
             self._head_seen = (self._run_id, version)

@@ -62,6 +62,7 @@ from .format import (
     MAX_INDEX_BYTES,
     MAX_LEASE_BYTES,
     MAX_STAMP_BYTES,
+    PUBLISHED_FILE,
     READERS_DIR,
     SLOT_STAMP_FILE,
     SLOTS,
@@ -93,6 +94,7 @@ LEASE_READ_PAUSES = (0.02, 0.08)
 #: files it ever removes there, and the only ones a directory it is asked to make a store of
 #: may hold in its slots
 _SLOT_FILE = re.compile(r"shard-[0-9]{5}\.bin|index\.json|dbsync-slot\.json|meta\.json"
+                        r"|dbsync-published\.json"
                         r"|[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}\.memmap|\.tmp-.*|\.nfs.*",
                         re.DOTALL)
 #: what a store's root may hold besides hidden entries
@@ -584,6 +586,26 @@ class Store:
             fileio.write_atomic_at(dfd, SLOT_STAMP_FILE,
                                    json.dumps({"version": version, "run_id": run_id}).encode(),
                                    durable=durable, sync_dir=sync_dir)
+
+    def write_published(self, slot: str, version: int, run_id: str) -> None:
+        """Note in the slot that its version was published (after the flip; not fsynced): a
+        head restored from an older copy is then told from a writer that died before its
+        flip (``numbering``). Removed with the slot's other files when the slot is reused."""
+        with self.dir_fd(SLOTS_DIR, slot) as dfd:
+            fileio.write_atomic_at(dfd, PUBLISHED_FILE, json.dumps(
+                {"version": version, "run_id": run_id}).encode(), durable=False)
+
+    def read_published(self, slot: str) -> tuple[Any, Any]:
+        """(version, run_id) of the slot's published note ((None, None) if absent or
+        unreadable)."""
+        try:
+            raw = self.read_small((SLOTS_DIR, slot, PUBLISHED_FILE), MAX_STAMP_BYTES)
+            data = None if raw is None else json.loads(raw)
+        except (OSError, ValueError, RecursionError, DBSyncError):
+            return None, None
+        if not isinstance(data, dict):
+            return None, None
+        return data.get("version"), data.get("run_id")
 
     def sync_slot(self, slot: str) -> None:
         """fsync the slot directory (makes replaces and unlinks inside it durable)."""

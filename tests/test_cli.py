@@ -169,7 +169,7 @@ def test_traversal_looking_names_stay_inside_the_slot(root, tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted([*before, "store"])
     slot = Store(root).require_manifest().slot
     assert sorted(os.listdir(os.path.join(root, "slots", slot))) == [
-        "dbsync-slot.json", "index.json", "shard-00000.bin"]
+        "dbsync-published.json", "dbsync-slot.json", "index.json", "shard-00000.bin"]
     got = published(root)
     assert sorted(got) == sorted(evil)
     for name, tensor in evil.items():

@@ -1157,6 +1157,28 @@ def test_a_writer_on_a_restored_head_numbers_past_what_the_slots_held(root):
         assert sender.push({"w": torch.full((2,), 4.0)}) == 4
 
 
+def test_a_writer_on_a_head_restored_one_version_back_numbers_past_the_published_one(root):
+    """The head restored from a copy of version 2 after version 3 was published into the
+    other slot (or a crash undoing a flip whose directory fsync failed): the head's own slot
+    still holds version 2, so the other slot's version 3 looked like a writer that died before
+    its flip, and the next push was a second, different version 3. A reader that loaded the
+    first version 3 without a lease (nothing reported) kept it, labelled as the current one.
+    Each slot now notes the version published in it, and the next push is version 4."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(2)})
+        sender.push({"w": torch.full((2,), 2.0)})
+        backup = open(os.path.join(root, MANIFEST_FILE), "rb").read()
+        sender.push({"w": torch.full((2,), 3.0)})
+    with dbsync.Receiver(root, read_only=True) as rx:
+        dest = {"w": torch.zeros(2)}
+        assert rx.load(dest) == 3
+        with open(os.path.join(root, MANIFEST_FILE), "wb") as f:
+            f.write(backup)
+        with dbsync.Sender(root) as sender:
+            assert sender.push({"w": torch.full((2,), 33.0)}) == 4
+        assert rx.load(dest) == 4 and torch.equal(dest["w"], torch.full((2,), 33.0))
+
+
 def _tied_into_dicts_by_memory(root: str) -> None:
     """The same through ``state_dict()`` (no ``keep_vars``: a new tensor object per name, tied
     ones sharing memory), with tensors large enough to be checked alone (compared by their

@@ -571,8 +571,10 @@ class LeaseMonitor:
         #: readers whose death this writer noted for later writers (``_DEAD_NOTE``)
         self._noted_dead: set[str] = set()
 
-    def _dead_for(self, reader_id: str, lease: dict[str, Any], now: float) -> float | None:
-        """Seconds past death (>= 0) if the lease is dead, else None.
+    def _dead_for(self, reader_id: str, lease: dict[str, Any], now: float,
+                  read: bool = True) -> float | None:
+        """Seconds past death (>= 0) if the lease is dead, else None. ``read``: ``lease`` is
+        the file as read now (not a stand-in for a file that did not read: no note then).
 
         A lease is dead once its beat stood still for its timeout, watched by this writer;
         or at first sight, when an earlier writer watched it do so and left a note of the
@@ -588,7 +590,7 @@ class LeaseMonitor:
         first = self._seen.get(reader_id)
         timeout = lease_timeout_of(lease, self.timeout)
         self._timeouts[reader_id] = timeout
-        if first is None and self._noted_dead_before(reader_id, lease):
+        if first is None and read and self._noted_dead_before(reader_id, lease):
             self._seen[reader_id] = (beat, now - timeout)
             self._noted_dead.add(reader_id)
             return 0.0
@@ -599,7 +601,7 @@ class LeaseMonitor:
         overdue = now - first[1] - timeout
         if overdue < 0:
             return None
-        if reader_id not in self._noted_dead:
+        if read and reader_id not in self._noted_dead:
             self._noted_dead.add(reader_id)
             try:
                 self.store.write_reader_file(_DEAD_NOTE + reader_id,
@@ -660,7 +662,7 @@ class LeaseMonitor:
                     log.warning("ignoring %s/%s.json: not a reader's lease (%s); remove it",
                                 self.store.readers_dir, reader_id, problem)
                 continue
-            overdue = self._dead_for(reader_id, lease, now)
+            overdue = self._dead_for(reader_id, lease, now, read=reader_id not in unreadable)
             if overdue is None:
                 live[reader_id] = lease
                 self._unremovable.discard(reader_id)  # (alive again: warned anew if it dies)

@@ -101,6 +101,10 @@ _SLOT_FILE = re.compile(r"shard-[0-9]{5}\.bin|index\.json|dbsync-slot\.json|meta
 _ROOT_ENTRIES = frozenset((MANIFEST_FILE, SLOTS_DIR, READERS_DIR, WRITER_LOCK_FILE,
                            "broadcast.json", "lost+found"))
 
+#: path -> the bytes of a record that stayed no JSON through ``Store.read_record``'s pauses
+#: (process-wide: a push reads the head through more than one Store)
+_GARBLED: dict[str, bytes] = {}
+
 WRITING = "writing"
 DIR_MODE = 0o755
 FILE_MODE = 0o644
@@ -160,6 +164,7 @@ class Store:
                                      "path of the store directory")
         self.root = os.path.abspath(os.fsdecode(root))  # (a bytes path too)
         self._parsed: dict[str, Index] = {}  # index checksum -> parsed index (the last two)
+
         if create:
             self._refuse_foreign_directory()
             try:
@@ -426,17 +431,26 @@ class Store:
         on: through a mount that caches attributes (FUSE's ``attr_timeout``, 1 s by default)
         a record just replaced by a longer one can read cut to the old one's size until the
         cache expires. (Records are replaced atomically: anywhere else, one that is no JSON
-        is damage, reported once these pauses are over.) ``known`` comes back at once; once
-        ``stop`` is set (a watcher stopping), what was read last comes back at once."""
+        is damage, reported once these pauses are over; the same bytes read again later come
+        back at once: a writer reads its head several times per push.) ``known`` comes back
+        at once; once ``stop`` is set (a watcher stopping), what was read last comes back at
+        once."""
         raw = self.read_small(parts, limit)
+        where = os.path.join(self.root, *parts)
+        garbled = _GARBLED.get(where)
         for pause in REREAD_PAUSES:
-            if raw is None or raw == known or _is_json(raw):
+            if raw is None or raw == known or raw == garbled or _is_json(raw):
                 break
             if stop is None:
                 time.sleep(pause)
             elif stop.wait(pause):
                 break
             raw = self.read_small(parts, limit)
+        if raw is not None and raw != garbled and not _is_json(raw):
+            # (waited out once: the same bytes again are damage, not a cache; no more pauses)
+            if len(_GARBLED) >= 64:
+                _GARBLED.clear()
+            _GARBLED[where] = raw
         return raw
 
     def read_head(self) -> Head | None:

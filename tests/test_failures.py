@@ -1179,6 +1179,31 @@ def test_a_writer_on_a_head_restored_one_version_back_numbers_past_the_published
         assert rx.load(dest) == 4 and torch.equal(dest["w"], torch.full((2,), 33.0))
 
 
+def test_a_push_onto_a_garbled_head_waits_out_a_caching_mount_once(root, caplog):
+    """A head that is no JSON is read again after pauses (1.3 s in all: a caching mount can
+    show a just-replaced head cut short) before it is called damaged. A push read its head six
+    times, pausing each time: 7.8 s to publish a few bytes. The same bytes read again come
+    back at once now; the push starts a new run at version 1, as it did."""
+    import logging
+
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(2)})
+    path = os.path.join(root, MANIFEST_FILE)
+    with open(path, "rb") as f:
+        garbled = f.read()[:30]
+    with open(path, "wb") as f:
+        f.write(garbled)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="dbsync"), dbsync.Sender(root) as sender:
+        assert sender.push({"w": torch.full((2,), 2.0)}) == 1
+    took = time.monotonic() - start
+    assert took < 3 * sum(dbsync.store.REREAD_PAUSES), took
+    assert "the next push starts a new run at version 1" in caplog.text
+    with dbsync.Receiver(root) as rx:
+        dest = {"w": torch.zeros(2)}
+        assert rx.load(dest) == 1 and torch.equal(dest["w"], torch.full((2,), 2.0))
+
+
 def _tied_into_dicts_by_memory(root: str) -> None:
     """The same through ``state_dict()`` (no ``keep_vars``: a new tensor object per name, tied
     ones sharing memory), with tensors large enough to be checked alone (compared by their

@@ -92,6 +92,10 @@ __all__ = ["LoadWeights", "Receiver", "Snapshot"]
 
 LoadWeights = Callable[[Iterable[tuple[str, Any]]], Any]
 _LEASELESS_RETRIES = 5
+#: ``wait(timeout=...)`` threads one receiver may have blocked on a hung mount at once
+WAIT_THREADS = 8
+#: how long past its deadline a timed wait's thread may take to return before it is given up
+_WAIT_GRACE_S = 2.0
 #: head records a receiver keeps of versions it opened or waited for (the newest)
 KEPT_HEADS = 4
 
@@ -195,6 +199,8 @@ class Receiver:
         self._told_older_format = False  # (an older-format head is logged once)
         self._closing = threading.Lock()
         self._waits: set[threading.Event] = set()  # events of the wait() calls under way
+        #: threads that ``wait(timeout=...)`` may have blocked on a hung mount at once
+        self._wait_threads = threading.BoundedSemaphore(WAIT_THREADS)
         self._watchers: weakref.WeakSet[Any] = weakref.WeakSet()  # started by watch()
         self._finalizer = weakref.finalize(self, _close_parts, self._keeper, self.workers)
 
@@ -594,12 +600,62 @@ class Receiver:
     def wait(self, newer_than: int | None = None, timeout: float | None = None) -> int | None:
         """Block until a version newer than ``newer_than`` (default: the loaded one) is
         published, or a new run starts; return its version, or None on timeout. Uses the
-        store's watcher (inotify or polling, chosen from the mount type)."""
-        from .watch import Watcher
+        store's watcher (inotify or polling, chosen from the mount type).
 
+        With a ``timeout`` the waiting is done in a thread of its own, so a hung mount (a
+        stopped FUSE daemon, an NFS server away: reads that block inside the kernel) cannot
+        hold the caller past it: None comes back in time, with a WARNING, and that thread
+        stays blocked until the mount answers (at most ``WAIT_THREADS`` such threads per
+        receiver; a wait that finds them all blocked waits for one until its timeout)."""
         self._check_open()
         timeout = check_seconds(timeout, "timeout", none="wait as long as it takes")
         check_int(newer_than, "newer_than", -1, none="the loaded version")
+        if timeout is None:
+            return self._wait_here(newer_than, None, None)
+        deadline = time.monotonic() + timeout
+        if not self._wait_threads.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
+            log.warning("wait(timeout=%g) on %s: %d earlier waits are still blocked reading "
+                        "the store (a hung mount?); returning None", timeout, self.store.root,
+                        WAIT_THREADS)
+            return None
+        outcome: dict[str, Any] = {}
+        done, abandoned = threading.Event(), threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["version"] = self._wait_here(newer_than, deadline, abandoned)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                outcome["error"] = exc
+            finally:
+                done.set()
+                self._wait_threads.release()
+
+        try:
+            threading.Thread(target=run, name="dbsync-wait", daemon=True).start()
+        except BaseException:
+            self._wait_threads.release()
+            raise
+        try:
+            # (the wait itself returns at its deadline; the grace lets a last look finish)
+            finished = done.wait(min(max(0.0, deadline - time.monotonic()) + _WAIT_GRACE_S,
+                                     threading.TIMEOUT_MAX))
+        except BaseException:  # (Ctrl-C: the thread ends at its next look)
+            abandoned.set()
+            raise
+        if not finished:
+            abandoned.set()
+            log.warning("wait(timeout=%g) on %s: the store did not answer in time (a hung "
+                        "mount?); returning None", timeout, self.store.root)
+            return None
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["version"]
+
+    def _wait_here(self, newer_than: int | None, deadline: float | None,
+                   abandoned: threading.Event | None) -> int | None:
+        """``wait`` on this thread (``abandoned``: the caller gave up; return None)."""
+        from .watch import Watcher
+
         floor = self.loaded_version if newer_than is None else newer_than
         floor = 0 if floor is None else floor
         run = self.loaded_run_id
@@ -610,21 +666,23 @@ class Receiver:
             head = self._read_head_quietly()
             run = None if head is None else head.run_id
         event = threading.Event()
-        deadline = None if timeout is None else time.monotonic() + timeout
         self._waits.add(event)
         try:
             with Watcher(self.store.root, lambda _v: event.set(),
                          poll_interval=self.poll_interval, skip_current=True):
-                return self._wait_for(event, floor, run, deadline)
+                return self._wait_for(event, floor, run, deadline, abandoned)
         finally:
             self._waits.discard(event)
 
     def _wait_for(self, event: threading.Event, floor: int, run: str | None,
-                  deadline: float | None) -> int | None:
+                  deadline: float | None, abandoned: threading.Event | None = None
+                  ) -> int | None:
         while True:
             if self._closed.is_set():
                 raise DBSyncError(f"this Receiver of {self.store.root} was closed while "
                                   "waiting for a new version")
+            if abandoned is not None and abandoned.is_set():
+                return None
             head = self._read_head_quietly()
             if head is not None and (head.version > floor or (
                     run is not None and head.run_id != run)):

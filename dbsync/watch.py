@@ -54,6 +54,7 @@ from typing import Any
 from .errors import DBSyncError, InvalidArgumentError, resources_named
 from .format import MANIFEST_FILE, Head
 from .inotify import APPEARS, LOST, DirectoryWatch
+from .slowcalls import said_if_slow
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,8 @@ class Watcher:
         #: look is due when it moved, however the wake-up and the clearing interleave
         self._events = 0
         self._unwatched_because = "the directory was replaced"  # (said once watched again)
+        #: while a look has not returned for long (a hung mount): what the watchdog said
+        self._hang: str | None = None
 
     # ---- public -------------------------------------------------------------------------
     @property
@@ -261,8 +264,11 @@ class Watcher:
 
     @property
     def read_problem(self) -> str | None:
-        """Why the store's manifest cannot be read now (garbled, another format, unreachable),
-        as the last look found; None while it reads well."""
+        """Why the store's manifest cannot be read now (garbled, another format, unreachable,
+        a read that has not returned for ``SLOW_CALL_WARN_S`` seconds: a hung mount), as the
+        last look found; None while it reads well."""
+        if self._hang is not None:
+            return self._hang
         error = self.last_error if self._read_failing else None
         return None if error is None else f"{type(error).__name__}: {error}"
 
@@ -347,10 +353,14 @@ class Watcher:
         self._log_pending()
         self.reads += 1
         try:
-            raw = self._probe()
+            with said_if_slow(f"reading {os.path.join(self.root, MANIFEST_FILE)}",
+                              on_slow=self._hanging):
+                raw = self._probe()
         except Exception as exc:  # noqa: BLE001 - reported once, retried at the next look
             self._read_failed(("probe", type(exc).__name__, str(exc)), exc)
             return
+        finally:
+            self._hang = None
         if self._stop.is_set() or (raw is not None and raw == self._seen):
             return  # (stopping: a read whose re-reads were cut short is not judged)
         if raw is None and self._head is not None:  # (it had a version: said, not ignored)
@@ -378,6 +388,10 @@ class Watcher:
             log.info("dbsync watcher: the manifest in %s reads well again", self.root)
         if head is not None:
             self._consider(head, notify)
+
+    def _hanging(self, message: str) -> None:
+        """The look under way has not returned for long (called by ``slowcalls``)."""
+        self._hang = message
 
     def _consider(self, head: RunVersion, notify: bool) -> None:
         last = self._head

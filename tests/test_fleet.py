@@ -516,6 +516,58 @@ def test_leased_loads_through_a_caching_fuse_mount_never_call_a_reused_slot_dama
 
 
 @needs_root
+def test_a_hung_mount_holds_no_timed_wait_past_its_timeout_and_silences_no_watcher(
+        tmp_path, monkeypatch, caplog):
+    """A mount that stops answering (its FUSE daemon stopped here; a hard-mounted NFS server
+    away) blocks every read inside the kernel. ``Receiver.wait(timeout=1)`` returned after 34
+    s, when the mount came back, and a watcher said nothing meanwhile. Now the timed wait
+    returns None in time, the watcher's ``read_problem`` (``/dbsync/status``, ``dbsync
+    watch``) says the store does not answer, and both go on once it answers again."""
+    import logging
+    import signal
+
+    from dbsync import slowcalls
+    from dbsync.watch import Watcher
+
+    monkeypatch.setattr(slowcalls, "SLOW_CALL_WARN_S", 0.5)
+    base = str(tmp_path / "base")
+    with dbsync.Sender(base) as sender:
+        sender.push(weights_for(1))
+    fuse = FuseView(base, tmp_path / "view")
+    view = fuse.mount()
+    seen: list[int] = []
+    arrived = threading.Event()
+    rx = dbsync.Receiver(view, read_only=True)
+    watcher = Watcher(view, lambda v: (seen.append(v), arrived.set()), poll_interval=0.1,
+                      skip_current=True).start()
+    daemon = fuse._daemon.pid
+    try:
+        with caplog.at_level(logging.WARNING, logger="dbsync"):
+            os.kill(daemon, signal.SIGSTOP)
+            start = time.monotonic()
+            assert rx.wait(newer_than=1, timeout=1.0) is None
+            took = time.monotonic() - start
+            assert took < 1.0 + dbsync.receiver._WAIT_GRACE_S + 1.0, took
+            deadline = time.monotonic() + 30
+            while not (watcher.read_problem or "").count("has not returned"):
+                assert time.monotonic() < deadline, watcher.read_problem
+                threading.Event().wait(0.05)  # (a bounded pause between looks at a status)
+            os.kill(daemon, signal.SIGCONT)
+        with dbsync.Sender(base) as sender:
+            sender.push(weights_for(2))
+        assert arrived.wait(30) and seen == [2]
+        assert rx.wait(newer_than=1, timeout=30) == 2
+        assert watcher.read_problem is None
+        assert f"reading {view}/dbsync.json has not returned for 0.5 s" in caplog.text
+        assert "did not answer in time (a hung mount?); returning None" in caplog.text
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+        watcher.stop()
+        rx.close()
+        fuse.close()
+
+
+@needs_root
 @pytest.mark.parametrize("access", ["leased", "read-only"])
 def test_a_shard_a_caching_mount_serves_from_stale_pages_is_read_again_not_called_damaged(
         tmp_path, access):

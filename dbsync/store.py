@@ -270,8 +270,14 @@ class Store:
                 "directory; give the path of a store directory") from None
         if not os.path.isdir(self.root):  # ROOT itself may be a symlink: the operator's choice
             _mkdir(self.root)
-        for parts in ((READERS_DIR,), (SLOTS_DIR,), *((SLOTS_DIR, s) for s in SLOTS)):
-            _mkdir(os.path.join(self.root, *parts))
+        layout = [os.path.join(self.root, *parts) for parts in
+                  ((READERS_DIR,), (SLOTS_DIR,), *((SLOTS_DIR, s) for s in SLOTS))]
+        for path in layout:  # (refused before any is made: a refused push leaves nothing)
+            with contextlib.suppress(OSError):
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
+                    _mkdir(path)  # (raises, saying what stands there)
+        for path in layout:
+            _mkdir(path)
 
     def create_readers_dir(self) -> None:
         """Create ``readers/`` only (a receiver that starts before the first push needs it for

@@ -32,6 +32,7 @@ from .leases import (
     own_start,
     release_reader_id,
 )
+from .slowcalls import said_if_slow
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ class LeaseKeeper:
             self.beat += 1
             started = time.monotonic()
             try:
-                self.store.write_lease(self.reader_id, self.record())
+                with said_if_slow(f"writing the lease {self.store.lease_path(self.reader_id)}"):
+                    self.store.write_lease(self.reader_id, self.record())
             except (OSError, FormatError) as exc:
                 err = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
                 if err.errno in _PROCESS_LIMITS:  # (the process's limit, not the store's)

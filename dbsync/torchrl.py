@@ -78,6 +78,8 @@ from .errors import (
     InvalidWeightsError,
     StoreNotFoundError,
     StoreUnreachableError,
+    check_int,
+    check_seconds,
 )
 from .receiver import Receiver
 from .sender import Sender
@@ -362,7 +364,9 @@ class DBSyncWeightSender:
                                               self._model_ref())
         elif hasattr(weights, "state_dict"):
             weights = extract_weights(self._strategy, weights)
-        return self._transport.send_weights("vllm_model", weights)
+        version = self._transport.send_weights("vllm_model", weights)
+        self._scheme.acknowledged(version)  # (``wait_for``, as ``send``)
+        return version
 
     def wait_for_receivers(self, version: int, count: int, timeout: float | None = None) -> bool:
         """Wait until ``count`` receivers report ``version`` (or newer) applied; False on
@@ -523,6 +527,14 @@ class _ReceiverTransport:
         return os.path.isdir(self.receiver._scheme.local_addr)
 
 
+def _copy_into(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``weights`` into ``model``'s tensors in place (checked first: ``_check_fits``)."""
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            state[name].detach().copy_(tensor)
+
+
 def _check_fits(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     """Raise ``IncompatibleWeightsError`` listing every problem ``Receiver.load`` would see in
     loading ``weights`` (a version) into ``model`` in place (names, shapes, dtypes, unusable
@@ -576,6 +588,12 @@ class DBSyncScheme(WeightSyncScheme):
         super().__init__(strategy=strategy)
         if num_threads < 1:
             raise ValueError("num_threads must be at least 1")
+        # (checked here, before anything is published: a bad wait option used to surface only
+        # after send() had published the version)
+        check_int(wait_for, "wait_for", 0)
+        check_seconds(wait_timeout, "wait_timeout", none="wait as long as it takes")
+        check_seconds(connect_timeout, "connect_timeout")
+        check_seconds(poll_interval, "poll_interval", none="chosen from the store's mount")
         self.remote_addr = os.fspath(remote_addr)
         self.local_addr = os.fspath(local_addr) if local_addr is not None else self.remote_addr
         self.num_threads = num_threads
@@ -716,15 +734,45 @@ class DBSyncScheme(WeightSyncScheme):
                 "a dbsync store publishes to every receiver: send() cannot target worker_ids "
                 f"{worker_ids!r}; call it without worker_ids")
         prepared = self.prepare_weights(weights, self._model_id, self._strategy, self.context)
+        here = None if weights is None else self._policy_here()
+        if here is not None:
+            if isinstance(prepared, TensorDictBase):  # (``TensorDict.from_module(policy)``)
+                prepared = _without_non_persistent(prepared, here)
+            _check_fits(here, _as_pairs(prepared))  # (before anything is published)
         version = self.shared_transport.send_weights(prepared)
         self.version = version
+        if here is not None:
+            _copy_into(here, _as_pairs(prepared))
+        self.acknowledged(version)
+        return version
+
+    def _policy_here(self) -> nn.Module | None:
+        """The model this scheme sends weights for when it runs in this very process (a
+        single-process collector's own policy, holding weights), else None. Its receivers
+        are elsewhere; without a copy here, the collector went on collecting with the old
+        weights while the store held the new ones (torchrl's in-process schemes refuse such
+        a collector instead)."""
+        context = self.context
+        if context is None or isinstance(getattr(context, "num_workers", None), int):
+            return None
+        try:
+            model = _resolve_model(context, self._model_id or "policy")
+        except (AttributeError, KeyError, ValueError):
+            return None
+        if not isinstance(model, nn.Module) or not any(
+                p.numel() and not p.is_meta for p in model.parameters()):
+            return None
+        return model
+
+    def acknowledged(self, version: int) -> None:
+        """With ``wait_for`` set (or in a multi-process collector), wait until that many
+        receivers applied ``version``; ``TimeoutError`` after ``wait_timeout``."""
         count = self.wait_for or self._collector_workers
         if count > 0 and not self.writer().wait_for_receivers(version, count,
                                                                self.wait_timeout):
             raise TimeoutError(
                 f"fewer than {count} receivers applied version {version} within "
                 f"{self.wait_timeout} s (see `dbsync status {self.remote_addr}`)")
-        return version
 
     # -- torchrl's WeightSyncScheme API (receiver side)
     def _init_on_receiver_impl(self, model_id: str, context: Any = None, *,

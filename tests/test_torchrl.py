@@ -316,6 +316,62 @@ def test_multiprocess_collector_workers_follow_the_store(tmp_path: Path) -> None
 
 
 # ---- what torchrl users run into -------------------------------------------------------------
+def test_a_single_process_collector_collects_with_the_weights_it_sends(tmp_path: Path) -> None:
+    """A single-process ``Collector`` runs its policy in the trainer's process, where no
+    receiver is: ``update_policy_weights_(new)`` published ``new`` to the store while the
+    collector went on collecting with the old weights, saying nothing. The scheme now copies
+    what it sends into that policy too (checked first: nothing is published for a policy the
+    weights do not fit), so every batch is collected with the weights last sent."""
+    policy = pendulum_policy(fill=1.0)
+    scheme = VLLMDoubleBufferSyncScheme(str(tmp_path / "store"))
+    collector = Collector(PendulumEnv(), policy, frames_per_batch=8, total_frames=32,
+                          weight_sync_schemes={"policy": scheme},
+                          auto_register_policy_transforms=False)
+    try:
+        for i, batch in enumerate(collector):
+            w = 1.0 + i  # weight w, bias -w
+            expected = w * (batch["th"] + batch["thdot"]) - w
+            assert torch.allclose(batch["action"].squeeze(-1), expected, atol=1e-5), i
+            collector.update_policy_weights_(tensordict.TensorDict.from_module(
+                pendulum_policy(fill=w + 1)))
+            with dbsync.Receiver(scheme.remote_addr) as rx:
+                got = rx.open().tensors()
+                assert rx.latest_version() == scheme.version and float(
+                    dict(got)["module.lin.weight"].flatten()[0]) == w + 1
+        other = TensorDictModule(nn.Linear(3, 1), in_keys=["th"], out_keys=["action"])
+        published = scheme.version
+        with pytest.raises(IncompatibleWeightsError):
+            collector.update_policy_weights_(tensordict.TensorDict.from_module(other))
+        assert scheme.version == published  # (refused before publishing)
+    finally:
+        collector.shutdown()
+        scheme.shutdown()
+
+
+def test_bad_scheme_options_are_refused_before_anything_is_published_and_waits_are_kept(
+        tmp_path: Path) -> None:
+    """``wait_for=-1`` never waited and a NaN ``wait_timeout`` raised only after ``send`` had
+    published; both are refused at construction now. ``sender.update_weights()`` (the path of
+    torchrl's ``UpdateWeights`` hook) ignored ``wait_for``: it waits as ``send`` does."""
+    store = str(tmp_path / "store")
+    for options, what in (({"wait_for": -1}, "wait_for"),
+                          ({"wait_timeout": float("nan")}, "wait_timeout"),
+                          ({"connect_timeout": -1.0}, "connect_timeout"),
+                          ({"poll_interval": -1.0}, "poll_interval")):
+        with pytest.raises(ValueError, match=what):
+            VLLMDoubleBufferSyncScheme(store, **options)
+    assert not os.path.exists(store)
+    scheme = VLLMDoubleBufferSyncScheme(store, wait_for=1, wait_timeout=0.5)
+    try:
+        sender = scheme.create_sender()
+        model = nn.Linear(2, 2)
+        sender.register_model(model)
+        with pytest.raises(TimeoutError, match="fewer than 1 receivers applied version 1"):
+            sender.update_weights()
+    finally:
+        scheme.shutdown()
+
+
 def test_nested_dict_weights_publish_dotted_names_as_torchrls_scheme(tmp_path: Path) -> None:
     """``update_weights({"lin": {"weight": w, "bias": b}})``: torchrl's scheme sends it as a
     TensorDict (``lin.weight``, ``lin.bias``); it was refused here as "a training checkpoint"."""

@@ -225,6 +225,9 @@ class DBSyncTransport:
         self._reader: Receiver | None = None
         self._vllm: DBSyncWeightReceiver | None = None
         self.last_version: int | None = None
+        #: weights applied by hand since (``apply_weights``): the next receive applies the
+        #: current version again, whatever was received before
+        self.overwritten = False
 
     # -- sender side
     def _writer(self) -> Sender:
@@ -287,8 +290,10 @@ class DBSyncTransport:
         if timeout:
             timeout = max(0.0, timeout - (time.monotonic() - started))
         receiver = self._receiver()
-        # Newer than the version loaded, or a new run (whose versions may be lower).
-        if receiver.wait(timeout=timeout or 0) is None:
+        # Newer than the version loaded, or a new run (whose versions may be lower); any
+        # version once the model was overwritten by hand.
+        if receiver.wait(newer_than=0 if self.overwritten else None,
+                         timeout=timeout or 0) is None:
             return None
         copies: dict[str, torch.Tensor] = {}
 
@@ -302,7 +307,7 @@ class DBSyncTransport:
                 strategy.apply_weights(model, dict(copies), inplace=inplace)
 
         version = receiver.load(load)
-        self.last_version = version
+        self.last_version, self.overwritten = version, False
         log.info("dbsync: received version %d from %s", version, self.local_addr)
         return TensorDict(copies, batch_size=[])
 
@@ -492,8 +497,10 @@ class DBSyncWeightReceiver:
         return applied
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
-        """Apply given tensors to an ``nn.Module`` target (torchrl's strategy). A vLLM engine
-        only applies published versions (verified, versioned): use ``poll_and_apply``."""
+        """Apply given tensors to an ``nn.Module`` target (torchrl's strategy); ``version``
+        is None afterwards, and the next poll applies the current published version again.
+        A vLLM engine only applies published versions (verified, versioned): use
+        ``poll_and_apply``."""
         if not inplace:
             raise ValueError("Cannot apply weights out of place for vLLM double-buffer")
         if self.engine is not None:
@@ -501,6 +508,8 @@ class DBSyncWeightReceiver:
                 "a vLLM engine applies only published versions: push the weights with the "
                 "sender (update_weights) and call poll_and_apply()")
         self._strategy.apply_weights(self._target, weights, inplace=inplace)
+        # (the model holds no published version now: the next poll applies the current one)
+        self._transport.last_version, self._transport.overwritten = None, True
 
     def close(self) -> None:
         """Detach from the engine (it keeps the weights it has) and unregister the reader."""

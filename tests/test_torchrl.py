@@ -232,6 +232,12 @@ def test_double_buffer_paths_on_modules(strategy: str, tmp_path: Path) -> None:
     got = worker.receive()
     assert sorted(got.keys()) == ["module.lin.bias", "module.lin.weight", "module.scale"]
     assert torch.equal(target.module.lin.weight, trained.module.lin.weight)
+    # weights applied by hand: no version is claimed, and the next poll restores version 4
+    # (it said "nothing newer", leaving the hand-applied weights for good)
+    receiver.apply_weights({"module.lin.weight": torch.zeros(1, 2)})
+    assert receiver.version is None and not target.module.lin.weight.any()
+    assert receiver.poll_and_apply() is True and receiver.version == 4
+    assert torch.equal(target.module.lin.weight, trained.module.lin.weight)
     with pytest.raises(RuntimeError, match="init_on_sender"):
         worker.get_sender()
     worker.shutdown()

@@ -298,11 +298,12 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
 
     try:
         with stop:
-            click.echo(f"publishing {len(pairs)} tensors ({human_bytes(nbytes)}) from {src} "
-                       f"as the next version of {os.path.abspath(root)}", err=True)
             with Sender(root, num_threads=threads, max_lag=max_lag,
                         max_lag_timeout=max_lag_timeout,
                         reader_timeout=reader_timeout) as sender:
+                # (once the root is taken for a store: a refused one says only why)
+                click.echo(f"publishing {len(pairs)} tensors ({human_bytes(nbytes)}) from "
+                           f"{src} as the next version of {sender.store.root}", err=True)
                 try:
                     version = sender.push(dict(pairs), progress=progress,
                                           adapter_config=adapter_config)

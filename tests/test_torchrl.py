@@ -76,6 +76,12 @@ class Pendulum(nn.Module):
         return self.lin(torch.stack([th, thdot], -1)) * self.scale
 
 
+def assert_collected_with(batch: Any, w: float, i: int) -> None:
+    """The batch's actions are those of ``pendulum_policy(fill=w)`` (weight w, bias -w)."""
+    expected = w * (batch["th"] + batch["thdot"]) - w
+    assert torch.allclose(batch["action"].squeeze(-1), expected, atol=1e-5), i
+
+
 def pendulum_policy(fill: float | None = None) -> TensorDictModule:
     policy = TensorDictModule(Pendulum(), in_keys=["th", "thdot"], out_keys=["action"])
     if fill is not None:
@@ -304,9 +310,8 @@ def test_multiprocess_collector_workers_follow_the_store(tmp_path: Path) -> None
                                    auto_register_policy_transforms=False)
     try:
         for i, batch in enumerate(collector):
-            w = 1.0 + i  # weight w, bias -w
-            expected = w * (batch["th"] + batch["thdot"]) - w
-            assert torch.allclose(batch["action"].squeeze(-1), expected, atol=1e-5), i
+            w = 1.0 + i
+            assert_collected_with(batch, w, i)
             with torch.no_grad():
                 policy.module.lin.weight.fill_(w + 1)
                 policy.module.lin.bias.fill_(-(w + 1))
@@ -335,9 +340,8 @@ def test_a_single_process_collector_collects_with_the_weights_it_sends(tmp_path:
                           auto_register_policy_transforms=False)
     try:
         for i, batch in enumerate(collector):
-            w = 1.0 + i  # weight w, bias -w
-            expected = w * (batch["th"] + batch["thdot"]) - w
-            assert torch.allclose(batch["action"].squeeze(-1), expected, atol=1e-5), i
+            w = 1.0 + i
+            assert_collected_with(batch, w, i)
             collector.update_policy_weights_(tensordict.TensorDict.from_module(
                 pendulum_policy(fill=w + 1)))
             with dbsync.Receiver(scheme.remote_addr) as rx:

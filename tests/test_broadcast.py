@@ -558,3 +558,90 @@ def test_a_member_is_never_held_up_by_a_stopped_trainer(tmp_path: Any) -> None:
         trainer.wait()
         if rx is not None:
             rx.close()
+
+
+_MANY_SCRIPT = """
+import sys, torch
+from dbsync.nccl import BroadcastSender
+sender = BroadcastSender(sys.argv[1], device="cpu", address="127.0.0.1", timeout=3.0,
+                         bucket_bytes=4096)
+print("ready", flush=True)
+for line in sys.stdin:
+    op, arg = line.split()
+    if op == "joins":
+        print(sender.wait_for_joins(int(arg), 30), flush=True)
+    else:  # 16 tensors of 4 KiB: 16 buckets
+        print(sender.push({f"w{i}": torch.full((1024,), float(arg)) for i in range(16)}),
+              flush=True)
+"""
+
+
+def test_a_broadcast_cut_short_by_a_dead_trainer_is_mended_by_the_next_receive(
+        tmp_path: Any) -> None:
+    """The trainer is killed after a member took 4 of version 2's 16 buckets into its tensors,
+    before version 2 was published: ``receive`` raises after ``fallback_timeout`` saying "call
+    receive again", the tensors holding parts of both versions. Called again, it waited for a
+    version newer than 1 and left them torn for good. It now applies the newest published
+    version first, and the tensors are version 1 again, whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from dbsync.nccl import BroadcastReceiver
+    from dbsync.nccl.errors import BroadcastTimeoutError
+
+    root = str(tmp_path)
+    trainer = subprocess.Popen([sys.executable, "-c", _MANY_SCRIPT, root], text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def ask(line: str) -> str:
+        assert trainer.stdin is not None and trainer.stdout is not None
+        trainer.stdin.write(line + "\n")
+        trainer.stdin.flush()
+        return trainer.stdout.readline().strip()
+
+    dest = {f"w{i}": torch.zeros(1024) for i in range(16)}
+    rx = None
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "ready"
+        assert ask("push 1") == "1"
+        rx = BroadcastReceiver(root, timeout=TIMEOUT, address="127.0.0.1", fallback_timeout=2)
+        assert rx.receive(dest, timeout=30) == 1  # (from the filesystem; it asks to join)
+
+        def kill_the_trainer(bucket: int, payload: Any) -> None:
+            if bucket == 4:  # (buckets 0-3 are in the tensors by now)
+                os.kill(trainer.pid, signal.SIGKILL)
+                trainer.wait()
+
+        rx.before_verify = kill_the_trainer
+        raised: list[BaseException] = []
+
+        def taking() -> None:
+            try:
+                rx.receive(dest, timeout=60)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                raised.append(exc)
+
+        thread = threading.Thread(target=taking)
+        thread.start()
+        assert ask("joins 1") == "True"  # (it joins while it waits in receive)
+        assert trainer.stdin is not None
+        trainer.stdin.write("push 2\n")
+        trainer.stdin.flush()
+        thread.join(60)
+        assert not thread.is_alive()
+        assert len(raised) == 1 and isinstance(raised[0], BroadcastTimeoutError), raised
+        assert "call receive again" in str(raised[0])
+        rx.before_verify = None
+        assert {float(t[0]) for t in dest.values()} == {1.0, 2.0}  # torn, as said
+        assert rx.receive(dest, timeout=30) == 1
+        assert all(torch.equal(t, torch.full((1024,), 1.0)) for t in dest.values())
+        assert rx.last_source == "filesystem" and rx.loaded_version == 1
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        if rx is not None:
+            rx.close()

@@ -112,6 +112,8 @@ class BroadcastReceiver:
             self.before_verify: BeforeVerify | None = None
             #: "broadcast" or "filesystem": how the last returned version arrived
             self.last_source: str | None = None
+            #: the tensors may hold parts of a broadcast that was cut short (``_load_fs``)
+            self._mixed = False
             #: why the last broadcast was not used (None when it was)
             self.last_error: str | None = None
             self.last_stats: dict[str, Any] = {}
@@ -167,9 +169,15 @@ class BroadcastReceiver:
 
         Hazard: after a damaged bucket the tensors hold parts of two versions until the
         version is re-applied from the filesystem, which this call does before it returns; if
-        that fails too (it raises), they stay mixed: call ``receive`` again."""
+        that fails too (it raises: the sender died before publishing it), they stay mixed:
+        call ``receive`` again, which first applies the newest published version from the
+        filesystem (whatever its number) and returns it."""
         with self._lock:
             self._check_open()
+            if self._mixed and newer_than is None:  # (a broadcast cut short left parts of it)
+                latest = self.fs.latest_version()
+                if latest is not None:
+                    return self._load_fs(load_weights, latest, after_partial=True)
             floor = self.loaded_version if newer_than is None else newer_than
             floor = 0 if floor is None else floor
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -236,7 +244,10 @@ class BroadcastReceiver:
 
         def fall_back() -> int | None:
             # A push this receiver only had to drain is not loaded from the filesystem either.
-            return self._load_fs(load_weights, header.version) if wanted else None
+            # (what was taken may have reached the tensors: they are whole again only once a
+            # published version is applied)
+            return (self._load_fs(load_weights, header.version, after_partial=True) if wanted
+                    else None)
 
 
         def cancelled() -> str | None:
@@ -302,7 +313,7 @@ class BroadcastReceiver:
             return None
         if incoming.damaged is not None:  # load_weights swallowed the error
             self.last_error = incoming.damaged
-            return self._load_fs(load_weights, header.version)
+            return self._load_fs(load_weights, header.version, after_partial=True)
         if not usable:
             self.last_error = (
                 f"version {header.version} does not fit the tensors given (names, shapes or "
@@ -374,9 +385,16 @@ class BroadcastReceiver:
             self._check_open()
             pause = min(pause * 1.5, 0.1)
 
-    def _load_fs(self, load_weights: LoadWeights, version: int) -> int:
+    def _load_fs(self, load_weights: LoadWeights, version: int,
+                 after_partial: bool = False) -> int:
+        """Load the newest published version (at least ``version``) from the filesystem.
+        ``after_partial``: part of a broadcast may have reached the tensors; until a load
+        succeeds, the next ``receive`` re-applies the newest published version first."""
+        if after_partial:
+            self._mixed = True
         self._wait_published(version)
         loaded = self.fs.load(load_weights)
+        self._mixed = False
         self.last_source = "filesystem"
         return loaded
 

@@ -639,3 +639,26 @@ def test_check_adapter_names_why_an_adapter_does_not_fit(config: Any, tensors: A
     fits = [(f"base_model.model.model.layers.0.self_attn.q_proj.lora_{p}.weight", s,
              torch.float32) for p, s in (("A", (4, 128)), ("B", (128, 4)))]
     assert check_adapter({"r": 4, "target_modules": ["q_proj"]}, fits, expected, 8) == {}
+
+
+def test_check_adapter_takes_ranks_from_peft_rank_pattern() -> None:
+    """PEFT's ``rank_pattern`` gives modules ranks of their own (v_proj rank 8 in an r=4
+    adapter): such valid adapters were refused, "lora_A rank 8 != the config's r 4". The
+    pattern's rank is checked now, and the largest rank against ``max_lora_rank``."""
+    from dbsync.vllm.checkpoint import read_safetensors_header
+    from dbsync.vllm.lora import check_adapter
+
+    expected = read_safetensors_header(str(tiny_model("A") / "model.safetensors"))
+    layer = "base_model.model.model.layers.0.self_attn"
+    kv = 64  # (the tiny model's k/v projections: 128 -> 64)
+    pairs = [(f"{layer}.q_proj.lora_A.weight", (4, 128)), (f"{layer}.q_proj.lora_B.weight",
+                                                           (128, 4)),
+             (f"{layer}.v_proj.lora_A.weight", (8, 128)), (f"{layer}.v_proj.lora_B.weight",
+                                                           (kv, 8))]
+    tensors = [(n, s, torch.float32) for n, s in pairs]
+    config = {"r": 4, "rank_pattern": {"v_proj": 8}, "target_modules": ["q_proj", "v_proj"]}
+    assert check_adapter(config, tensors, expected, max_rank=8) == {}
+    assert "max_lora_rank 4" in check_adapter(config, tensors, expected, max_rank=4)["r"]
+    wrong = check_adapter(dict(config, rank_pattern={"v_proj": 6}), tensors, expected, 8)
+    assert wrong == {"model.layers.0.self_attn.v_proj":
+                     "lora_A rank 8 != its rank_pattern rank 6"}, wrong

@@ -122,12 +122,20 @@ def check_adapter(config: Mapping[str, Any] | None,
     if peft_type != "LORA":
         problems["peft_type"] = f"{peft_type!r} adapters are not served (only LORA)"
     rank = config.get("r")
+    pattern = config.get("rank_pattern") or {}  # (PEFT: module pattern -> its own rank)
     if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
         problems["r"] = f"adapter_config.json needs an integer rank r >= 1, not {rank!r}"
         rank = None
-    elif rank > max_rank:
-        problems["r"] = (f"rank {rank} is above the engine's max_lora_rank {max_rank}; restart "
-                         f"the server with --max-lora-rank {rank} or more (after '--')")
+    if not isinstance(pattern, dict) or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in pattern.values()):
+        problems["rank_pattern"] = ("adapter_config.json's rank_pattern must map module names "
+                                    f"to integer ranks >= 1, not {str(pattern)[:200]}")
+        pattern = {}
+    highest = max([r for r in (rank, *pattern.values()) if r is not None], default=None)
+    if highest is not None and highest > max_rank:
+        problems["r"] = (f"rank {highest} is above the engine's max_lora_rank {max_rank}; "
+                         f"restart the server with --max-lora-rank {highest} or more (after "
+                         "'--')")
     if config.get("use_dora"):
         problems["use_dora"] = "DoRA adapters are not served"
     if config.get("modules_to_save"):
@@ -169,8 +177,10 @@ def check_adapter(config: Mapping[str, Any] | None,
             problems[module] = f"has {'lora_A' if a else 'lora_B'} without its pair"
             continue
         r = a[0] if len(a) == 2 else None
-        if rank is not None and r != rank:
-            problems[module] = f"lora_A rank {r} != the config's r {rank}"
+        wanted = _rank_of(module, rank, pattern)
+        if wanted is not None and r != wanted:
+            problems[module] = (f"lora_A rank {r} != the config's r {wanted}" if wanted == rank
+                                else f"lora_A rank {r} != its rank_pattern rank {wanted}")
         elif a == (r, in_f) and len(b) == 2 and b[0] == out_f and b[1] != r:
             problems[module] = (f"lora_B {list(b)} has rank {b[1]}, its lora_A {list(a)} rank "
                                 f"{r}: the pair does not fit together")
@@ -179,6 +189,19 @@ def check_adapter(config: Mapping[str, Any] | None,
                                 f"served layer ({out_f} x {in_f}): an adapter of another base "
                                 "model")
     return problems
+
+
+def _rank_of(module: str, rank: int | None, pattern: dict[str, int]) -> int | None:
+    """The rank PEFT gives ``module``: that of the first ``rank_pattern`` key naming it (the
+    module itself, or a suffix of dotted parts, as PEFT matches them), else ``r``."""
+    for key, value in pattern.items():
+        try:
+            named = module == key or re.match(rf".*\.{key}$", module) is not None
+        except re.error:  # (PEFT reads keys as patterns: a broken one names nothing)
+            named = False
+        if named:
+            return value
+    return rank
 
 
 _FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

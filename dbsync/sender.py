@@ -598,6 +598,13 @@ class Sender:
                 adapter = (sources.plain_adapter_config(adapter_config)
                            if adapter_config is not None else sources.adapter_config_of(weights))
                 self._check_kind("adapter" if adapter is not None else "weights")
+                if adapter is None and sources.looks_like_an_adapter([n for n, _ in pairs]):
+                    log.warning("every tensor pushed to %s is named as a PEFT LoRA weight "
+                                "(base_model.model....lora_A/lora_B), but no adapter "
+                                "configuration came with them: they are published as full "
+                                "weights. To publish an adapter, push its directory "
+                                "(adapter_config.json next to adapter_model.safetensors) or "
+                                "pass adapter_config=", self.store.root)
                 on_cpu = layout is not None or all(t.is_cpu for _, t in pairs)  # (kept: on CPU)
                 needs_copy = not blocking or not on_cpu
                 if needs_copy:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from collections.abc import Mapping
 from typing import Any
@@ -246,6 +247,14 @@ _SUPPORTED_DTYPES = frozenset(getattr(torch, name) for name in DTYPE_SIZES
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: the name of a PEFT LoRA weight (``base_model.model.<module>.lora_A.weight``)
+PEFT_LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
+
+
+def looks_like_an_adapter(names: list[str]) -> bool:
+    """Whether every one of ``names`` is a PEFT LoRA weight's (tensors of an adapter, pushed
+    without the configuration that makes them one)."""
+    return bool(names) and all(PEFT_LORA_KEY.match(n) for n in names)
 
 
 def adapter_config_of(weights: Any) -> dict[str, Any] | None:
@@ -373,6 +382,13 @@ def _load_safetensors_dir(path: str) -> Pairs:
     files = sorted(f for f in listing if f.endswith(".safetensors"))
     if not files:
         torch_files = sorted(f for f in listing if f.endswith(TORCH_SUFFIXES))
+        if ADAPTER_CONFIG in listing:  # (adapter_model.bin: saved with safe_serialization=False)
+            raise InvalidWeightsError(
+                f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}"
+                + (f" ({', '.join(torch_files)}: a torch file, which dbsync does not read "
+                   "for adapters)" if torch_files else "")
+                + "; save the adapter with PEFT's save_pretrained (safe_serialization=True, "
+                "its default) and push that directory")
         if len(torch_files) == 1:  # (one file is the whole model; shards are parts of it)
             hint = (f" It holds {torch_files[0]}: push that file itself (dbsync push "
                     f"{os.path.join(path, torch_files[0])} ROOT), or convert the checkpoint "

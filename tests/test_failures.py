@@ -1204,6 +1204,34 @@ def test_a_push_onto_a_garbled_head_waits_out_a_caching_mount_once(root, caplog)
         assert rx.load(dest) == 1 and torch.equal(dest["w"], torch.full((2,), 2.0))
 
 
+def test_adapter_tensors_without_their_config_are_not_taken_silently_for_weights(
+        tmp_path, caplog):
+    """An adapter saved with ``safe_serialization=False`` (``adapter_model.bin``) was met
+    with "push that file itself", which published it as full weights, its configuration
+    dropped (and the store then refused real adapters). It is refused now, saying how to save
+    it. PEFT LoRA tensors pushed without any configuration are published as weights, as
+    asked, with a WARNING saying how to publish an adapter."""
+    import logging
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        '{"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}')
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    torch.save({name: torch.zeros(4, 8)}, adapter / "adapter_model.bin")
+    root = tmp_path / "store"
+    with pytest.raises(dbsync.InvalidWeightsError) as refused:
+        with dbsync.Sender(str(root)) as sender:
+            sender.push(str(adapter))
+    assert "no adapter_model.safetensors (adapter_model.bin" in str(refused.value)
+    assert "save_pretrained" in str(refused.value)
+    assert not (root / "dbsync.json").exists()
+    with caplog.at_level(logging.WARNING, logger="dbsync"), dbsync.Sender(str(root)) as s:
+        assert s.push({name: torch.zeros(4, 8),
+                       name.replace("lora_A", "lora_B"): torch.zeros(8, 4)}) == 1
+    assert "named as a PEFT LoRA weight" in caplog.text and "adapter_config" in caplog.text
+
+
 def _tied_into_dicts_by_memory(root: str) -> None:
     """The same through ``state_dict()`` (no ``keep_vars``: a new tensor object per name, tied
     ones sharing memory), with tensors large enough to be checked alone (compared by their

@@ -67,13 +67,13 @@ from ..errors import (
 )
 from ..receiver import Receiver, Snapshot
 from ..serveargs import LORA_WORKDIR_ENV
-from ..sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ..sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_LORA_KEY
 from . import workdirs
 
 log = logging.getLogger(__name__)
 
 #: PEFT's key format: ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
+_KEY = PEFT_LORA_KEY
 #: modules dbsync does not serve adapters of (vLLM handles them specially or not at all)
 _UNSUPPORTED_LEAVES = ("embed_tokens", "lm_head")
 #: ``lora_int_id``s start far above those vLLM's own ``/v1/load_lora_adapter`` hands out

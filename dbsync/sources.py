@@ -273,6 +273,14 @@ def adapter_config_of(weights: Any) -> dict[str, Any] | None:
         raise InvalidWeightsError(f"{config_path} is not readable JSON ({exc})") from None
     if not isinstance(config, dict):
         raise InvalidWeightsError(f"{config_path} must hold a JSON object")
+    try:  # (Python's JSON reads NaN and Infinity; no JSON record may hold them)
+        json.dumps(config, allow_nan=False)
+    except ValueError:
+        bad = sorted(k for k, v in config.items() if isinstance(v, float) and v != v
+                     or v in (float("inf"), float("-inf")))
+        raise InvalidWeightsError(
+            f"{config_path} holds NaN or Infinity ({', '.join(map(repr, bad)) or 'nested'}), "
+            "which no adapter configuration can mean: save the adapter again") from None
     if not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
         raise InvalidWeightsError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}; "
                                   "save the adapter with PEFT's save_pretrained")

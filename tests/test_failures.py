@@ -1230,6 +1230,14 @@ def test_adapter_tensors_without_their_config_are_not_taken_silently_for_weights
         assert s.push({name: torch.zeros(4, 8),
                        name.replace("lora_A", "lora_B"): torch.zeros(8, 4)}) == 1
     assert "named as a PEFT LoRA weight" in caplog.text and "adapter_config" in caplog.text
+    # a configuration holding NaN (Python's JSON reads it): named, before the store is touched
+    from safetensors.torch import save_file
+
+    save_file({name: torch.zeros(4, 8)}, adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, '
+                                                 '"lora_alpha": NaN}')
+    with pytest.raises(dbsync.InvalidWeightsError, match="holds NaN or Infinity .'lora_alpha'"):
+        dbsync.sources.adapter_config_of(str(adapter))
 
 
 def _tied_into_dicts_by_memory(root: str) -> None:

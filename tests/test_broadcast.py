@@ -492,15 +492,53 @@ def test_an_idle_member_costs_nothing_until_the_sender_rings_it(
 _SENDER_SCRIPT = """
 import sys, torch
 from dbsync.nccl import BroadcastSender
-sender = BroadcastSender(sys.argv[1], device="cpu", address="127.0.0.1", timeout=3.0)
+root, tensors, bucket_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sender = BroadcastSender(root, device="cpu", address="127.0.0.1", timeout=3.0,
+                         **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}))
 print("ready", flush=True)
 for line in sys.stdin:
     op, arg = line.split()
     if op == "joins":
         print(sender.wait_for_joins(int(arg), 30), flush=True)
-    else:
+    elif tensors == 1:
         print(sender.push({"w": torch.full((64,), float(arg))}), flush=True)
+    else:
+        print(sender.push({f"w{i}": torch.full((1024,), float(arg)) for i in range(tensors)}),
+              flush=True)
 """
+
+
+class _Trainer:
+    """A ``BroadcastSender`` in a process of its own (``_SENDER_SCRIPT``: ``tensors`` tensors
+    per version, buckets of ``bucket_bytes``, 0: the default), driven a line at a time."""
+
+    def __init__(self, root: str, tensors: int = 1, bucket_bytes: int = 0):
+        import subprocess
+        import sys
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SENDER_SCRIPT, root, str(tensors), str(bucket_bytes)],
+            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline().strip() == "ready"
+
+    def tell(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def ask(self, line: str) -> str:
+        self.tell(line)
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def end(self) -> None:
+        import signal
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.kill()
+        self.process.wait()
 
 
 def test_a_member_is_never_held_up_by_a_stopped_trainer(tmp_path: Any) -> None:
@@ -510,29 +548,20 @@ def test_a_member_is_never_held_up_by_a_stopped_trainer(tmp_path: Any) -> None:
     store accepts connections but never answers, and the epoch read had no bound.)"""
     import os
     import signal
-    import subprocess
-    import sys
     import threading
 
     from dbsync.nccl import BroadcastReceiver
 
     root = str(tmp_path)
-    trainer = subprocess.Popen([sys.executable, "-c", _SENDER_SCRIPT, root], text=True,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-    def ask(line: str) -> str:
-        assert trainer.stdin is not None and trainer.stdout is not None
-        trainer.stdin.write(line + "\n")
-        trainer.stdin.flush()
-        return trainer.stdout.readline().strip()
 
     def keep(pairs: Any) -> None:
         got.update((name, tensor.clone()) for name, tensor in pairs)
 
     got: dict[str, torch.Tensor] = {}
     rx = None
+    trainer = _Trainer(root)
+    ask = trainer.ask
     try:
-        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "ready"
         assert ask("push 1") == "1"
         rx = BroadcastReceiver(root, timeout=TIMEOUT, address="127.0.0.1")
         assert rx.receive(keep, timeout=30) == 1  # (from the filesystem; it asks to join)
@@ -544,7 +573,7 @@ def test_a_member_is_never_held_up_by_a_stopped_trainer(tmp_path: Any) -> None:
         taking.join(60)
         assert result["v"] == 2 and rx.last_source == "broadcast" and rx.is_member
         assert torch.equal(got["w"], torch.full((64,), 2.0))
-        os.kill(trainer.pid, signal.SIGSTOP)
+        os.kill(trainer.process.pid, signal.SIGSTOP)
         idle = threading.Thread(target=lambda: result.update(idle=rx.receive(keep, timeout=1)))
         t0 = time.monotonic()
         idle.start()
@@ -553,27 +582,9 @@ def test_a_member_is_never_held_up_by_a_stopped_trainer(tmp_path: Any) -> None:
         assert time.monotonic() - t0 < TIMEOUT + 1 + SLACK
         assert result["idle"] is None and "no answer" in (rx.last_error or "")
     finally:
-        trainer.send_signal(signal.SIGCONT)
-        trainer.kill()
-        trainer.wait()
+        trainer.end()
         if rx is not None:
             rx.close()
-
-
-_MANY_SCRIPT = """
-import sys, torch
-from dbsync.nccl import BroadcastSender
-sender = BroadcastSender(sys.argv[1], device="cpu", address="127.0.0.1", timeout=3.0,
-                         bucket_bytes=4096)
-print("ready", flush=True)
-for line in sys.stdin:
-    op, arg = line.split()
-    if op == "joins":
-        print(sender.wait_for_joins(int(arg), 30), flush=True)
-    else:  # 16 tensors of 4 KiB: 16 buckets
-        print(sender.push({f"w{i}": torch.full((1024,), float(arg)) for i in range(16)}),
-              flush=True)
-"""
 
 
 def test_a_broadcast_cut_short_by_a_dead_trainer_is_mended_by_the_next_receive(
@@ -585,35 +596,25 @@ def test_a_broadcast_cut_short_by_a_dead_trainer_is_mended_by_the_next_receive(
     version first, and the tensors are version 1 again, whole."""
     import os
     import signal
-    import subprocess
-    import sys
     import threading
 
     from dbsync.nccl import BroadcastReceiver
     from dbsync.nccl.errors import BroadcastTimeoutError
 
     root = str(tmp_path)
-    trainer = subprocess.Popen([sys.executable, "-c", _MANY_SCRIPT, root], text=True,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-    def ask(line: str) -> str:
-        assert trainer.stdin is not None and trainer.stdout is not None
-        trainer.stdin.write(line + "\n")
-        trainer.stdin.flush()
-        return trainer.stdout.readline().strip()
-
     dest = {f"w{i}": torch.zeros(1024) for i in range(16)}
     rx = None
+    trainer = _Trainer(root, tensors=16, bucket_bytes=4096)  # (16 buckets of one tensor)
+    ask = trainer.ask
     try:
-        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "ready"
         assert ask("push 1") == "1"
         rx = BroadcastReceiver(root, timeout=TIMEOUT, address="127.0.0.1", fallback_timeout=2)
         assert rx.receive(dest, timeout=30) == 1  # (from the filesystem; it asks to join)
 
         def kill_the_trainer(bucket: int, payload: Any) -> None:
             if bucket == 4:  # (buckets 0-3 are in the tensors by now)
-                os.kill(trainer.pid, signal.SIGKILL)
-                trainer.wait()
+                os.kill(trainer.process.pid, signal.SIGKILL)
+                trainer.process.wait()
 
         rx.before_verify = kill_the_trainer
         raised: list[BaseException] = []
@@ -627,9 +628,7 @@ def test_a_broadcast_cut_short_by_a_dead_trainer_is_mended_by_the_next_receive(
         thread = threading.Thread(target=taking)
         thread.start()
         assert ask("joins 1") == "True"  # (it joins while it waits in receive)
-        assert trainer.stdin is not None
-        trainer.stdin.write("push 2\n")
-        trainer.stdin.flush()
+        trainer.tell("push 2")  # (no answer: the trainer is killed during it)
         thread.join(60)
         assert not thread.is_alive()
         assert len(raised) == 1 and isinstance(raised[0], BroadcastTimeoutError), raised
@@ -640,8 +639,6 @@ def test_a_broadcast_cut_short_by_a_dead_trainer_is_mended_by_the_next_receive(
         assert all(torch.equal(t, torch.full((1024,), 1.0)) for t in dest.values())
         assert rx.last_source == "filesystem" and rx.loaded_version == 1
     finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
+        trainer.end()
         if rx is not None:
             rx.close()

@@ -281,6 +281,11 @@ def push(src: str, root: str, threads: int, dtype: str | None, wait_for: int | N
             before = _current_version(root)
             pairs = sources.collect(src, dtype=_torch_dtype(dtype))
             adapter_config = sources.adapter_config_of(src)  # (checked before ROOT is touched)
+            if adapter_config is not None:
+                from dbsync.adapters import refuse_unservable
+
+                refuse_unservable(adapter_config, [(n, tuple(t.shape), t.dtype)
+                                                   for n, t in pairs])
     except BaseException as exc:
         if not (isinstance(exc, KeyboardInterrupt) or reading.is_set()):  # (whatever it became)
             raise

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 
 from . import fileio, gcpause, memlimit, sources, tensorstate
+from .adapters import looks_like_an_adapter, refuse_unservable
 from .errors import (
     DBSyncError,
     FormatError,
@@ -598,7 +599,9 @@ class Sender:
                 adapter = (sources.plain_adapter_config(adapter_config)
                            if adapter_config is not None else sources.adapter_config_of(weights))
                 self._check_kind("adapter" if adapter is not None else "weights")
-                if adapter is None and sources.looks_like_an_adapter([n for n, _ in pairs]):
+                if adapter is not None:  # (what holds whatever the model: before any I/O)
+                    refuse_unservable(adapter, [(n, tuple(t.shape), t.dtype) for n, t in pairs])
+                elif looks_like_an_adapter([n for n, _ in pairs]):
                     log.warning("every tensor pushed to %s is named as a PEFT LoRA weight "
                                 "(base_model.model....lora_A/lora_B), but no adapter "
                                 "configuration came with them: they are published as full "

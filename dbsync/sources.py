@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from collections.abc import Mapping
 from typing import Any
@@ -247,14 +246,6 @@ _SUPPORTED_DTYPES = frozenset(getattr(torch, name) for name in DTYPE_SIZES
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-#: the name of a PEFT LoRA weight (``base_model.model.<module>.lora_A.weight``)
-PEFT_LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
-
-
-def looks_like_an_adapter(names: list[str]) -> bool:
-    """Whether every one of ``names`` is a PEFT LoRA weight's (tensors of an adapter, pushed
-    without the configuration that makes them one)."""
-    return bool(names) and all(PEFT_LORA_KEY.match(n) for n in names)
 
 
 def adapter_config_of(weights: Any) -> dict[str, Any] | None:

@@ -577,6 +577,37 @@ def test_truncated_tensordict_source_is_refused_naming_the_file(root, tmp_path):
         assert rx.latest_version() == 1
 
 
+def test_an_adapter_no_model_could_serve_is_refused_at_push_naming_every_problem(tmp_path):
+    """An adapter whose config says r=16 over rank-4 tensors, with a lone lora_A and a name
+    PEFT never gives, was published (exit 0) and refused only by each serving engine. What
+    holds whatever the model is checked at push time now, every problem in one refusal,
+    before the store is touched."""
+    from safetensors.torch import save_file
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        '{"peft_type": "LORA", "r": 16, "target_modules": ["q_proj", "v_proj"]}')
+    layer = "base_model.model.model.layers.0.self_attn"
+    save_file({f"{layer}.q_proj.lora_A.weight": torch.zeros(4, 8),
+               f"{layer}.q_proj.lora_B.weight": torch.zeros(8, 4),
+               f"{layer}.v_proj.lora_A.weight": torch.zeros(16, 8),
+               "model.layers.0.mlp.up_proj.weight": torch.zeros(8, 8)},
+              str(adapter / "adapter_model.safetensors"))
+    store = tmp_path / "store"
+    result = run_cli("push", str(adapter), str(store))
+    assert result.exit_code == 1, result.output
+    for named in ("3 problem(s)", "model.layers.0.self_attn.q_proj: lora_A rank 4 != the "
+                  "config's r 16", "model.layers.0.self_attn.v_proj: has lora_A without its "
+                  "pair", "model.layers.0.mlp.up_proj.weight: not a PEFT LoRA weight"):
+        assert named in result.output, (named, result.output)
+    assert not store.exists()
+    with dbsync.Sender(str(store)) as sender:
+        with pytest.raises(dbsync.InvalidWeightsError, match="cannot be served on any model"):
+            sender.push(str(adapter))
+        assert sender.latest_version() is None
+
+
 def test_tensordict_source_keys_never_name_files_outside_it(root, tmp_path):
     """A tensordict directory's meta.json is data: a key such as "../outside" or an absolute
     path published a file outside the directory under that name, a key holding NUL and a

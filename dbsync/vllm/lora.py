@@ -46,7 +46,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -58,6 +57,7 @@ from typing import Any
 
 import torch
 
+from ..adapters import read_adapter
 from ..errors import (
     DamagedVersionError,
     DBSyncError,
@@ -67,13 +67,12 @@ from ..errors import (
 )
 from ..receiver import Receiver, Snapshot
 from ..serveargs import LORA_WORKDIR_ENV
-from ..sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_LORA_KEY
+from ..sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from . import workdirs
 
 log = logging.getLogger(__name__)
 
 #: PEFT's key format: ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``
-_KEY = PEFT_LORA_KEY
 #: modules dbsync does not serve adapters of (vLLM handles them specially or not at all)
 _UNSUPPORTED_LEAVES = ("embed_tokens", "lm_head")
 #: ``lora_int_id``s start far above those vLLM's own ``/v1/load_lora_adapter`` hands out
@@ -113,25 +112,17 @@ def check_adapter(config: Mapping[str, Any] | None,
                   expected: Expected, max_rank: int) -> dict[str, str]:
     """Problems (what -> why) that keep this adapter from being served on a model whose
     checkpoint has ``expected`` (name -> (shape, dtype)) by an engine whose ``max_lora_rank``
-    is ``max_rank``; empty when it fits."""
-    problems: dict[str, str] = {}
+    is ``max_rank``; empty when it fits. (What holds whatever the model is
+    ``dbsync.adapters.read_adapter``'s, checked at push time too.)"""
     if config is None:
         return {"kind": "the store holds full weights, not LoRA adapters: serve it without "
                         "--lora (or publish adapters into another ROOT)"}
+    adapter = read_adapter(config, tensors)
+    problems = dict(adapter.problems)
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         problems["peft_type"] = f"{peft_type!r} adapters are not served (only LORA)"
-    rank = config.get("r")
-    pattern = config.get("rank_pattern") or {}  # (PEFT: module pattern -> its own rank)
-    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
-        problems["r"] = f"adapter_config.json needs an integer rank r >= 1, not {rank!r}"
-        rank = None
-    if not isinstance(pattern, dict) or not all(
-            isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in pattern.values()):
-        problems["rank_pattern"] = ("adapter_config.json's rank_pattern must map module names "
-                                    f"to integer ranks >= 1, not {str(pattern)[:200]}")
-        pattern = {}
-    highest = max([r for r in (rank, *pattern.values()) if r is not None], default=None)
+    highest = adapter.highest_rank
     if highest is not None and highest > max_rank:
         problems["r"] = (f"rank {highest} is above the engine's max_lora_rank {max_rank}; "
                          f"restart the server with --max-lora-rank {highest} or more (after "
@@ -151,57 +142,25 @@ def check_adapter(config: Mapping[str, Any] | None,
                 problems[f"target_modules[{target!r}]"] = (
                     f"not a linear layer of the served model (its linear layers: "
                     f"{', '.join(leaves)})")
-    parts: dict[str, dict[str, tuple[int, ...]]] = {}
-    for name, shape, dtype in tensors:
-        match = _KEY.match(name)
-        if match is None:
-            problems[name] = ("not a PEFT LoRA weight (expected base_model.model.<module>."
-                              "lora_A.weight / lora_B.weight)")
-            continue
-        module, part = match["module"], match["part"]
-        if not dtype.is_floating_point:
-            problems[name] = f"dtype {dtype} is not a floating dtype"
+    for module, got in adapter.parts.items():
         if module not in layers:
             leaf = module.rsplit(".", 1)[-1]
-            problems[name] = (f"module {module!r} is not a linear layer of the served model"
-                              + (" (adapters of embeddings and the LM head are not served)"
-                                 if leaf in _UNSUPPORTED_LEAVES else ""))
+            for part in got:
+                problems[f"base_model.model.{module}.{part}.weight"] = (
+                    f"module {module!r} is not a linear layer of the served model"
+                    + (" (adapters of embeddings and the LM head are not served)"
+                       if leaf in _UNSUPPORTED_LEAVES else ""))
             continue
-        parts.setdefault(module, {})[part] = tuple(shape)
-    if not tensors:
-        problems["tensors"] = "the adapter holds no tensors"
-    for module, got in parts.items():
+        if module in problems:  # (the pair itself does not hold together)
+            continue
         out_f, in_f = layers[module]
-        a, b = got.get("lora_A"), got.get("lora_B")
-        if a is None or b is None:
-            problems[module] = f"has {'lora_A' if a else 'lora_B'} without its pair"
-            continue
-        r = a[0] if len(a) == 2 else None
-        wanted = _rank_of(module, rank, pattern)
-        if wanted is not None and r != wanted:
-            problems[module] = (f"lora_A rank {r} != the config's r {wanted}" if wanted == rank
-                                else f"lora_A rank {r} != its rank_pattern rank {wanted}")
-        elif a == (r, in_f) and len(b) == 2 and b[0] == out_f and b[1] != r:
-            problems[module] = (f"lora_B {list(b)} has rank {b[1]}, its lora_A {list(a)} rank "
-                                f"{r}: the pair does not fit together")
-        elif a != (r, in_f) or b != (out_f, r):
+        a, b = got["lora_A"], got["lora_B"]
+        r = a[0]
+        if a != (r, in_f) or b != (out_f, r):
             problems[module] = (f"shapes lora_A {list(a)}, lora_B {list(b)} do not fit the "
                                 f"served layer ({out_f} x {in_f}): an adapter of another base "
                                 "model")
     return problems
-
-
-def _rank_of(module: str, rank: int | None, pattern: dict[str, int]) -> int | None:
-    """The rank PEFT gives ``module``: that of the first ``rank_pattern`` key naming it (the
-    module itself, or a suffix of dotted parts, as PEFT matches them), else ``r``."""
-    for key, value in pattern.items():
-        try:
-            named = module == key or re.match(rf".*\.{key}$", module) is not None
-        except re.error:  # (PEFT reads keys as patterns: a broken one names nothing)
-            named = False
-        if named:
-            return value
-    return rank
 
 
 _FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -438,19 +438,22 @@ def test_kept_plans_and_layouts_follow_what_changed_in_place(root):
         assert {e.dtype for e in rx.manifest().tensors} == {"bfloat16"}
     config = {"r": 8, "target_modules": ["q_proj"]}
     lora = os.path.join(root, "lora")
+    def adapter(rank: int) -> dict[str, torch.Tensor]:
+        return {"base_model.model.q_proj.lora_A.weight": torch.zeros(rank, 16),
+                "base_model.model.q_proj.lora_B.weight": torch.zeros(16, rank)}
+
     with dbsync.Sender(lora) as sender, dbsync.Receiver(lora) as rx:
-        adapter = {"base_model.model.q_proj.lora_A.weight": torch.zeros(8, 16)}
-        sender.push(adapter, adapter_config=config)
+        sender.push(adapter(8), adapter_config=config)
         config["r"] = 16
         config["target_modules"].append("v_proj")
-        sender.push(adapter, adapter_config=config)
+        sender.push(adapter(16), adapter_config=config)
         assert rx.manifest().adapter == {"r": 16, "target_modules": ["q_proj", "v_proj"]}
         # PEFT's LoraConfig.to_dict() gives a set: published as a sorted list (it failed
         # after every shard was written, with a bare TypeError)
-        sender.push(adapter, adapter_config={"r": 8, "target_modules": {"v_proj", "q_proj"}})
+        sender.push(adapter(8), adapter_config={"r": 8, "target_modules": {"v_proj", "q_proj"}})
         assert rx.manifest().adapter == {"r": 8, "target_modules": ["q_proj", "v_proj"]}
         with pytest.raises(dbsync.InvalidWeightsError, match="cannot be written as JSON"):
-            sender.push(adapter, adapter_config={"r": 8, "init": object()})
+            sender.push(adapter(8), adapter_config={"r": 8, "init": object()})
         assert rx.latest_version() == 3
 
 

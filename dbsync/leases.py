@@ -309,6 +309,17 @@ _STALE_NOTE = ".stale-"
 _DEAD_NOTE = ".dead-"
 
 
+def _read_note(store: Store, name: str, limit: int) -> dict[str, Any] | None:
+    """A writer's note in ``readers/`` as a JSON object, or None (absent, unreadable,
+    garbled)."""
+    try:
+        raw = store.read_small((READERS_DIR, name), limit)
+        noted = None if raw is None else json.loads(raw)
+    except (OSError, ValueError, RecursionError, FormatError):
+        return None
+    return noted if isinstance(noted, dict) else None
+
+
 def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: float,
                  now: float, timeout: float, times: dict[str, float]) -> bool:
     """For ``prune_abandoned``: whether the reader of an old-looking lease is gone for sure
@@ -327,11 +338,7 @@ def _reader_gone(store: Store, reader_id: str, lease: dict[str, Any], mtime: flo
     note = _STALE_NOTE + reader_id
     clock = _monotonic_clock_id()
     if note in times:
-        try:
-            raw = store.read_small((READERS_DIR, note), MAX_NOTE_BYTES)
-            noted = None if raw is None else json.loads(raw)
-        except (OSError, ValueError, RecursionError, FormatError):
-            noted = None  # unreadable or garbled: written again below
+        noted = _read_note(store, note, MAX_NOTE_BYTES)  # (None: written again below)
         if isinstance(noted, dict) and {k: noted.get(k) for k in seen} == seen:
             noted_at = noted.get("noted_at")
             if (clock is not None and _same_clock(noted.get("clock"), clock)
@@ -612,12 +619,8 @@ class LeaseMonitor:
 
     def _noted_dead_before(self, reader_id: str, lease: dict[str, Any]) -> bool:
         """Whether an earlier writer noted this very lease dead (see ``_dead_for``)."""
-        try:
-            raw = self.store.read_small((READERS_DIR, _DEAD_NOTE + reader_id), MAX_LEASE_BYTES)
-            noted = None if raw is None else json.loads(raw)
-        except (OSError, ValueError, RecursionError, FormatError):
-            return False
-        return isinstance(noted, dict) and noted == json.loads(json.dumps(lease))
+        noted = _read_note(self.store, _DEAD_NOTE + reader_id, MAX_LEASE_BYTES)
+        return noted is not None and noted == json.loads(json.dumps(lease))
 
     def _beat_of(self, reader_id: str) -> Any:
         """The reader's beat as last seen (what changes each time it renews its lease)."""

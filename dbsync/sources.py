@@ -13,6 +13,7 @@ needs); checkpoint directories are read in the index's order of shards and keys.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from collections.abc import Mapping
@@ -267,8 +268,8 @@ def adapter_config_of(weights: Any) -> dict[str, Any] | None:
     try:  # (Python's JSON reads NaN and Infinity; no JSON record may hold them)
         json.dumps(config, allow_nan=False)
     except ValueError:
-        bad = sorted(k for k, v in config.items() if isinstance(v, float) and v != v
-                     or v in (float("inf"), float("-inf")))
+        bad = sorted(k for k, v in config.items()
+                     if isinstance(v, float) and not math.isfinite(v))
         raise InvalidWeightsError(
             f"{config_path} holds NaN or Infinity ({', '.join(map(repr, bad)) or 'nested'}), "
             "which no adapter configuration can mean: save the adapter again") from None

@@ -233,10 +233,10 @@ class Store:
         """Whether the root's ``dbsync.json`` says it is a dbsync head (of any format version:
         a version this dbsync cannot read is refused later, saying so)."""
         try:
-            data = json.loads(self.read_small((MANIFEST_FILE,), MAX_HEAD_BYTES) or b"")
-        except (DBSyncError, OSError, ValueError, RecursionError):
+            data = self.read_raw_head_json()
+        except (DBSyncError, OSError):
             return False
-        return isinstance(data, dict) and data.get("format") == FORMAT_NAME
+        return data is not None and data.get("format") == FORMAT_NAME
 
     def _foreign_slot_entries(self) -> list[str]:
         """The entries under ``slots/`` that dbsync does not write ("slots/a/x.csv")."""
@@ -588,22 +588,32 @@ class Store:
         made anew), and (None, None) if it cannot be read (an I/O error). FormatError if
         something other than a stamp stands in its place (a symlink, a FIFO, an oversized or
         garbled file): the store was tampered with, not reused."""
-        parts = (SLOTS_DIR, slot, SLOT_STAMP_FILE)
         try:
-            raw = self.read_record(parts, MAX_STAMP_BYTES)
+            found = self._slot_record(slot, SLOT_STAMP_FILE)
         except OSError:
             return None, None
+        return absent if found is None else found
+
+    def write_stamp(self, slot: str, version: int | str, run_id: str | None, durable: bool,
+                    sync_dir: bool = True) -> None:
+        self._write_slot_record(slot, SLOT_STAMP_FILE, version, run_id, durable, sync_dir)
+
+    def _slot_record(self, slot: str, name: str) -> tuple[Any, Any] | None:
+        """(version, run_id) of a slot's small record ``name`` (None if absent; (None, None)
+        if it is not a JSON object). Raises OSError, and FormatError for garbled content."""
+        parts = (SLOTS_DIR, slot, name)
+        raw = self.read_record(parts, MAX_STAMP_BYTES)
         if raw is None:
-            return absent
+            return None
         data = loads_json(raw, os.path.join(self.root, *parts))
         if not isinstance(data, dict):
             return None, None
         return data.get("version"), data.get("run_id")
 
-    def write_stamp(self, slot: str, version: int | str, run_id: str | None, durable: bool,
-                    sync_dir: bool = True) -> None:
+    def _write_slot_record(self, slot: str, name: str, version: int | str,
+                           run_id: str | None, durable: bool, sync_dir: bool = True) -> None:
         with self.dir_fd(SLOTS_DIR, slot) as dfd:
-            fileio.write_atomic_at(dfd, SLOT_STAMP_FILE,
+            fileio.write_atomic_at(dfd, name,
                                    json.dumps({"version": version, "run_id": run_id}).encode(),
                                    durable=durable, sync_dir=sync_dir)
 
@@ -611,21 +621,15 @@ class Store:
         """Note in the slot that its version was published (after the flip; not fsynced): a
         head restored from an older copy is then told from a writer that died before its
         flip (``numbering``). Removed with the slot's other files when the slot is reused."""
-        with self.dir_fd(SLOTS_DIR, slot) as dfd:
-            fileio.write_atomic_at(dfd, PUBLISHED_FILE, json.dumps(
-                {"version": version, "run_id": run_id}).encode(), durable=False)
+        self._write_slot_record(slot, PUBLISHED_FILE, version, run_id, durable=False)
 
     def read_published(self, slot: str) -> tuple[Any, Any]:
         """(version, run_id) of the slot's published note ((None, None) if absent or
-        unreadable)."""
+        unreadable: then no version counts as published there)."""
         try:
-            raw = self.read_small((SLOTS_DIR, slot, PUBLISHED_FILE), MAX_STAMP_BYTES)
-            data = None if raw is None else json.loads(raw)
-        except (OSError, ValueError, RecursionError, DBSyncError):
+            return self._slot_record(slot, PUBLISHED_FILE) or (None, None)
+        except (OSError, DBSyncError):
             return None, None
-        if not isinstance(data, dict):
-            return None, None
-        return data.get("version"), data.get("run_id")
 
     def sync_slot(self, slot: str) -> None:
         """fsync the slot directory (makes replaces and unlinks inside it durable)."""

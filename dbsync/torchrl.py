@@ -747,11 +747,12 @@ class DBSyncScheme(WeightSyncScheme):
         if here is not None:
             if isinstance(prepared, TensorDictBase):  # (``TensorDict.from_module(policy)``)
                 prepared = _without_non_persistent(prepared, here)
-            _check_fits(here, _as_pairs(prepared))  # (before anything is published)
+            prepared = _as_pairs(prepared)  # (what is checked is what is sent and copied)
+            _check_fits(here, prepared)  # (before anything is published)
         version = self.shared_transport.send_weights(prepared)
         self.version = version
         if here is not None:
-            _copy_into(here, _as_pairs(prepared))
+            _copy_into(here, prepared)
         self.acknowledged(version)
         return version
 

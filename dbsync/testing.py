@@ -177,11 +177,12 @@ class Server:
     """``python -m dbsync.vllm.server ROOT --model DIR`` in a child process, sized for this
     machine. ``plain``: ``dbsync serve-vllm ROOT --model DIR [dbsync options]`` as a user types
     it (no vLLM options, no KV-cache cap in the environment); ``extra`` are then dbsync
-    options, else vLLM options, and ``options`` are dbsync options (``--pause-mode wait``)."""
+    options, else vLLM options, and ``options`` are dbsync options (``--pause-mode wait``).
+    ``sigint_ignored``: started with SIGINT ignored, as a shell script's background job is."""
 
     def __init__(self, root: Path, model_dir: Path, log_path: Path, *extra: str,
                  env: dict[str, str] | None = None, plain: bool = False,
-                 options: tuple[str, ...] = ()):
+                 options: tuple[str, ...] = (), sigint_ignored: bool = False):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
@@ -196,6 +197,8 @@ class Server:
                    "--poll-interval", "0.2", *options, "--", "--dtype", DTYPE, "--enforce-eager",
                    "--max-model-len", "256", "--max-num-seqs", "8",
                    "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *extra]
+        if sigint_ignored:  # (the same process: ``exec`` keeps the ignored signal)
+            cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=child_env(plain=plain, **(env or {})))

@@ -247,17 +247,22 @@ def test_sigterm_while_the_engine_starts_stops_its_processes_too(
     loads, before vLLM's own handlers are in place: the default action killed the server
     alone, and vLLM's engine and worker processes ran on (on a GPU, holding its memory). Now
     the start-up is cancelled as Ctrl-C cancels it: exit 143, nothing left running, nothing
-    left in the temp directory."""
+    left in the temp directory. Started with SIGINT ignored, as a shell script's background
+    job is: the first fix passed SIGTERM on as SIGINT, so there it still killed the server
+    alone and left the engine running."""
     import signal
 
     srv = Server(store, tiny_model("A"), tmp_path / "starting.log",
-                 env={"TMPDIR": str(starting_tmp)})
+                 env={"TMPDIR": str(starting_tmp)}, sigint_ignored=True)
     try:
         # the handshake: the engine's processes exist (the server is loading, not serving)
         wait_until(lambda: len(_descendants(srv.proc.pid)) >= 2 or srv.proc.poll() is not None,
                    180, 0.2, "the engine's processes to start")
         assert srv.proc.poll() is None, srv.tail()
         engine = _descendants(srv.proc.pid)
+        with open(f"/proc/{srv.proc.pid}/status") as status:  # (the ignored-signal mask)
+            ignored = int(next(x for x in status if x.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGINT - 1))
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(120) == 128 + signal.SIGTERM, srv.tail()
         assert "stopped by SIGTERM while starting" in srv.tail()

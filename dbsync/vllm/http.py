@@ -162,22 +162,28 @@ def run_until_stopped(main: Any) -> None:
     stop on SIGINT and SIGTERM alike, and an interrupted server must still exit 130.
 
     Before vLLM's handlers are in place (the engine loading, tens of seconds), SIGTERM and
-    SIGHUP are passed on as SIGINT, which asyncio turns into cancelling ``main`` (its
-    ``finally`` blocks stop the engine), and then raise ``StopSignal``: their default action
-    killed this process alone and left the engine's processes running (on a GPU, holding its
-    memory). Once serving, SIGHUP stops the server as SIGTERM does."""
+    SIGHUP cancel ``main`` as Ctrl-C does (its ``finally`` blocks stop the engine), and then
+    raise ``StopSignal``: their default action killed this process alone and left the
+    engine's processes running (on a GPU, holding its memory). This holds also where the
+    process was started with SIGINT ignored (a shell script's background job, many batch
+    schedulers), where asyncio leaves Ctrl-C ignored. Once serving, SIGHUP stops the server
+    as SIGTERM does."""
     import uvloop
 
     stops: list[int] = []
     early: list[int] = []
-    # Signals this process was started ignoring stay ignored (``nohup`` ignores SIGHUP; a
-    # shell's background job, SIGINT). SIGTERM and SIGHUP are passed on as Ctrl-C only where
-    # Ctrl-C is Python's own (asyncio then cancels the start-up): elsewhere they keep what
-    # they did.
+    # Signals this process was started ignoring stay ignored (``nohup`` ignores SIGHUP).
+    # Handlers can only be set from the main thread: elsewhere the signals keep what they did.
     in_main = threading.current_thread() is threading.main_thread()
     ignored = {s for s in (signal.SIGINT, *_STARTUP_SIGNALS)
                if in_main and signal.getsignal(s) is signal.SIG_IGN}
-    ctrl_c_works = in_main and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
+
+    async def tracked() -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        running.append((asyncio.get_running_loop(), task))
+        return await main
 
     class Loop(uvloop.Loop):  # type: ignore[misc, name-defined]
         def add_signal_handler(self, sig: int, callback: Any, *args: Any) -> None:
@@ -195,17 +201,24 @@ def run_until_stopped(main: Any) -> None:
                 super().add_signal_handler(signal.SIGHUP, noted, *args)  # (as SIGTERM)
 
     def as_ctrl_c(signum: int, frame: Any) -> None:
+        """Cancel the start-up as asyncio's own Ctrl-C handler does (not by raising SIGINT:
+        a process started with SIGINT ignored would ignore that too)."""
         early.append(signum)
-        signal.raise_signal(signal.SIGINT)
+        if not running:
+            raise KeyboardInterrupt  # (the loop has not started: nothing to stop yet)
+        loop, task = running[0]
+        if len(early) == 1 and not task.done():
+            task.cancel()
+            loop.call_soon_threadsafe(lambda: None)  # (wakes the loop)
 
     previous: dict[int, Any] = {}
     try:
-        if ctrl_c_works:
+        if in_main:
             for signum in _STARTUP_SIGNALS:
                 if signum not in ignored:
                     previous[signum] = signal.signal(signum, as_ctrl_c)
-        uvloop.run(main, loop_factory=Loop)
-    except KeyboardInterrupt:
+        uvloop.run(tracked(), loop_factory=Loop)
+    except (KeyboardInterrupt, asyncio.CancelledError):
         if early:
             raise StopSignal(early[0]) from None
         raise

@@ -316,16 +316,18 @@ def _takes_progress_arguments(progress: Callable[..., Any]) -> bool:
     return True
 
 
-def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor], pid: int) -> None:
+def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor], pid: int,
+             store: Store) -> None:
     """Finalizer shared by ``close()`` and garbage collection (holds no Sender reference).
     It may run in a pool's own thread (the publisher dropping the last reference after a
     background push): that pool is shut down without waiting for itself. In a forked child
-    it only closes its copy of the lock's descriptor: unlocking would release the parent's
+    it only closes its copies of the descriptors: unlocking would release the parent's
     lock (a ``flock`` belongs to the open file, which the child shares)."""
     if os.getpid() != pid:
         fd, lock_fd[0] = lock_fd[0], None
         if fd is not None:
             os.close(fd)
+        store.unpin()
         return
     for pool in pools:
         try:
@@ -336,6 +338,7 @@ def _release(lock_fd: list[int | None], pools: list[ThreadPoolExecutor], pid: in
     if fd is not None:
         lock_fd[0] = None
         Store.unlock_writer(fd)
+    store.unpin()
 
 
 def _index_columns(pairs: sources.Pairs, places: list[tuple[int, int]]) -> dict[str, list]:
@@ -412,15 +415,23 @@ class Sender:
         check_root_path(root)
         refuse_newer_format(root)  # before anything is created or removed in it
         self.store = Store(root, create=True)
+        # (pinned before it is locked: the lock and every later write are in the directory
+        # ROOT names now, even once ROOT names another one)
+        pinned = self.store.pin()
+        try:
+            lock_fd = self.store.lock_writer()
+        except BaseException:
+            self.store.unpin()
+            raise
         self.dtype = dtype
         self.strategy = strategy
         self.durable = durable
         self.max_lag = max_lag
         self.max_lag_timeout = max_lag_timeout
         self.reader_timeout = reader_timeout
-        self._lock_fd: list[int | None] = [self.store.lock_writer()]
+        self._lock_fd: list[int | None] = [lock_fd]
         #: the directory locked: pushes refuse to go on once ROOT names another one
-        self._locked_root = _identity(self.store.root)  # (it exists: its lock was taken)
+        self._locked_root = (pinned.st_dev, pinned.st_ino)
         self._pid = os.getpid()
         self._io = ThreadPoolExecutor(num_threads.__index__(), thread_name_prefix=_WRITER_THREADS)
         self._publisher_token = object()
@@ -428,7 +439,7 @@ class Sender:
                                              initializer=_mark_publisher_thread,
                                              initargs=(self._publisher_token,))
         self._finalizer = weakref.finalize(self, _release, self._lock_fd,
-                                           [self._publisher, self._io], self._pid)
+                                           [self._publisher, self._io], self._pid, self.store)
         _LIVE_SENDERS.add(self)
         try:
             self.store.remove_temp_files()
@@ -501,6 +512,15 @@ class Sender:
                 "since this Sender locked it; nothing was published. Its lock guards the old "
                 "directory, not this one: close this Sender and create a new one to publish "
                 "there")
+
+    def _moved_error(self) -> DBSyncError | None:
+        """``_check_root_unchanged``'s error, or None: what a push's write error means when
+        ROOT was removed (the pinned directory's files are gone) or now names another one."""
+        try:
+            self._check_root_unchanged()
+        except DBSyncError as exc:
+            return exc
+        return None
 
     def _check_head_unchanged(self) -> None:
         """Refuse to publish when the head is no longer this Sender's last (another writer
@@ -800,9 +820,10 @@ class Sender:
             if isinstance(exc, _AnotherWriter):
                 raise  # (the slot's files may be the other writer's now: left alone)
             # (worded before the partial files are removed, which frees space and inodes)
-            plain = (self._plain_error(exc, version, sum(sizes),
-                                       "the partial files were removed")
-                     if isinstance(exc, OSError) else None)
+            plain: BaseException | None = (
+                self._moved_error() or self._plain_error(exc, version, sum(sizes),
+                                                         "the partial files were removed")
+                if isinstance(exc, OSError) else None)
             self._free_slot(slot)
             if plain is not None:
                 raise plain from exc

@@ -164,6 +164,9 @@ class Store:
                                      "path of the store directory")
         self.root = os.path.abspath(os.fsdecode(root))  # (a bytes path too)
         self._parsed: dict[str, Index] = {}  # index checksum -> parsed index (the last two)
+        #: an fd of the directory ROOT named when ``pin`` was called (None: ROOT is looked up
+        #: by its path at each operation)
+        self._pinned: int | None = None
 
         if create:
             self._refuse_foreign_directory()
@@ -292,9 +295,29 @@ class Store:
         but not to be opened (no permission, a dead mount): ``StoreUnreachableError``."""
         return _DirFd(self, parts)
 
+    def pin(self) -> os.stat_result:
+        """From now on, open everything through the directory ROOT names now, not by its path:
+        once ROOT is removed and made anew, or a symlink ROOT is re-pointed, this store's
+        operations reach the old directory (or fail, where it was removed), never the new one.
+        A writer pins its store before it locks it: a writer left running beside a new run
+        (a restarted trainer's old process) must not write into, or free, that run's slots.
+        Returns the pinned directory's stat. Hazard: holds the fd until ``unpin``."""
+        fd = self._open_dir(())
+        self._pinned = fd
+        return os.fstat(fd)
+
+    def unpin(self) -> None:
+        """Close the pinned directory's fd (``pin``); ROOT is looked up by path again."""
+        fd, self._pinned = self._pinned, None
+        if fd is not None:
+            os.close(fd)
+
     def _open_dir(self, parts: tuple[str, ...]) -> int:
         try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            pinned = self._pinned
+            fd = (os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                  if pinned is None else
+                  os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pinned))
         except OSError as exc:
             if exc.errno not in UNREACHABLE_ERRNOS:
                 raise  # (missing: read as nothing published; EMFILE and such: as they are)

@@ -1507,6 +1507,52 @@ def test_a_sender_whose_root_was_replaced_refuses_to_push(tmp_path, how):
         assert load(receiver) == (2, [8.0])
 
 
+@pytest.mark.parametrize("how", ["made anew", "symlink re-pointed"])
+def test_a_root_replaced_during_a_push_keeps_the_old_writer_out_of_the_new_store(
+        tmp_path, how):
+    """ROOT is replaced while a trainer's push is writing (an operator starts a new run at the
+    path and its trainer publishes two versions), and the old trainer's push goes on: it used
+    to look ROOT up by path for each shard, so its later shards landed in the new run's
+    current slot. A leased reader of the new run loaded that version "verified" with tensors
+    of the other run, and later loads called it damaged. Now everything the old writer does
+    stays in the directory it locked: its push fails saying why, and the new run's version is
+    whole."""
+    runs = [tmp_path / "run-a", tmp_path / "run-b"]
+    for run in runs:
+        run.mkdir()
+    current = tmp_path / "current"
+    os.symlink(runs[0], current)
+    root = str(current / "store")
+    target = root if how == "made anew" else str(runs[1] / "store")
+    many = {f"t{i:03d}": torch.full((4096,), 3.0) for i in range(64)}  # 64 shards of 16 KiB
+    replaced = threading.Event()
+
+    def replace_root(done: int, total: int) -> None:  # (from the old push's writer threads)
+        if replaced.is_set():
+            return
+        replaced.set()
+        if how == "made anew":
+            shutil.rmtree(root)
+        else:
+            os.unlink(current)
+            os.symlink(runs[1], current)
+        with dbsync.Sender(target) as new:
+            new.push({n: torch.full((4096,), 7.0) for n in many})
+            new.push({n: torch.full((4096,), 8.0) for n in many})  # (into slot b, as A's)
+
+    with dbsync.Sender(root, num_threads=1) as old:
+        old.shard_bytes = 16 * 1024
+        old.push({n: torch.full((4096,), 1.0) for n in many})  # (slot a; the next is b)
+        with pytest.raises(dbsync.DBSyncError, match="since this Sender locked it"):
+            old.push(many, progress=replace_root)
+    assert replaced.is_set()
+    with dbsync.Receiver(target) as receiver:
+        assert load(receiver) == (2, [8.0])
+    verified = subprocess.run([sys.executable, "-m", "cli.main", "verify", target],
+                              cwd=REPO, capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
 def test_waiting_across_a_new_run_returns_once_then_blocks(root):
     """A receiver that loaded version 2 waits while a new run starts at the path and publishes
     its version 1: ``wait(newer_than=2)`` returns 1 once, and ``wait(newer_than=1)`` then

@@ -30,6 +30,21 @@ def _is_rank(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+#: the most unbounded repeats (``*``, ``+``, ``{n,}``) a ``rank_pattern`` key may hold
+_MAX_REPEATS = 4
+_REPEATED_GROUP = re.compile(r"\)[*+?{]")
+_UNBOUNDED_REPEAT = re.compile(r"[*+]|\{\d*,\}")
+
+
+def costly_pattern(key: Any) -> bool:
+    """Whether the ``rank_pattern`` key ``key``, read as a regular expression, may take
+    exponential (a repeated group, ``(a|a)+``) or high polynomial (many ``.*``) time to match:
+    such a key is refused, never matched. Plain names and the usual patterns pass."""
+    return isinstance(key, str) and (
+        len(key) > 1000 or _REPEATED_GROUP.search(key) is not None
+        or len(_UNBOUNDED_REPEAT.findall(key)) > _MAX_REPEATS)
+
+
 def rank_of(module: str, rank: int | None, pattern: Mapping[str, int]) -> int | None:
     """The rank PEFT gives ``module``: that of the first ``rank_pattern`` key naming it (the
     module itself, or a suffix of dotted parts, as PEFT matches them), else ``r``."""
@@ -75,6 +90,15 @@ def read_adapter(config: Mapping[str, Any],
     if not isinstance(pattern, dict) or not all(_is_rank(r) for r in pattern.values()):
         problems["rank_pattern"] = ("adapter_config.json's rank_pattern must map module names "
                                     f"to integer ranks >= 1, not {str(pattern)[:200]}")
+        pattern = {}
+    costly = [key for key in pattern if costly_pattern(key)]
+    if costly:
+        problems["rank_pattern"] = (
+            "adapter_config.json's rank_pattern key(s) "
+            f"{', '.join(repr(k[:100]) for k in costly[:5])} repeat a group or hold more than "
+            f"{_MAX_REPEATS} repeats, which can take exponential time to match (a config "
+            "read from a store must not hang its readers): name the modules plainly "
+            "(\"model.layers.0.self_attn.q_proj\", or a suffix such as \"q_proj\")")
         pattern = {}
     shape = AdapterShape(rank, dict(pattern), problems=problems)
     for name, dims, dtype in tensors:

@@ -60,8 +60,8 @@ def plan_copy(entries: Sequence[TensorEntry], dest: Mapping[str, Any], strict: b
     host_spans: list[Span] = []  # (of CPU tensors: their memory must be writable)
     for entry in entries:
         tensor = get(entry.name)
-        if (not isinstance(tensor, torch.Tensor) or tensor.shape != entry.shape
-                or tensor.is_meta or _distributed(tensor)):
+        if (not isinstance(tensor, torch.Tensor) or lazy(tensor)
+                or tensor.shape != entry.shape or tensor.is_meta or _distributed(tensor)):
             return None
         want = dtypes.get(entry.dtype)
         if want is None:
@@ -206,6 +206,9 @@ def unfit_destination(tensor: Any) -> str | None:
 
     if not isinstance(tensor, torch.Tensor):
         return f"not a tensor in the target (a {type(tensor).__name__})"
+    if lazy(tensor):
+        return ("an uninitialized parameter of a lazy module (nn.LazyLinear...): it has no "
+                "shape or memory yet (run one forward pass first)")
     if tensor.is_meta:
         return ("on the meta device: it has no memory to load into (materialize the model "
                 "first, e.g. module.to_empty(device='cpu'))")
@@ -217,6 +220,13 @@ def unfit_destination(tensor: Any) -> str | None:
                 "tensors; load into plain tensors (e.g. a full state dict) and distribute "
                 "them, or into each rank's local shard")
     return None
+
+
+def lazy(tensor: Any) -> bool:
+    """Whether ``tensor`` is a lazy module's uninitialized parameter (even its shape raises)."""
+    import torch
+
+    return isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)
 
 
 def _distributed(tensor: Any) -> bool:

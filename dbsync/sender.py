@@ -411,6 +411,7 @@ class Sender:
         check_seconds(max_lag_timeout, "max_lag_timeout", none="wait as long as it takes")
         reader_timeout = check_seconds(reader_timeout, "reader_timeout",
                                        none="wait as long as readers hold it")
+        check_flag(durable, "durable")
         check_lease_timeout(lease_timeout)
         check_root_path(root)
         refuse_newer_format(root)  # before anything is created or removed in it
@@ -618,7 +619,7 @@ class Sender:
                         sources.validate(pairs)
                 adapter = (sources.plain_adapter_config(adapter_config)
                            if adapter_config is not None else sources.adapter_config_of(weights))
-                self._check_kind("adapter" if adapter is not None else "weights")
+                self._check_kind("adapter" if adapter is not None else "weights")  # (early)
                 if adapter is not None:  # (what holds whatever the model: before any I/O)
                     refuse_unservable(adapter, [(n, tuple(t.shape), t.dtype) for n, t in pairs])
                 elif looks_like_an_adapter([n for n, _ in pairs]):
@@ -756,7 +757,6 @@ class Sender:
                 f"{self.store.root} holds {current} versions; these are {kind}. A store holds "
                 "one kind: publish them into another ROOT; nothing was written"
             )
-        self._kind = kind
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
                  adapter: dict[str, Any] | None, layout: PushLayout | None,
@@ -778,6 +778,9 @@ class Sender:
             raise _Aborted("push interrupted while waiting for readers; nothing was published")
         self._check_root_unchanged()  # (again: the wait may have been long)
         self._check_head_unchanged()
+        # (again, in the one thread that publishes: a push checked while another of the
+        # other kind was still pending, on an empty store, must not follow it)
+        self._check_kind("adapter" if adapter is not None else "weights")
         t1 = time.perf_counter()
 
         with gcpause.paused():
@@ -857,7 +860,7 @@ class Sender:
                      "a head restored from an older copy may not be told apart",
                      slot, self.store.root, version, exc.strerror or exc)
         with self._numbering:  # (published: counted in _version, no longer pending)
-            self._version, self._slot = version, slot
+            self._version, self._slot, self._kind = version, slot, head.kind
             self._head_seen = (self._run_id, version)
             self._pending[0] -= 1
         t3 = time.perf_counter()

@@ -13,6 +13,7 @@ needs); checkpoint directories are read in the index's order of shards and keys.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import stat
@@ -38,6 +39,8 @@ from .format import (
     unwrap_compiled,
 )
 from .hfcheckpoint import checkpoint_views
+
+log = logging.getLogger(__name__)
 
 Pairs = list[tuple[str, torch.Tensor]]
 
@@ -191,6 +194,9 @@ def validate(pairs: list[tuple[Any, Any]]) -> None:
                           "to a tensor" + (": a training checkpoint? publish its model's "
                                            "state_dict alone" if isinstance(value, Mapping)
                                            else "") + ")")
+        elif isinstance(value, torch.nn.parameter.UninitializedTensorMixin):
+            why = why or ("is an uninitialized parameter of a lazy module (nn.LazyLinear...): "
+                          "run one forward pass first, so that it has a shape and values")
         elif value.is_nested:
             why = why or ("a nested tensor cannot be published (publish its components as "
                           "tensors of their own)")
@@ -356,10 +362,14 @@ def _load_safetensors_dir(path: str) -> Pairs:
     if os.path.exists(index_path):
         _require_regular(index_path)
         try:
-            with open(index_path, encoding="utf-8") as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidWeightsError(f"{index_path} is not a valid index ({exc})") from None
+            with open(index_path, "rb") as f:
+                raw = f.read(_MAX_META_BYTES + 1)
+            if len(raw) > _MAX_META_BYTES:
+                raise ValueError(f"larger than {_MAX_META_BYTES >> 20} MiB")
+            weight_map: dict[str, str] = json.loads(raw.decode("utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise InvalidWeightsError(f"{index_path} is not a valid index "
+                                      f"({type(exc).__name__}: {exc})") from None
         problem = _weight_map_problem(weight_map)
         if problem is not None:
             raise InvalidWeightsError(f"{index_path} is not a valid index: {problem}; fix it "
@@ -377,6 +387,13 @@ def _load_safetensors_dir(path: str) -> Pairs:
             raise InvalidWeightsError(
                 f"{index_path} lists tensors its shards do not hold: {', '.join(absent[:20])}"
             )
+        unlisted = sorted(f"{k} ({s})" for s, held in by_shard.items() for k in held
+                          if weight_map.get(k) != s)
+        if unlisted:
+            log.warning("%s does not list %d tensor(s) its shards hold, which are not "
+                        "published: %s%s (if they belong to the model, fix the index)",
+                        index_path, len(unlisted), ", ".join(unlisted[:10]),
+                        " ..." if len(unlisted) > 10 else "")
         return [(k, by_shard[s][k]) for k, s in weight_map.items()]
     listing = os.listdir(path)
     files = sorted(f for f in listing if f.endswith(".safetensors"))
@@ -406,8 +423,20 @@ def _load_safetensors_dir(path: str) -> Pairs:
             f"tensordict meta.json; point at a checkpoint directory or a weights file.{hint}"
         )
     pairs: Pairs = []
+    found_in: dict[str, str] = {}
+    twice: list[str] = []
     for name in files:
-        pairs.extend(_load_safetensors_file(os.path.join(path, name)))
+        for key, tensor in _load_safetensors_file(os.path.join(path, name)):
+            first = found_in.setdefault(key, name)
+            if first != name:
+                twice.append(f"{key!r} ({first} and {name})")
+            pairs.append((key, tensor))
+    if twice:
+        raise InvalidWeightsError(
+            f"{path} holds {len(twice)} tensor name(s) in more than one .safetensors file: "
+            f"{', '.join(twice[:10])}{' ...' if len(twice) > 10 else ''}; a directory without "
+            "model.safetensors.index.json is read as one model made of all its files: remove "
+            "the files that do not belong to it, or push the one file")
     return pairs
 
 

@@ -229,6 +229,17 @@ def _peft_with_bad_config(d, weights):
     (d / "adapter_config.json").write_text("{not json")
 
 
+def _deeply_nested_index(d, weights):  # (was a RecursionError: "a bug in dbsync")
+    save_file(weights, str(d / "model-1.safetensors"))
+    (d / "model.safetensors.index.json").write_text(
+        '{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+def _one_name_in_two_files(d, weights):  # (said only "'a': appears twice")
+    save_file(weights, str(d / "model.safetensors"))
+    save_file(weights, str(d / "model-old.safetensors"))
+
+
 def _only_a_bin(d, weights):
     torch.save(weights, str(d / "pytorch_model.bin"))
 
@@ -254,6 +265,8 @@ def _a_training_checkpoint(d, weights):  # (the file itself is pushed)
     (_bad_index({"a": 5}), "maps to '5', not a file name"),
     (_bad_index({"a": "../model-1.safetensors"}), "not a file of the checkpoint's own"),
     (_peft_with_bad_config, "adapter_config.json is not readable JSON"),
+    (_deeply_nested_index, "model.safetensors.index.json is not a valid index (RecursionError"),
+    (_one_name_in_two_files, "(model-old.safetensors and model.safetensors)"),
     (_only_a_bin, "push that file itself (dbsync push "),
     (_bin_shards, "shards of one model: convert the checkpoint to safetensors"),
     (_a_store, "It is a dbsync store: is ROOT given as SRC?"),

@@ -784,6 +784,8 @@ def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lan
                "x": torch.ones(2)}
     with dbsync.Sender(root) as sender:
         sender.push(weights)
+        with pytest.raises(dbsync.InvalidWeightsError, match="'w': is an uninitialized"):
+            sender.push({"w": torch.nn.LazyLinear(2).weight})  # (was torch's ValueError)
     dest = {"a": torch.zeros(4), "b": torch.zeros(1, 4).expand(2, 4),
             "m": torch.empty(3, device="meta"), "x": [0.0, 0.0]}
     with dbsync.Receiver(root) as rx:
@@ -826,6 +828,13 @@ def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lan
         assert published == set(weights), published
         again = WithExtraState()
         assert rx.load(again) == 2 and torch.equal(again.a, weights["a"] + 5)
+        # A lazy module's parameters (no shape yet): named (was torch's RuntimeError)
+        with dbsync.Sender(root) as sender:
+            assert sender.push({"weight": torch.ones(2, 3), "bias": torch.ones(2)}) == 3
+        with pytest.raises(dbsync.IncompatibleWeightsError) as refused:
+            rx.load(torch.nn.LazyLinear(2))
+        assert set(refused.value.problems) == {"weight", "bias"}
+        assert "lazy module" in refused.value.problems["weight"]
 
 
 def test_the_same_bytes_seen_another_way_are_not_tied_weights(root):
@@ -1105,6 +1114,8 @@ def test_call_arguments_that_cannot_be_are_refused_before_anything_is_read(root)
         assert sender.latest_version() == 1
     with pytest.raises(dbsync.InvalidArgumentError, match="16 bits or more"):
         dbsync.Sender(root, dtype="bf16")
+    with pytest.raises(dbsync.InvalidArgumentError, match="durable must be True or False"):
+        dbsync.Sender(root, durable="no")  # (was taken as durable)
     for make in (dbsync.Sender, dbsync.Receiver):
         for path, what in ((None, "must be a str or a path object, not NoneType"),
                            (root + "\0x", "holds a NUL character")):

@@ -606,6 +606,38 @@ def test_an_adapter_no_model_could_serve_is_refused_at_push_naming_every_problem
         with pytest.raises(dbsync.InvalidWeightsError, match="cannot be served on any model"):
             sender.push(str(adapter))
         assert sender.latest_version() is None
+        # (the refused adapter left its kind behind: "holds adapter versions" for weights)
+        assert sender.push({"w": torch.ones(3)}) == 1
+
+
+def test_a_rank_pattern_that_would_match_for_ever_is_refused_at_once(tmp_path):
+    """``rank_pattern`` keys are regular expressions to PEFT. A key such as ``(a|a)+b``
+    against a module named ``layers.aaa...a`` took time doubling with each letter: a push
+    hung before any I/O, and so would every server reading that config from the store. Such
+    keys are refused now, with the plain names to use instead."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"],
+         "rank_pattern": {"(a|a)+b": 4}}))
+    module = "base_model.model.layers." + "a" * 40
+    save_file({f"{module}.lora_A.weight": torch.zeros(4, 8),
+               f"{module}.lora_B.weight": torch.zeros(8, 4)},
+              str(adapter / "adapter_model.safetensors"))
+    store = tmp_path / "store"
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "cli.main", "push", str(adapter), str(store)],
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - started < 60
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "'(a|a)+b' repeat a group" in result.stderr, result.stderr
+    assert not store.exists()
 
 
 def test_tensordict_source_keys_never_name_files_outside_it(root, tmp_path):

@@ -640,8 +640,14 @@ class LeaseMonitor:
         been dead for longer than the grace period."""
         now = self.clock()
         unreadable: dict[str, str] = {}
-        leases = self.store.read_leases(unreadable)
+        foreign: dict[str, str] = {}
+        leases = self.store.read_leases(unreadable, foreign)
         self._last_read.update(leases)
+        for reader_id, why in foreign.items():
+            if reader_id not in self._ignored:
+                self._ignored.add(reader_id)
+                log.warning("ignoring %s/%s.json: not a reader's lease (%s); remove it",
+                            self.store.readers_dir, reader_id, why)
         for reader_id, why in unreadable.items():
             # Not "gone": that reader may be alive and hold a slot. It counts as its lease
             # last read (dead once that stops changing for its timeout), or, never read, as

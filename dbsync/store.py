@@ -953,13 +953,15 @@ class Store:
             return None  # removed, being replaced, or not a lease: the next look sees it
         return record if isinstance(record, dict) else None
 
-    def read_leases(self, unreadable: dict[str, str] | None = None
-                    ) -> dict[str, dict[str, Any]]:
+    def read_leases(self, unreadable: dict[str, str] | None = None,
+                    foreign: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
         """reader id -> lease record, for every readable lease (damaged ones are skipped).
         ``unreadable``: filled with reader id -> why, for each lease that exists but could not
         be read (an I/O error, ``ESTALE``: tried three times in ~0.1 s); without it, such
         leases are skipped as damaged ones are. A writer must not take "unreadable" for
-        "gone": that reader may hold a slot."""
+        "gone": that reader may hold a slot. ``foreign``: filled with reader id -> why, for
+        each file this process may not read whose mode says no reader wrote it (every lease
+        is readable by all; see ``fileio.file_mode_in``): skipped, not counted unreadable."""
         leases: dict[str, dict[str, Any]] = {}
         try:
             with self.dir_fd(READERS_DIR) as dfd:
@@ -974,11 +976,31 @@ class Store:
                     try:
                         record = self._read_lease_retrying(name)
                     except OSError as exc:
-                        unreadable[name[: -len(".json")]] = exc.strerror or str(exc)
+                        why = self._not_a_lease(name, exc)
+                        if why is not None and foreign is not None:
+                            foreign[name[: -len(".json")]] = why
+                        else:
+                            unreadable[name[: -len(".json")]] = exc.strerror or str(exc)
                         continue
                 if record is not None:
                     leases[name[: -len(".json")]] = record
         return leases
+
+    def _not_a_lease(self, name: str, exc: OSError) -> str | None:
+        """Why ``readers/name``, which could not be read (``exc``), is no reader's lease; None
+        where it may be one (an I/O error, or a mode that lets everyone read it)."""
+        if exc.errno not in (errno.EACCES, errno.EPERM):
+            return None
+        try:
+            with self.dir_fd(READERS_DIR) as dfd:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            return None
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o004:
+            return None  # (denied all the same: an ACL, a security label; maybe a lease)
+        return (f"this process may not read it (mode {mode:04o}, owner uid {st.st_uid}), and "
+                "every reader's lease is readable by all: no dbsync reader wrote it")
 
     def _read_lease_retrying(self, name: str) -> dict[str, Any] | None:
         """The lease ``name`` (None: removed meanwhile, or no lease); raises the ``OSError``

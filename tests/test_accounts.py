@@ -125,3 +125,34 @@ def test_an_engine_of_another_account_says_it_cannot_lease_and_how_to_let_it(sha
         assert leased["problem"] is None and leased["lease_owner"] == OUTSIDER, leased
         assert sender.push({"w": torch.full((1000,), 2.0), "b": torch.full((3,), 2.0)}) == 2
     assert stat.S_IMODE(os.stat(readers).st_mode) == 0o1777  # (never reset by a writer)
+
+
+def test_a_file_in_readers_the_trainer_may_not_read_does_not_stall_its_pushes(shared_base):
+    """``readers/`` is 1777 (as DEPLOY.md advises for engines of other accounts), and another
+    account leaves ``readers/x.json`` there with mode 0600. The trainer could not read it and
+    counted it as an unreadable lease holding every slot for up to an hour: every push (and
+    every new ``dbsync push``) waited. Every lease dbsync writes is readable by all, so a
+    file the trainer may not read by its mode is no lease: it is named in a WARNING and
+    ignored, and the pushes go on."""
+    root = os.path.join(shared_base, "store")
+    os.makedirs(os.path.join(root, "readers"))
+    os.chmod(root, 0o777)
+    os.chmod(os.path.join(root, "readers"), 0o1777)
+    stray = os.path.join(root, "readers", "x.json")
+    with open(stray, "w") as f:
+        f.write('{"reader_id": "x"}')
+    os.chown(stray, OUTSIDER, OUTSIDER)
+    os.chmod(stray, 0o600)
+    pushes = """
+        import json, sys, time, torch, dbsync
+        root = sys.argv[1]
+        started = time.monotonic()
+        with dbsync.Sender(root, reader_timeout=60) as sender:
+            versions = [sender.push({"w": torch.full((10,), float(v))}) for v in (1, 2, 3)]
+        print(json.dumps({"versions": versions, "seconds": time.monotonic() - started}))
+    """
+    out = as_user(TRAINER_A, [], pushes, root)
+    assert out["versions"] == [1, 2, 3] and out["seconds"] < 30, out
+    assert "ignoring" in out["stderr"] and "x.json: not a reader's lease" in out["stderr"]
+    assert "mode 0600" in out["stderr"], out["stderr"]
+    assert os.path.exists(stray)  # (not the trainer's to remove: only named)

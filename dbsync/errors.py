@@ -17,6 +17,12 @@ class InvalidWeightsError(DBSyncError, ValueError):
     source). Raised before any byte is written: nothing is published."""
 
 
+class SourceChangedError(DBSyncError):
+    """A file of the path pushed was rewritten in place while the push read it, so the
+    version could have mixed two files' tensors: nothing was published. Push again once the
+    file is written (save to a temporary name and rename it into place)."""
+
+
 class InvalidArgumentError(DBSyncError, ValueError):
     """An argument given to dbsync is malformed or out of range (a reader id, a timeout, a
     thread count). Raised before anything is read, written or started."""

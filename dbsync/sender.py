@@ -43,6 +43,7 @@ from .errors import (
     FormatError,
     InvalidArgumentError,
     InvalidWeightsError,
+    SourceChangedError,
     StoreBusyError,
     StoreFullError,
     StoreReadOnlyError,
@@ -71,6 +72,7 @@ from .leases import (
 )
 from .numbering import continue_from_store, refuse_newer_format
 from .pushlayout import LayoutCache, PushLayout
+from .sourcefiles import SourceFiles
 from .staleness import wait_for_lag
 from .status import printable, wait_for_receivers
 from .store import MOUNT_READ_ERRNOS, WRITING, Store, check_root_path
@@ -352,6 +354,20 @@ def _index_columns(pairs: sources.Pairs, places: list[tuple[int, int]]) -> dict[
     }
 
 
+def refuse_if_rewritten(watched: SourceFiles | None) -> None:
+    """Raise ``SourceChangedError`` if a file of the path pushed was rewritten in place since
+    the push began reading it (its version could mix the old and new files' tensors)."""
+    if watched is None:
+        return
+    changed = watched.changed()
+    if changed:
+        raise SourceChangedError(
+            f"{watched.path} changed while it was being published ({', '.join(changed[:5])}"
+            f"{' ...' if len(changed) > 5 else ''} rewritten in place); nothing was published. "
+            "Push again once it is written; save checkpoints to a temporary name and rename "
+            "them into place, so that a push never reads a file being written")
+
+
 def _identity(path: str) -> tuple[int, int] | None:
     """(device, inode) of the directory ``path`` names now (following symlinks), or None if
     it is gone. Other errors (ESTALE, EIO) are raised: they say nothing about which it is."""
@@ -608,6 +624,9 @@ class Sender:
                     # The same tensors as a recent push (names, addresses, dtypes, shapes...):
                     # already validated and planned; else validated here, before any I/O.
                     # (A background push writes the snapshot's tensors: looked up by the writer.)
+                    # (before the path is read: what is read later is checked against it)
+                    watched = (SourceFiles(os.fspath(weights))
+                               if isinstance(weights, str | os.PathLike) else None)
                     pairs = sources.pairs_of(weights, self.strategy)  # dtype is applied below
                     if not pairs:
                         sources.validate(pairs)  # raises: nothing to publish
@@ -646,6 +665,8 @@ class Sender:
                             pairs = buffer.snapshot(pairs, self.dtype)
                     finally:
                         self._writes_allowed.set()
+                    refuse_if_rewritten(watched)
+                    watched = None  # (copied whole: what happens to the files now is no matter)
                     layout = None  # the snapshot's own tensors, found by the writer
                 else:
                     buffer = None
@@ -661,7 +682,7 @@ class Sender:
                     try:
                         future = self._publisher.submit(self._publish_and_report, not blocking,
                                                         ticket, pairs, progress, adapter, layout,
-                                                        abort)
+                                                        watched, abort)
                     except RuntimeError as exc:  # (shut down: close() from another thread won,
                         # or the interpreter is exiting)
                         named = resource_limit(exc, "starting the push's thread",
@@ -760,7 +781,8 @@ class Sender:
 
     def _publish(self, pairs: sources.Pairs, progress: Progress | None,
                  adapter: dict[str, Any] | None, layout: PushLayout | None,
-                 abort: threading.Event, waiter: int | None = None) -> int:
+                 watched: SourceFiles | None, abort: threading.Event,
+                 waiter: int | None = None) -> int:
         t0 = time.perf_counter()
         self._writes_allowed.wait()  # a snapshot of the next push runs: let it have the CPU
         lagged = wait_for_lag(self._leases, self._version, self.max_lag, self.max_lag_timeout,
@@ -810,6 +832,7 @@ class Sender:
                     index = template.fill(self._run_id, version, checksums)
 
             self._write(slot, layout, progress, make_index, abort)
+            refuse_if_rewritten(watched)  # (the files were read while the shards were written)
             t2 = time.perf_counter()
             self._check_head_unchanged()  # (before the index: the other writer's slot now?)
             self.store.write_index(slot, index, durable=self.durable)

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -1676,3 +1677,43 @@ def test_a_store_symlink_to_a_missing_directory_says_to_create_it(tmp_path):
     with dbsync.Sender(link) as sender:
         assert sender.push({"w": torch.ones(2)}) == 1
     assert (tmp_path / "vol" / "policy" / "dbsync.json").exists()
+
+
+@pytest.mark.parametrize("kind", ["w.pt", "w.safetensors"])
+def test_a_file_rewritten_in_place_while_it_is_pushed_publishes_nothing(root, tmp_path, kind):
+    """A path pushed is memory-mapped and read while the shards are written; the trainer
+    saved the next checkpoint over it meanwhile (``torch.save`` to the same path rewrites the
+    same file). The version published mixed both files' tensors, each with a matching
+    checksum, and loaded as verified. Now the push looks at its files again before the flip
+    and refuses, naming the file; the previous version stays current."""
+    from safetensors.torch import save as safetensors_bytes
+
+    def save(weights: dict, path: str) -> None:  # (in place: the same file, truncated)
+        if kind.endswith(".pt"):
+            torch.save(weights, path)
+        else:
+            with open(path, "wb") as f:
+                f.write(safetensors_bytes(weights))
+
+    src = str(tmp_path / kind)
+    old = {f"w{i:03d}": torch.full((4096,), float(i)) for i in range(128)}
+    new = {name: t + 1000 for name, t in old.items()}
+    save(old, src)
+    rewritten = threading.Event()
+
+    def rewrite_it(done: int, total: int) -> None:  # (from the push's writer thread)
+        if not rewritten.is_set():
+            rewritten.set()
+            save(new, src)
+
+    with dbsync.Sender(root, num_threads=1) as sender:
+        assert sender.push({"w000": torch.zeros(4096)}) == 1
+        sender.shard_bytes = 64 * 1024  # (many shards: the rewrite lands between two)
+        with pytest.raises(dbsync.SourceChangedError, match=f"{kind} rewritten in place"):
+            sender.push(src, progress=rewrite_it)
+        assert rewritten.is_set() and sender.latest_version() == 1
+        assert sender.push(src) == 2  # (written: pushed whole)
+    with dbsync.Receiver(root) as rx:
+        dest = {name: torch.empty(4096) for name in new}
+        assert rx.load(dest) == 2
+        assert all(torch.equal(dest[n], new[n]) for n in new)

@@ -303,6 +303,8 @@ def test_sigterm_during_a_swap_holding_a_stream_stops_cleanly(
                 for c in finishes] == [("abort", "")], (raw.path, events)
         assert all(e["model"] == server.model for e in events[:-1]), events
     after = server.tail(10_000_000)[start:]
+    # (ended by the server's front end: the engine core, shutting down, may refuse the call)
+    assert "request(s) held by the swap (finish_reason \"abort\")" in after, after[-3000:]
     for noise in ("Traceback", "EngineDeadError", "leaked", " ERROR "):
         assert noise not in after, after[-3000:]
 

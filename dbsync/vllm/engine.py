@@ -127,6 +127,13 @@ def _log_abort_failure(future: concurrent.futures.Future[Any]) -> None:
                  "end with the engine", future.exception())
 
 
+def _log_core_abort_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("dbsync: the engine core did not take the abort of the held requests (%s); "
+                  "it is shutting down, and their clients have their answer already",
+                  future.exception())
+
+
 class AsyncEngineOps:
     """``EngineOps`` for an ``AsyncLLM`` (or any vLLM ``EngineClient``) running on ``loop``."""
 
@@ -154,9 +161,44 @@ class AsyncEngineOps:
             pending = list(self._pending)
         for future in pending:
             future.cancel()  # (and the coroutine on the loop is cancelled in turn)
-        if held and not self.loop.is_closed():
+        if not held or self.loop.is_closed():
+            return
+        if getattr(getattr(self.engine, "output_processor", None), "request_states",
+                   None) is None:  # (an engine client of another kind: ask its core)
             aborted = asyncio.run_coroutine_threadsafe(self._pause_coro("abort"), self.loop)
             aborted.add_done_callback(_log_abort_failure)
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:  # (the stop signal's callback: on the engine's loop)
+            self._abort_held_now()
+        else:
+            self.loop.call_soon_threadsafe(self._abort_held_now)
+
+    def _abort_held_now(self) -> None:
+        """On the engine's loop: end every request in flight (those the swap's pause holds)
+        with finish_reason "abort" in the front end at once, so their clients get their answer
+        whatever the engine core is doing: a stop signal starts the core's shutdown right
+        after this, and a core shutting down refuses calls (the held requests' clients then
+        waited for the server's grace period and got a 500 or a cut stream). The core is
+        then asked to drop them too."""
+        processor = self.engine.output_processor
+        try:
+            ids = processor.abort_requests(list(processor.request_states), internal=True)
+        except Exception as exc:  # noqa: BLE001 - the server must still stop
+            log.warning("dbsync: could not end the requests held by the abandoned swap (%s); "
+                        "they end with the engine", exc)
+            return
+        if not ids:
+            return
+        log.info("dbsync: the stop ended %d request(s) held by the swap (finish_reason "
+                 "\"abort\")", len(ids))
+        core = getattr(self.engine, "engine_core", None)
+        if core is not None and hasattr(core, "abort_requests_async"):
+            asyncio.ensure_future(core.abort_requests_async(ids), loop=self.loop
+                                  ).add_done_callback(_log_core_abort_failure)
 
     def _run(self, coro: Any) -> Any:
         if self.loop.is_closed():

@@ -27,11 +27,10 @@ from .leases import (
     IDLE,
     READING,
     forget_hold,
-    host_identity,
     note_hold,
-    own_start,
     release_reader_id,
 )
+from .processes import host_identity, own_start
 from .slowcalls import said_if_slow
 from .store import Store
 

@@ -47,7 +47,7 @@ from typing import Any
 
 from .errors import InvalidArgumentError, SelfHeldSlotError, SlotHeldError
 from .format import MAX_LEASE_BYTES, READERS_DIR, SLOTS, FormatError, is_reader_id
-from .processes import process_start, process_state
+from .processes import host_identity, process_start, process_state
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -66,25 +66,6 @@ IDLE = "idle"
 
 
 @functools.cache
-def host_identity() -> dict[str, Any]:
-    """Who this process is, as far as pid checks go: hostname, boot id, PID namespace."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot_id = f.read().strip()
-    except OSError:
-        boot_id = None
-    try:
-        pidns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        pidns = None
-    return {"host": socket.gethostname(), "boot_id": boot_id, "pidns": pidns}
-
-
-@functools.cache
-def own_start() -> int | None:
-    """When this process started (``processes.process_start``), for its leases."""
-    return process_start("self")
-
 
 def default_reader_id(role: str = "") -> str:
     """A reader id no other process uses: ``<host>-<pid>-<8 hex digits>`` (a new random part

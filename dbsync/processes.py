@@ -3,6 +3,11 @@ writer's lease checks and its messages about a lock's holder. Imports nothing of
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
+from typing import Any
+
 
 def process_state(pid: int | str) -> bytes | None:
     """The one-letter state of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie ...),
@@ -27,3 +32,23 @@ def process_start(pid: int | str) -> int | None:
         return int(stat[stat.rfind(b")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def host_identity() -> dict[str, Any]:
+    """Who this process is, as far as pid checks go: hostname, boot id, PID namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = None
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = None
+    return {"host": socket.gethostname(), "boot_id": boot_id, "pidns": pidns}
+
+
+@functools.cache
+def own_start() -> int | None:
+    """When this process started (``process_start``), for its leases and lock records."""
+    return process_start("self")

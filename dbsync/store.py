@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import re
-import socket
 import stat
 import threading
 import time
@@ -75,7 +74,7 @@ from .format import (
     loads_json,
     shard_file,
 )
-from .processes import process_state
+from .processes import host_identity, own_start, process_start, process_state
 
 log = logging.getLogger(__name__)
 
@@ -844,14 +843,8 @@ class Store:
             finally:
                 os.close(fd)
             path = f"{self.root}/{WRITER_LOCK_FILE}"
-            recorded = f" (it records {holder[:120]!r})" if holder else ""
-            if holder == f"{socket.gethostname()} {os.getpid()}":
-                recorded += (": this process itself (a Sender it made is still open, or its "
-                             "background push still publishing: close() that Sender first)")
-            elif _stopped_here(holder):
-                recorded += (f": process {holder.split()[-1]} of this host, which is stopped "
-                             "(SIGSTOP, or a frozen cgroup): it publishes once thawed; thaw it "
-                             "to let it finish, or kill it")
+            recorded = f" (it records {holder[:200]!r})" if holder else ""
+            recorded += _lock_holder_note(holder)
             raise StoreBusyError(
                 f"another writer holds {path}{recorded}; only one Sender may publish into a "
                 "store at a time (close the other one — in a notebook, the Sender of an "
@@ -865,7 +858,7 @@ class Store:
         try:  # (who holds it, for the message of a refused writer: informational only; on
             # a full filesystem the push itself says so, with what to do)
             os.ftruncate(fd, 0)
-            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+            os.write(fd, _lock_record().encode())
         except OSError as exc:
             log.info("could not record this writer in %s (%s)", WRITER_LOCK_FILE, exc)
         return fd
@@ -1174,11 +1167,40 @@ def _make_parents(path: str) -> None:
         os.chmod(directory, mode)
 
 
-def _stopped_here(holder: str) -> bool:
-    """Whether a lock's record '<host> <pid>' names a stopped process of this host."""
-    host, _, pid = holder.rpartition(" ")
-    return (host == socket.gethostname() and pid.isdigit()
-            and process_state(pid) in (b"T", b"t"))
+def _lock_record() -> str:
+    """What the writer lock's file says of its holder (for a refused writer's message only):
+    '<host> <pid> boot=<boot id> pidns=<PID namespace> start=<start time>'. Containers that
+    share a hostname (host networking) often share pids too (each trainer is pid 1 of its
+    own namespace): the rest tells them apart."""
+    me = host_identity()
+    return (f"{me['host']} {os.getpid()} boot={me['boot_id']} pidns={me['pidns']} "
+            f"start={own_start()}\n")
+
+
+def _lock_holder_note(holder: str) -> str:
+    """What a lock's record (``_lock_record``; before: '<host> <pid>') says of its holder
+    from here: this very process, a stopped process of this host, a process of another PID
+    namespace of this host, or nothing known."""
+    fields = holder.split()
+    if len(fields) < 2 or not fields[1].isdigit():
+        return ""
+    host, pid = fields[0], fields[1]
+    extra = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
+    me = host_identity()
+    if host != me["host"] or extra.get("boot", str(me["boot_id"])) != str(me["boot_id"]):
+        return ""
+    if extra.get("pidns", str(me["pidns"])) != str(me["pidns"]):
+        return (f": process {pid} of another PID namespace (a container sharing this "
+                "hostname), still running: stop that writer, or publish into another root")
+    if extra.get("start", "None") not in ("None", str(process_start(pid))):
+        return ""  # (that pid is another process now: the holder is elsewhere)
+    if int(pid) == os.getpid():
+        return (": this process itself (a Sender it made is still open, or its background "
+                "push still publishing: close() that Sender first)")
+    if process_state(pid) in (b"T", b"t"):
+        return (f": process {pid} of this host, which is stopped (SIGSTOP, or a frozen "
+                "cgroup): it publishes once thawed; thaw it to let it finish, or kill it")
+    return ""
 
 
 def _owner_note(path: str) -> str:

@@ -1671,3 +1671,29 @@ def test_two_writers_the_lock_does_not_keep_apart_never_give_a_version_two_conte
                 assert load(receiver) == (2, expected_values(2))
         finally:
             fuse.close()
+
+
+@needs_root
+def test_a_writer_refused_by_one_in_another_container_is_not_told_it_holds_the_lock(root):
+    """Two trainer containers with host networking (the same hostname), each trainer pid 1 of
+    its own PID namespace: the second was refused, rightly, but told the lock was held by
+    "this process itself" and to close its own Sender. The lock now records the holder's
+    boot and PID namespace: it is named as a process of another PID namespace."""
+    hold = ("import sys, dbsync; s = dbsync.Sender(sys.argv[1]); print('locked', flush=True); "
+            "sys.stdin.read()")
+    attempt = ("import os, sys, dbsync\n"
+               "try:\n    dbsync.Sender(sys.argv[1])\n"
+               "except dbsync.StoreBusyError as exc:\n    print(os.getpid(), exc)\n")
+    unshare = ["unshare", "--pid", "--fork", "--kill-child"]
+    holder = subprocess.Popen([*unshare, sys.executable, "-c", hold, root], env=ENV,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        refused = subprocess.run([*unshare, sys.executable, "-c", attempt, root], env=ENV,
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.stdout.startswith("1 another writer holds"), refused
+        assert "process 1 of another PID namespace" in refused.stdout, refused.stdout
+        assert "this process itself" not in refused.stdout
+    finally:
+        holder.kill()
+        holder.wait()

@@ -58,6 +58,10 @@ class LeaseKeeper:
         self.lock = threading.Lock()
         self.beat = 0
         self.last_ok: float | None = None
+        #: the last renewal that came after the lease had lapsed (0.9 x its timeout without
+        #: one: this process or its lease thread stalled), and how long it had gone unrenewed
+        self.last_lapse: tuple[float, float] | None = None
+        self._held_since: dict[int, float] = {}  # token -> when its hold began (monotonic)
         self.error: OSError | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -127,12 +131,28 @@ class LeaseKeeper:
                 log.info("reader %s writes its lease in %s again", self.reader_id,
                          self.store.root)
                 self.error = None
+            if self.last_ok is not None and started - self.last_ok >= 0.9 * self.timeout:
+                self.last_lapse = (started, started - self.last_ok)
             self.last_ok = started
             return True
 
     def trusted(self) -> bool:
         """Whether the writer must still consider this lease live (renewed recently enough)."""
         return self.last_ok is not None and time.monotonic() - self.last_ok < 0.9 * self.timeout
+
+    def lapse_during(self, token: int) -> float | None:
+        """How long the lease went unrenewed (past 0.9 x its timeout) while hold ``token``
+        lasted, now or at some point since it began (renewed again since: the writer may
+        have taken it for dead meanwhile); None if it never lapsed."""
+        now = time.monotonic()
+        if self.last_ok is None:
+            return None
+        if now - self.last_ok >= 0.9 * self.timeout:
+            return now - self.last_ok
+        lapse, since = self.last_lapse, self._held_since.get(token)
+        if lapse is not None and since is not None and lapse[0] > since:
+            return lapse[1]
+        return None
 
     def hold(self, token: int, slot: str, version: int, run_id: str | None = None) -> bool:
         """Add a hold (of ``version`` of run ``run_id`` in ``slot``) and write the lease;
@@ -143,6 +163,8 @@ class LeaseKeeper:
             self.held[token] = (slot, version, run_id)
             note_hold(self.claim, token, slot)
         if self.write():
+            with self.lock:
+                self._held_since[token] = time.monotonic()
             return True
         error = self.error
         if error is not None and error.errno in _PROCESS_LIMITS:
@@ -160,6 +182,7 @@ class LeaseKeeper:
             return  # a forked child: the holds and the lease are its parent's
         with self.lock:
             forget_hold(self.claim, token)
+            self._held_since.pop(token, None)
             if self.held.pop(token, None) is None:
                 return
             last = self._closing and not self.held

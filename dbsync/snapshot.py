@@ -727,16 +727,19 @@ class Snapshot:
         stamp = self.receiver.store.read_stamp(self.manifest.slot)
         if stamp != (self.version, self.run_id):
             cls: type[LeaseExpiredError] = SlotReused
+            lapse = keeper.lapse_during(self._token) if self.leased else None
             if not self.leased:
                 how = "a writer reused it while this reader held no lease"
-            elif keeper.trusted():  # (a lease renewed in time that did not keep the slot
+            elif lapse is None:  # (a lease renewed in time that did not keep the slot
                 how = ("a writer reused it without seeing this reader's lease (a head this "
                        "mount showed from its cache after the writer moved on, or leases the "
                        "writer sees late: NFS or FUSE caches longer than 1 s, see "
                        "docs/DEPLOY.md)")  # was not seen by the writer)
             else:
                 cls = LeaseExpiredError
-                expired = ("stalled longer than the lease timeout" if keeper.error is None
+                expired = (f"this process, or its lease thread, was stalled (stopped, or "
+                           f"starved of CPU): {lapse:.1f} s without a renewal, past 0.9 x its "
+                           f"lease timeout of {keeper.timeout:g} s" if keeper.error is None
                            else f"it could not be renewed: {keeper.error.strerror or keeper.error}")
                 how = (f"a writer reused it after this reader's lease expired ({expired}), or "
                        "the stamp file was damaged")

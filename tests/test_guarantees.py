@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -154,6 +155,62 @@ def test_stalled_reader_finds_out_its_lease_expired(root):
                 assert time.monotonic() - start < 0.5 + 1.0  # the reader's own timeout
 
             receiver.load(stall)
+
+
+STOPPED_READER = """
+import json, sys, dbsync
+rx = dbsync.Receiver(sys.argv[1], lease_timeout=1.0)
+def apply(pairs):
+    list(pairs)
+    print("READY", flush=True)  # (stopped here; continued, it waits for the parent's word)
+    sys.stdin.readline()
+try:
+    rx.load(apply)
+    print(json.dumps({"error": None}))
+except dbsync.LeaseExpiredError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+def test_a_reader_stopped_past_its_lease_is_told_it_stalled_not_sent_to_mount_caches(root):
+    """A reader process stopped (SIGSTOP, a VM pause) past its lease timeout while applying;
+    the writer reused its slot. Continued, its lease thread renews at once, before the load
+    checks the slot, so the check found a lease renewed in time and blamed NFS or FUSE
+    caches (DEPLOY.md's mount options), sending the operator the wrong way. It now says the
+    process stalled, and for how long."""
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(4)})
+        reader = subprocess.Popen([sys.executable, "-c", STOPPED_READER, root],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env=dict(os.environ, PYTHONPATH=os.path.dirname(
+                                      os.path.dirname(os.path.abspath(__file__)))))
+        try:
+            assert reader.stdout.readline().strip() == "READY"
+            reader.send_signal(signal.SIGSTOP)
+            sender.push({"w": torch.full((4,), 2.0)})
+            sender.push({"w": torch.full((4,), 3.0)})  # (reuses its slot once judged dead)
+            reader.send_signal(signal.SIGCONT)
+            # (the handshake: the lease renewed again, after the stop, before the check)
+            lease = os.path.join(root, "readers")
+            beat = None
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                leases = [n for n in os.listdir(lease) if n.endswith(".json")]
+                record = Store(root).read_lease(leases[0][:-5]) if leases else None
+                if record is not None and time.time() - record["updated_at"] < 0.5:
+                    beat = record["beat"]
+                    break
+                time.sleep(0.05)
+            assert beat is not None, "the continued reader never renewed its lease"
+            reader.stdin.write("go\n")
+            reader.stdin.flush()
+            out = json.loads(reader.stdout.readline())
+        finally:
+            reader.kill()
+            reader.wait()
+    assert out["error"] == "LeaseExpiredError", out
+    assert "was stalled (stopped, or starved of CPU)" in out["message"], out["message"]
+    assert "NFS or FUSE caches" not in out["message"]
 
 
 @pytest.mark.parametrize("use", ["with block", "copy_into"])

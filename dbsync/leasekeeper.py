@@ -62,6 +62,8 @@ class LeaseKeeper:
         #: one: this process or its lease thread stalled), and how long it had gone unrenewed
         self.last_lapse: tuple[float, float] | None = None
         self._held_since: dict[int, float] = {}  # token -> when its hold began (monotonic)
+        #: why this keeper stopped writing its lease for good (another process writes it)
+        self.conflict: str | None = None
         self.error: OSError | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -96,10 +98,14 @@ class LeaseKeeper:
         with self.lock:
             if self._ended:  # (a closed receiver's lease stays removed)
                 return False
+            if self.conflict is not None:
+                return False  # (another process writes this reader id's lease: never again)
             self.beat += 1
             started = time.monotonic()
             try:
                 with said_if_slow(f"writing the lease {self.store.lease_path(self.reader_id)}"):
+                    if self.last_ok is not None and self._taken_by_another():
+                        return False
                     self.store.write_lease(self.reader_id, self.record())
             except (OSError, FormatError) as exc:
                 err = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
@@ -136,9 +142,37 @@ class LeaseKeeper:
             self.last_ok = started
             return True
 
+    def _taken_by_another(self) -> bool:
+        """Whether the lease file now is another live process's (the same reader id given to
+        two processes, or a store removed and made anew at the path, where another process
+        claimed the id while this one's lease was gone). Then this keeper stops writing it,
+        for good: writing on would replace that process's holds with this one's, and the
+        writer could reuse a slot it reads. Said in a WARNING and ``conflict``."""
+        record = self.store.read_lease(self.reader_id)
+        if record is None:
+            return False  # (absent: removed by a writer that judged this reader dead)
+        me = {**host_identity(), "pid": os.getpid(), "pid_start": own_start()}
+        theirs = {key: record.get(key) for key in me}
+        if theirs == me:
+            return False
+        if record.get("pid_start") is None:
+            theirs["pid_start"] = me["pid_start"]  # (a lease of an older dbsync)
+            if theirs == me:
+                return False
+        self.conflict = (
+            f"reader id {self.reader_id} is in use by another process too (host "
+            f"{record.get('host')}, pid {record.get('pid')}), whose lease replaced this one's "
+            f"in {self.store.readers_dir}: this reader no longer writes its lease, so the "
+            "writer does not see it, and a snapshot it holds is not protected. Give each "
+            "process its own reader id (or stop the other one), then restart this one")
+        self.error = OSError(errno.EEXIST, self.conflict)
+        log.warning("%s", self.conflict)
+        return True
+
     def trusted(self) -> bool:
         """Whether the writer must still consider this lease live (renewed recently enough)."""
-        return self.last_ok is not None and time.monotonic() - self.last_ok < 0.9 * self.timeout
+        return (self.conflict is None and self.last_ok is not None
+                and time.monotonic() - self.last_ok < 0.9 * self.timeout)
 
     def lapse_during(self, token: int) -> float | None:
         """How long the lease went unrenewed (past 0.9 x its timeout) while hold ``token``

@@ -32,7 +32,6 @@ slot stamp (and a reader that cannot renew its lease stops trusting its slot) an
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -64,8 +63,6 @@ SLOW_HOLDER_REPEAT_S = 60.0
 READING = "reading"
 IDLE = "idle"
 
-
-@functools.cache
 
 def default_reader_id(role: str = "") -> str:
     """A reader id no other process uses: ``<host>-<pid>-<8 hex digits>`` (a new random part

@@ -34,6 +34,7 @@ def process_start(pid: int | str) -> int | None:
         return None
 
 
+@functools.cache
 def host_identity() -> dict[str, Any]:
     """Who this process is, as far as pid checks go: hostname, boot id, PID namespace."""
     try:

@@ -276,6 +276,8 @@ class Receiver:
         """Why this receiver cannot follow its store, as its last lease write found (every
         ``lease_timeout / 4`` seconds), or None. Touches no file: safe to call from an event
         loop while the store hangs. A read-only view (no lease by design) is no problem."""
+        if self._keeper.conflict is not None:
+            return self._keeper.conflict
         error = self._keeper.error
         if error is None and self.read_only and self._lease_denied:
             error = PermissionError(errno.EACCES, os.strerror(errno.EACCES))

@@ -213,6 +213,46 @@ def test_a_reader_stopped_past_its_lease_is_told_it_stalled_not_sent_to_mount_ca
     assert "NFS or FUSE caches" not in out["message"]
 
 
+OTHER_HOLDER = """
+import sys, dbsync
+rx = dbsync.Receiver(sys.argv[1], reader_id="engine-0", lease_timeout=30)
+with rx.open() as snap:
+    print("HOLDING", snap.version, flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_reader_id_another_process_took_is_never_written_over(root):
+    """A store removed and made anew at its path while an engine ran: the new run's engine
+    claimed the same reader id (the old engine's lease was gone with the old directory), and
+    the old engine's next heartbeat replaced the new engine's lease with its own. The new
+    engine's hold vanished and the writer reused the slot it was reading. A keeper now reads
+    its lease before renewing it: another process's lease there makes it stop writing, for
+    good, and say so (``store_problem()``, a WARNING); the other's hold stays seen."""
+    with dbsync.Sender(root, reader_timeout=1.0) as sender:
+        sender.push({"w": torch.ones(4)})
+        with dbsync.Receiver(root, reader_id="engine-0", lease_timeout=30) as old:
+            lease = os.path.join(root, "readers", "engine-0.json")
+            os.remove(lease)  # (as with the old directory: the new one has no lease of it)
+            other = subprocess.Popen([sys.executable, "-c", OTHER_HOLDER, root],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, PYTHONPATH=os.path.dirname(
+                                         os.path.dirname(os.path.abspath(__file__)))))
+            try:
+                assert other.stdout.readline().split() == ["HOLDING", "1"]
+                assert old._keeper.write() is False  # (its next heartbeat)
+                assert Store(root).read_lease("engine-0")["pid"] == other.pid
+                problem = old.store_problem()
+                assert problem is not None and "in use by another process too" in problem
+                assert f"pid {other.pid}" in problem
+                assert sender.push({"w": torch.full((4,), 2.0)}) == 2  # (the other slot)
+                with pytest.raises(dbsync.SlotHeldError, match="engine-0"):
+                    sender.push({"w": torch.full((4,), 3.0)})  # (the slot engine-0 reads)
+            finally:
+                other.kill()
+                other.wait()
+
+
 @pytest.mark.parametrize("use", ["with block", "copy_into"])
 def test_a_stalled_snapshot_says_its_views_cannot_be_trusted(root, use):
     """A snapshot opened by hand (``with receiver.open() as snap``) whose reader froze past its

@@ -240,6 +240,9 @@ class Watcher:
         self._unwatched_because = "the directory was replaced"  # (said once watched again)
         #: while a look has not returned for long (a hung mount): what the watchdog said
         self._hang: str | None = None
+        #: the head went back within one run, and no newer version came since (see
+        #: ``rewound``)
+        self._rewound: str | None = None
 
     # ---- public -------------------------------------------------------------------------
     @property
@@ -271,6 +274,13 @@ class Watcher:
             return self._hang
         error = self.last_error if self._read_failing else None
         return None if error is None else f"{type(error).__name__}: {error}"
+
+    @property
+    def rewound(self) -> str | None:
+        """What the last look found if the store's head went back within one run (a version
+        older than one already reported: an older copy restored), until a newer version or
+        a new run comes; None otherwise."""
+        return self._rewound
 
     @property
     def run_id(self) -> str | None:
@@ -401,10 +411,13 @@ class Watcher:
                      head.version)
         elif last is not None and head.version <= last.version:
             if head.version < last.version:
-                log.warning("dbsync watcher: %s went back from version %s to %s in the same "
-                            "run; ignored (a new run needs a new run id)", self.root,
-                            last.version, head.version)
+                self._rewound = (
+                    f"{self.root} went back from version {last.version} to {head.version} "
+                    "in the same run (an older copy of the store restored?); its newer "
+                    "versions are followed as usual (a new run needs a new run id)")
+                log.warning("dbsync watcher: %s", self._rewound)
             return
+        self._rewound = None
         self._head = head  # before the callback: it may reset last_version to retry
         if not notify:
             return

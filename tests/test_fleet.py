@@ -33,6 +33,7 @@ from fleet_mounts import FuseView, ext4_that_fails, needs_root, read_only_view, 
 import dbsync
 from dbsync.format import MANIFEST_FILE
 from dbsync.store import Store
+from dbsync.testing import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "fleet_workers.py")
@@ -1082,6 +1083,10 @@ def test_new_run_is_followed_and_rewind_refused(root, caplog):
         with pytest.raises(dbsync.StoreRewoundError, match="version 3 to 2"):
             receiver.load(applied.append)
         assert applied == [] and receiver.loaded_version == 3
+        # ... and the watcher says so until a newer version comes (serve-vllm's
+        # store_problem: an operator saw nothing but a log line)
+        rewound = wait_until(lambda: watcher.rewound, 20, 0.02, "the watcher to see the rewind")
+        assert "went back from version 3 to 2 in the same run" in rewound
 
         # The trainer restarts on the restored store: it numbers on past what readers report
         # loaded, so the receiver takes its next push instead of ignoring it as one it has.
@@ -1090,6 +1095,7 @@ def test_new_run_is_followed_and_rewind_refused(root, caplog):
             assert sender.push(weights_for(7)) == 4
         assert any("restored from an older copy" in r.getMessage() for r in caplog.records)
         assert load(receiver) == (4, [7.0])
+        wait_until(lambda: watcher.rewound is None, 20, 0.02, "the rewind to be over")
     finally:
         watcher.stop()
         receiver.close()

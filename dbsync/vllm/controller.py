@@ -319,6 +319,8 @@ class SwapController:
         if problem is None and watcher is not None and (
                 unreadable := watcher.read_problem) is not None:
             problem = f"the store's manifest cannot be read ({unreadable})"
+        if problem is None and watcher is not None:
+            problem = watcher.rewound
         if problem is None and self._read_problem is not None:  # (an apply retrying a read)
             problem = self._read_problem
         return None if problem is None else f"{problem}; still serving {_served(self.version)}"

@@ -46,11 +46,12 @@ def costly_pattern(key: Any) -> bool:
 
 
 def rank_of(module: str, rank: int | None, pattern: Mapping[str, int]) -> int | None:
-    """The rank PEFT gives ``module``: that of the first ``rank_pattern`` key naming it (the
-    module itself, or a suffix of dotted parts, as PEFT matches them), else ``r``."""
+    r"""The rank PEFT gives ``module``: that of the first ``rank_pattern`` key naming it (the
+    module itself, or a suffix of dotted parts, as PEFT's and vLLM's ``(.*\.)?(key)$`` match
+    them: a key ``q_proj|v_proj`` names both), else ``r``."""
     for key, value in pattern.items():
         try:
-            named = module == key or re.match(rf".*\.{key}$", module) is not None
+            named = module == key or re.match(rf"(.*\.)?({key})$", module) is not None
         except re.error:  # (PEFT reads keys as patterns: a broken one names nothing)
             named = False
         if named:

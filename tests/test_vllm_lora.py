@@ -662,3 +662,9 @@ def test_check_adapter_takes_ranks_from_peft_rank_pattern() -> None:
     wrong = check_adapter(dict(config, rank_pattern={"v_proj": 6}), tensors, expected, 8)
     assert wrong == {"model.layers.0.self_attn.v_proj":
                      "lora_A rank 8 != its rank_pattern rank 6"}, wrong
+    # keys are patterns matched as PEFT and vLLM match them, ``(.*\.)?(key)$``: an
+    # alternation names each of its modules (was read as ``.*\.q_proj|v_proj$``, which gave
+    # v_proj the config's r, and the adapter was refused)
+    both = {"r": 8, "rank_pattern": {"q_proj|v_proj": 4}, "target_modules": ["q_proj", "v_proj"]}
+    four = [(n, (4, s[1]) if "lora_A" in n else (s[0], 4), d) for n, s, d in tensors]
+    assert check_adapter(both, four, expected, max_rank=8) == {}

@@ -642,3 +642,49 @@ def test_a_broadcast_cut_short_by_a_dead_trainer_is_mended_by_the_next_receive(
         trainer.end()
         if rx is not None:
             rx.close()
+
+
+def test_a_stale_rendezvous_whose_port_another_sender_took_is_never_joined(
+        bsender: BroadcastSender, tmp_path: Any) -> None:
+    """Store A's trainer died and left ``A/broadcast.json``; another trainer, publishing store
+    B, now listens on that port. A's receivers connected, joined B's group and applied B's
+    weights as versions of A that A never published (and then skipped A's own versions of
+    those numbers). A receiver now checks that the store it reached is the sender's that the
+    file names, and reads from the filesystem otherwise."""
+    import dataclasses
+
+    from dbsync.nccl import rendezvous as rv
+
+    root_a = str(tmp_path / "store-a")
+    with Sender(root_a, durable=False) as sender_a:
+        sender_a.push({"w": torch.ones(1024)})
+        taken = read_record(bsender.sender.store)  # (B's own, at B's port)
+        assert taken is not None
+        rv.write_record(sender_a.store, dataclasses.replace(taken, sender_id="0" * 32))
+        with workers(root_a, "rx") as (rx,):
+            rx.send(op="receive", timeout=60)
+            assert rx.result()["version"] == 1  # (from the filesystem)
+            rx.send(op="receive", timeout=4)
+            got = rx.result()
+            assert got["version"] is None and "belongs to another sender" in got["error"], got
+            assert not bsender.wait_for_joins(1, 0.5)  # never asked B to join
+            bsender.push({"w": torch.full((1024,), 9.0)})
+            sender_a.push({"w": torch.full((1024,), 2.0)})
+            rx.send(op="receive", timeout=60)
+            got = rx.result()
+            assert (got["version"], got["source"]) == (2, "filesystem"), got
+            assert got["tensors"] == {"w": broadcast_worker.digest(torch.full((1024,), 2.0))}
+
+
+def test_a_closed_sender_frees_its_port_for_the_next_one(bsender: BroadcastSender) -> None:
+    """``close()`` left the rendezvous store listening (a finished push's callbacks kept it),
+    so a BroadcastSender made again on its configured port failed with EADDRINUSE."""
+    port = bsender.port
+    bsender.push({"w": torch.ones(4)})
+    bsender.close()
+    again = BroadcastSender(bsender.sender, address="127.0.0.1", port=port, device="cpu",
+                            timeout=TIMEOUT)
+    try:
+        assert again.port == port
+    finally:
+        again.close()

@@ -43,6 +43,10 @@ WAIT_SECONDS = 3600.0
 JOIN_SECONDS = 10.0
 
 
+def _release_nothing(key: str) -> None:
+    """A closed watch's ``release``: there is no wait left to end."""
+
+
 class KeyWatch:
     """Watches ``key_for(n)``, ``key_for(n + 1)``, ... of a store, from a thread of its own.
 
@@ -111,6 +115,9 @@ class KeyWatch:
         released = old is None or self._release_quietly(old)
         if released and threading.current_thread() is not self._thread:
             self._thread.join(JOIN_SECONDS)
+        # (the owner's store, which these may hold, is freed with its owner: a master store
+        # kept alive here would keep its port listening)
+        self._release = _release_nothing
 
     def _release_quietly(self, key: str) -> bool:
         try:

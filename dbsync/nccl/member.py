@@ -63,6 +63,24 @@ class _Connection:
     local_address: str
 
 
+class _OtherSender(RendezvousError):
+    """The rendezvous store reached is not the one of the sender ``broadcast.json`` names."""
+
+
+def _check_sender(epoch_record: Any, expected: str, address: str, port: int) -> None:
+    """Raise ``_OtherSender`` unless the epoch record read from the rendezvous store at
+    ``address:port`` is the sender ``expected``'s. A sender killed leaves its
+    ``broadcast.json``; another sender (of another store, or a later one of this store that
+    has not written its own file yet) may listen on that port since: joining it would apply
+    that sender's weights as this store's versions."""
+    found = epoch_record.get("sender_id") if isinstance(epoch_record, dict) else None
+    if found != expected:
+        raise _OtherSender(
+            f"the broadcast rendezvous at {address}:{port} belongs to another sender ({found}, "
+            f"not {expected} that broadcast.json names: that sender has gone, and its port "
+            "was taken since)")
+
+
 class _Background:
     """One blocking call run in a daemon thread of its own: ``done`` is set when it returned
     (``value``) or raised (``error``). A call that never returns (a store client waiting on
@@ -182,18 +200,27 @@ class MemberLink:
             return
         pending = self._connecting
         if pending is None or pending[0].sender_id != record.sender_id:
-            address, port = record.address, record.port
+            address, port, expected = record.address, record.port, record.sender_id
             seconds = min(self.timeout, CONNECT_SECONDS)
-            self._connecting = (record, _Background(
-                lambda: dist.TCPStore(address, port, is_master=False,
-                                      timeout=datetime.timedelta(seconds=seconds)),
-                name=f"dbsync-connect-{self.reader_id}"))
+
+            def open_store() -> Any:
+                store = dist.TCPStore(address, port, is_master=False,
+                                      timeout=datetime.timedelta(seconds=seconds))
+                _check_sender(json.loads(store.get(rv.K_EPOCH)), expected, address, port)
+                return store
+
+            self._connecting = (record, _Background(open_store,
+                                                    name=f"dbsync-connect-{self.reader_id}"))
             return  # (looked at again on the next call: the filesystem serves meanwhile)
         if not pending[1].done.is_set():
             return
         self._connecting = None
         try:
             store = pending[1].result(0, "connecting")
+        except _OtherSender as exc:
+            self._retry_after[record.sender_id] = float("inf")  # (that sender is gone)
+            self.on_error(f"{exc}; reading from the filesystem")
+            return
         except Exception as exc:  # noqa: BLE001 - unreachable: use the filesystem
             wait = self._retry_later(record.sender_id)
             self.on_error(f"cannot reach the broadcast sender at {record.address}:"
@@ -291,6 +318,13 @@ class MemberLink:
         if record.get("closed"):
             self._retry_after[conn.record.sender_id] = float("inf")
             self.disconnect()
+            return
+        try:
+            _check_sender(record, conn.record.sender_id, conn.record.address, conn.record.port)
+        except _OtherSender as exc:  # (the sender died; another took its port since)
+            self._retry_after[conn.record.sender_id] = float("inf")
+            self._abandon()
+            self.on_error(f"{exc}; reading from the filesystem")
             return
         if bell is not None and not bell.working and now >= self._bell_retry:
             # the store still answers: open a new doorbell (polled meanwhile)

@@ -62,6 +62,13 @@ def wait_for_keys(store: Any, keys: Sequence[str], timeout: float) -> list[str]:
         time.sleep(0 if waited < 0.02 else 0.002)
 
 
+class _ClosedStore:
+    """Stands in for a closed sender's rendezvous store: any use says it is closed."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise BroadcastError("this broadcast sender was closed: its rendezvous store is gone")
+
+
 class Membership:
     """Hosts the rendezvous store and keeps the current epoch's group."""
 
@@ -274,3 +281,7 @@ class Membership:
         except Exception:  # noqa: BLE001 - closing anyway
             pass
         rv.remove_record(self.fs_store, self.sender_id)
+        # The store's server (its listening port) ends once nothing holds the store: not
+        # when this object is freed, which a finished push's callbacks may delay for as long
+        # as the Sender lives (a BroadcastSender made again on its port met EADDRINUSE).
+        self.kv = _ClosedStore()

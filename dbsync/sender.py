@@ -587,6 +587,24 @@ class Sender:
              progress: Progress | None = None,
              adapter_config: dict[str, Any] | None = None) -> Future[int]: ...
 
+    def check_ready(self, kind: str = "weights") -> None:
+        """Raise what ``push`` of a version of ``kind`` ("weights" or "adapter") would raise
+        before it reads anything: this Sender closed or used from a forked child, or the store
+        holding versions of the other kind. For a caller that acts on a push before making
+        it (a broadcast sends the weights first): nothing is read or written here."""
+        self._check_usable()
+        self._check_kind(kind)
+
+    def _check_usable(self) -> None:
+        if os.getpid() != self._pid:
+            raise DBSyncError(
+                f"this Sender was created in process {self._pid}, and this is a forked child "
+                f"({os.getpid()}): its writer threads and the store's writer lock stay with "
+                "the parent. Push from the parent, or create the Sender in the process that "
+                "pushes (the parent's must be closed first: one writer per store)")
+        if self._lock_fd[0] is None:
+            raise DBSyncError("this Sender is closed; create a new one")
+
     def push(self, weights: Weights, blocking: bool = True,
              progress: Progress | None = None,
              adapter_config: dict[str, Any] | None = None) -> int | Future[int]:
@@ -598,14 +616,7 @@ class Sender:
         host memory; the caller may then modify them. Errors in the background surface from
         ``future.result()``, in ``last_error`` and in the log. ``progress(bytes_done,
         bytes_total)`` is called from writer threads."""
-        if os.getpid() != self._pid:
-            raise DBSyncError(
-                f"this Sender was created in process {self._pid}, and this is a forked child "
-                f"({os.getpid()}): its writer threads and the store's writer lock stay with "
-                "the parent. Push from the parent, or create the Sender in the process that "
-                "pushes (the parent's must be closed first: one writer per store)")
-        if self._lock_fd[0] is None:
-            raise DBSyncError("this Sender is closed; create a new one")
+        self._check_usable()
         check_flag(blocking, "blocking")
         if blocking and _inside_progress_of(self):
             raise DBSyncError("a blocking push was called from a push's progress callback, "

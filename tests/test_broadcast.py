@@ -17,7 +17,7 @@ import broadcast_worker
 import pytest
 import torch
 
-from dbsync import Receiver, Sender
+from dbsync import InvalidWeightsError, Receiver, Sender
 from dbsync.format import DTYPE_SIZES
 from dbsync.nccl import BroadcastSender, read_record
 
@@ -688,3 +688,32 @@ def test_a_closed_sender_frees_its_port_for_the_next_one(bsender: BroadcastSende
         assert again.port == port
     finally:
         again.close()
+
+
+def test_a_push_its_sender_refuses_is_refused_before_members_take_it(tmp_path: Any) -> None:
+    """Full weights pushed through a BroadcastSender into a store of LoRA adapters: the
+    Sender refuses them (a store holds one kind), but only after the broadcast, so members
+    applied a version that was never published and then waited their whole timeout to
+    learn nothing. The Sender's checks now run first: no member takes anything."""
+    root = str(tmp_path / "store")
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+               torch.ones(2, 8),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+               torch.zeros(8, 2)}
+    with Sender(root, durable=False) as sender:
+        sender.push(adapter, adapter_config={"r": 2, "target_modules": ["q_proj"],
+                                             "peft_type": "LORA"})
+        bs = BroadcastSender(sender, address="127.0.0.1", device="cpu", bucket_bytes=4096,
+                             timeout=TIMEOUT, join_timeout=15.0)
+        try:
+            with workers(root, "rx") as (rx,):
+                rx.send(op="receive", timeout=60)
+                assert rx.result()["version"] == 1
+                rx.send(op="receive", timeout=2 * TIMEOUT)
+                assert bs.wait_for_joins(1, 30)
+                with pytest.raises(InvalidWeightsError, match="holds adapter versions"):
+                    bs.push({"model.embed_tokens.weight": torch.full((16, 8), 42.0)})
+                got = rx.result()
+                assert got["version"] is None and got["calls"] == 0, got
+        finally:
+            bs.close()

@@ -194,6 +194,8 @@ class BroadcastSender:
                                   "through its Sender, without the broadcast)")
             self._finish_pending()
             pairs = sources.collect(weights, self.sender.strategy)  # dtype: per bucket
+            # (what the Sender would refuse before writing, refused before members take it)
+            self.sender.check_ready("weights")
             version = self.sender.next_version
             stats: dict[str, Any] = {"version": version, "broadcast": False, "members": 0,
                                      "setup_seconds": 0.0, "error": None}
@@ -209,6 +211,9 @@ class BroadcastSender:
                     stats["broadcast"] = True
             except BroadcastError as exc:
                 stats["error"] = str(exc)
+                log.warning("dbsync: broadcasting version %d failed after %.1f s (%s); its "
+                            "receivers read it from the filesystem", version,
+                            time.perf_counter() - t0, exc)
                 self.membership.close_epoch()
             except BaseException:  # Ctrl-C mid-stream: nothing is published; members must
                 # drop what they received, never complete it with the next push's buckets
@@ -218,7 +223,13 @@ class BroadcastSender:
             stats["epoch"] = self.epoch
             stats["broadcast_seconds"] = time.perf_counter() - t0
             self.last_push_stats = stats
-            fs_future = self.sender.push(dict(pairs), blocking=False)
+            try:
+                fs_future = self.sender.push(dict(pairs), blocking=False)
+            except BaseException as exc:  # (refused before it was queued: say so to the
+                # members that took the broadcast, at once, not at their timeout)
+                self._confirm(sent, {"version": version, "error": f"{type(exc).__name__}: "
+                                                                  f"{exc}"})
+                raise
             result: Future[int] = Future()
             fs_future.add_done_callback(
                 lambda f: self._after_publish(f, result, version, sent, stats))

@@ -17,7 +17,7 @@ import broadcast_worker
 import pytest
 import torch
 
-from dbsync import InvalidWeightsError, Receiver, Sender
+from dbsync import DBSyncError, InvalidWeightsError, Receiver, Sender
 from dbsync.format import DTYPE_SIZES
 from dbsync.nccl import BroadcastSender, read_record
 
@@ -681,6 +681,9 @@ def test_a_closed_sender_frees_its_port_for_the_next_one(bsender: BroadcastSende
     so a BroadcastSender made again on its configured port failed with EADDRINUSE."""
     port = bsender.port
     bsender.push({"w": torch.ones(4)})
+    # (and one at a time per store: a second replaced broadcast.json, taking the receivers)
+    with pytest.raises(DBSyncError, match="a BroadcastSender of this Sender is open already"):
+        BroadcastSender(bsender.sender, address="127.0.0.1", device="cpu")
     bsender.close()
     again = BroadcastSender(bsender.sender, address="127.0.0.1", port=port, device="cpu",
                             timeout=TIMEOUT)

@@ -38,6 +38,7 @@ import operator
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
@@ -55,6 +56,10 @@ from .membership import Membership, wait_for_keys
 from .outgoing import OutgoingStream
 
 log = logging.getLogger(__name__)
+
+#: the open BroadcastSender of each Sender (one broadcast per store)
+_BROADCASTERS: weakref.WeakKeyDictionary[Sender, weakref.ref[BroadcastSender]] = (
+    weakref.WeakKeyDictionary())
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -113,6 +118,13 @@ class BroadcastSender:
         self.join_timeout = float(join_timeout if join_timeout is not None else timeout)
         self.last_push_stats: dict[str, Any] = {}
         self._owns_sender = not isinstance(sender, Sender)
+        if not self._owns_sender:
+            other = _BROADCASTERS.get(sender)
+            if other is not None and other() is not None and not other()._closed:
+                raise DBSyncError(
+                    f"a BroadcastSender of this Sender is open already (port {other().port}): "
+                    "a store has one broadcast (a second one would replace its broadcast.json "
+                    "and take its receivers); close that one first, or push through it")
         self.sender = Sender(sender) if self._owns_sender else sender  # type: ignore[arg-type]
         try:  # (a failure here must not keep the store's writer lock of a Sender made here)
             self.membership = Membership(
@@ -131,6 +143,7 @@ class BroadcastSender:
             raise
         self.port = self.membership.port
         self.sender_id = self.membership.sender_id
+        _BROADCASTERS[self.sender] = weakref.ref(self)
         self._headers = HeaderCache()
         self._pending: Future[int] | None = None
         self._lock = threading.Lock()
@@ -341,6 +354,8 @@ class BroadcastSender:
             self._closed = True
             self._finish_pending()
             self.membership.close()
+            if (mine := _BROADCASTERS.get(self.sender)) is not None and mine() is self:
+                del _BROADCASTERS[self.sender]
             if self._owns_sender:
                 self.sender.close()
 

@@ -71,19 +71,21 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "dbsync.torchrl needs torchrl (tested with torchrl 0.14.1): pip install torchrl"
     ) from exc
 
-from .copyplan import fit_problems, problem_listing, tied_to_published
+from .copyplan import MISSING, fit_problems, problem_listing, tied_to_published
 from .errors import (
     DBSyncError,
     IncompatibleWeightsError,
+    InvalidArgumentError,
     InvalidWeightsError,
     StoreNotFoundError,
     StoreUnreachableError,
+    check_flag,
     check_int,
     check_seconds,
 )
 from .receiver import Receiver
 from .sender import Sender
-from .sources import non_persistent_buffers
+from .sources import check_target_dtype, non_persistent_buffers
 from .store import Store
 from .watch import Watcher
 
@@ -301,8 +303,8 @@ class DBSyncTransport:
             for name, tensor in pairs:
                 copies[name] = tensor.clone()  # the store's views are valid only during load
             if model is not None and strategy is not None:
-                if inplace and isinstance(model, nn.Module):
-                    _check_fits(model, copies)  # (all of it first: never half-applied)
+                if isinstance(model, nn.Module):  # (all of it first: never half-applied)
+                    (_check_fits if inplace else _check_names_and_shapes)(model, copies)
                 # Inside load: the version is reported applied (wait_for_receivers) only after.
                 strategy.apply_weights(model, dict(copies), inplace=inplace)
 
@@ -561,6 +563,28 @@ def _check_fits(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
             problems)
 
 
+def _check_names_and_shapes(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """``_check_fits`` for a model whose tensors are replaced, not written (a collector
+    worker's policy on the meta device): the names and shapes must be the model's, or the
+    worker would go on with parameters still on the meta device, or of other shapes."""
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items()
+             if isinstance(v, torch.Tensor)}
+    problems: dict[str, str] = {}
+    for name, tensor in weights.items():
+        mine = state.get(name)
+        if mine is None:
+            problems[name] = "not in the model"
+        elif tuple(mine.shape) != tuple(tensor.shape):
+            problems[name] = (f"shape {list(tensor.shape)} != the model's "
+                              f"{list(mine.shape)}")
+    problems.update((name, MISSING) for name in state if name not in weights)
+    if problems and not tied_to_published(problems, state, list(weights)):
+        raise IncompatibleWeightsError(
+            f"the published version does not fit the model {problem_listing(problems)}; "
+            "nothing was applied. Receive into a model of the trainer's architecture",
+            problems)
+
+
 # ---- scheme ----------------------------------------------------------------------------------
 class DBSyncScheme(WeightSyncScheme):
     """torchrl's ``VLLMDoubleBufferSyncScheme`` (same constructor and methods) over a dbsync
@@ -595,10 +619,12 @@ class DBSyncScheme(WeightSyncScheme):
         connect_timeout: float = 120.0,
     ):
         super().__init__(strategy=strategy)
-        if num_threads < 1:
-            raise ValueError("num_threads must be at least 1")
-        # (checked here, before anything is published: a bad wait option used to surface only
-        # after send() had published the version)
+        # (checked here, before anything is published: a bad option used to surface only at
+        # the first send, or after send() had published the version)
+        check_int(num_threads, "num_threads", 1)
+        check_target_dtype(dtype, InvalidArgumentError)
+        check_flag(durable, "durable")
+        check_flag(verify, "verify")
         check_int(wait_for, "wait_for", 0)
         check_seconds(wait_timeout, "wait_timeout", none="wait as long as it takes")
         check_seconds(connect_timeout, "connect_timeout")

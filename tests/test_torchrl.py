@@ -326,6 +326,44 @@ def test_multiprocess_collector_workers_follow_the_store(tmp_path: Path) -> None
     assert status == 4
 
 
+def test_a_worker_policy_without_weights_is_refused_a_version_of_another_shape(
+        tmp_path: Path) -> None:
+    """A collector worker's policy starts on the meta device and gets the first version out of
+    place. That path checked nothing: a version with fewer tensors left parameters on the
+    meta device (the worker failed later, on an unrelated-looking device error), and one of
+    other shapes replaced them silently. Both are refused now, every problem named, nothing
+    applied."""
+    from torch import nn
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 1)
+            self.extra = nn.Linear(2, 2)
+
+    root = str(tmp_path / "store")
+    published = [{"lin.weight": torch.ones(1, 2), "lin.bias": torch.ones(1)},
+                 {"lin.weight": torch.ones(3, 2), "lin.bias": torch.ones(3),
+                  "extra.weight": torch.ones(2, 2), "extra.bias": torch.ones(2)}]
+    said = ["extra.weight: missing from the published version",
+            "lin.weight: shape [3, 2] != the model's [1, 2]"]
+    for weights, problem in zip(published, said, strict=True):
+        with dbsync.Sender(root) as sender:
+            sender.push(weights)
+        with torch.device("meta"):
+            policy = Policy()
+        scheme = VLLMDoubleBufferSyncScheme(root, connect_timeout=30)
+        scheme.init_on_receiver(model_id="policy", model=policy)
+        try:
+            with pytest.raises(dbsync.IncompatibleWeightsError, match="nothing was applied"
+                               ) as refused:
+                scheme.connect()
+            assert problem in str(refused.value)
+            assert all(p.is_meta for p in policy.parameters())
+        finally:
+            scheme.shutdown()
+
+
 # ---- what torchrl users run into -------------------------------------------------------------
 def test_a_single_process_collector_collects_with_the_weights_it_sends(tmp_path: Path) -> None:
     """A single-process ``Collector`` runs its policy in the trainer's process, where no
@@ -367,7 +405,12 @@ def test_bad_scheme_options_are_refused_before_anything_is_published_and_waits_a
     for options, what in (({"wait_for": -1}, "wait_for"),
                           ({"wait_timeout": float("nan")}, "wait_timeout"),
                           ({"connect_timeout": -1.0}, "connect_timeout"),
-                          ({"poll_interval": -1.0}, "poll_interval")):
+                          ({"poll_interval": -1.0}, "poll_interval"),
+                          # (a bare TypeError, or accepted until the first send)
+                          ({"num_threads": "8"}, "num_threads"),
+                          ({"num_threads": 2.5}, "num_threads"),
+                          ({"dtype": torch.int8}, "16 bits or more"),
+                          ({"durable": "no"}, "durable"), ({"verify": "no"}, "verify")):
         with pytest.raises(ValueError, match=what):
             VLLMDoubleBufferSyncScheme(store, **options)
     assert not os.path.exists(store)

@@ -169,6 +169,14 @@ def _fail_as_json_unless_usable(root: str, indent: int | None = None) -> None:
         fail(problem)
 
 
+def _fail_as_json(root: str, problem: str, as_json: bool) -> NoReturn:
+    """Exit 1 saying ``problem``, with one JSON object saying it first for --json."""
+    if as_json:
+        click.echo(json_line({"root": os.path.abspath(root), "error": problem,
+                              "version": None}, sort_keys=True))
+    fail(problem)
+
+
 def _existing_store(root: str) -> Store:
     """A Store for reading; never creates ``root`` (a typo must not make a directory)."""
     from dbsync.store import Store, root_problem
@@ -590,12 +598,14 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
     printed = [0]
     done = threading.Event()
     closed: list[OSError] = []
+    watching: list[Any] = []  # [the Watcher], for the run id of the version it reports
 
     def on_version(version: int) -> None:
         if done.is_set():
             return
         try:
-            click.echo(_version_line(store, version, as_json))
+            run_id = watching[0].run_id if watching else None
+            click.echo(_version_line(store, version, run_id, as_json))
         except OSError as exc:  # our reader went away (| head): stop, quietly
             closed.append(exc)
             done.set()
@@ -604,9 +614,12 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
         if count is not None and printed[0] >= count:
             done.set()
 
-    if _nothing_published(store):  # (stderr: stdout stays one line per version)
-        click.echo(f"nothing is published at {root} yet; waiting for the first version "
-                   "(Ctrl-C to stop)", err=True)
+    try:
+        if _nothing_published(store):  # (stderr: stdout stays one line per version)
+            click.echo(f"nothing is published at {root} yet; waiting for the first version "
+                       "(Ctrl-C to stop)", err=True)
+    except UnsupportedFormatError as exc:
+        _fail_as_json(root, str(exc), as_json)
     interrupted = False
     # SIGTERM and SIGHUP end the watch as Ctrl-C does (exit 143 / 129). Handled, not left to
     # the default action: as a container's PID 1 a process ignores signals it has no handler
@@ -621,9 +634,11 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
     stops = (signal.SIGTERM, signal.SIGHUP)
     previous = [signal.signal(s, on_signal) for s in stops] if main else []
     try:
-        _watch_until_done(store, on_version, poll_interval, done, closed)
+        _watch_until_done(store, on_version, poll_interval, done, closed, watching)
     except KeyboardInterrupt:
         interrupted = True
+    except UnsupportedFormatError as exc:
+        _fail_as_json(root, str(exc), as_json)
     finally:
         for stop, handler in zip(stops, previous, strict=False):
             if handler is not None:  # (None: set from C, not restorable from here)
@@ -638,12 +653,14 @@ def watch(root: str, as_json: bool, poll_interval: float | None, count: int | No
 
 def _watch_until_done(store: Store, on_version: Callable[[int], None],
                       poll_interval: float | None, done: threading.Event,
-                      closed: list[OSError]) -> None:
+                      closed: list[OSError], watching: list[Any]) -> None:
     """Watch ``store`` until ``done`` is set, the store's format is newer than this dbsync
-    reads (raised), or the reader of our output went away (``closed``)."""
+    reads (raised), or the reader of our output went away (``closed``). The Watcher is put in
+    ``watching`` before it starts."""
     from dbsync.watch import Watcher
 
-    with Watcher(store.root, on_version, poll_interval=poll_interval) as watcher:
+    watching.append(Watcher(store.root, on_version, poll_interval=poll_interval))
+    with watching[0] as watcher:
         while not done.wait(0.5):
             error = watcher.last_error
             if isinstance(error, UnsupportedFormatError) and error.newer:
@@ -669,20 +686,23 @@ def _nothing_published(store: Store) -> bool:
         return False
 
 
-def _version_line(store: Store, version: int, as_json: bool) -> str:
-    """One line about ``version``, from the head alone (the tensor list is never read)."""
+def _version_line(store: Store, version: int, run_id: str | None, as_json: bool) -> str:
+    """One line about ``version`` of run ``run_id``, from the head alone (the tensor list is
+    never read). Every key is there in every line; those only the head of that version says
+    are null once the head moved on to a newer one (reported next)."""
     try:
         head = store.read_head()
     except DBSyncError:
         head = None
-    record: dict[str, Any] = {"version": version}
-    if head is not None and head.version == version:
+    record: dict[str, Any] = {"version": version, "run_id": run_id, "slot": None,
+                              "tensors": None, "bytes": None, "published_at": None}
+    if head is not None and head.version == version and head.run_id == (run_id or head.run_id):
         record.update(slot=head.slot, tensors=head.tensor_count, bytes=head.total_bytes,
                       published_at=head.created_at, run_id=head.run_id)
     if as_json:
         return json_line(record, sort_keys=True)
-    if "slot" not in record:
-        return f"version {version}"
+    if record["slot"] is None:
+        return f"version {version}  run {record['run_id']}  (superseded as it was read)"
     return (f"version {version}  slot {record['slot']}  {record['tensors']} tensors  "
             f"{human_bytes(record['bytes'])}  published {human_time(record['published_at'])}"
             f"  run {record['run_id']}")

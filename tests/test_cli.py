@@ -685,6 +685,39 @@ def test_watch_says_it_waits_for_a_first_version_then_prints_it(tmp_path, st_fil
     assert json.loads(out)["version"] == 1
 
 
+def test_watch_lines_keep_their_keys_when_the_head_moved_on(store_v1, st_file):
+    """A line about a version the head already moved past (pushes faster than the watch
+    prints) was ``{"version": 88}`` alone: a script telling runs apart by ``run_id`` broke.
+    Every line now has every key, and the run id the watcher read with the version."""
+    from cli.main import _version_line
+    from dbsync.store import Store
+
+    assert run("push", st_file, store_v1).exit_code == 0
+    store = Store(store_v1)
+    run_id = store.read_head().run_id
+    line = json.loads(_version_line(store, 1, run_id, True))
+    assert line == {"version": 1, "run_id": run_id, "slot": None, "tensors": None,
+                    "bytes": None, "published_at": None}
+    now = json.loads(_version_line(store, 2, run_id, True))
+    assert set(now) == set(line) and now["slot"] == "b" and now["tensors"] == 4
+    assert _version_line(store, 1, run_id, False) == (
+        f"version 1  run {run_id}  (superseded as it was read)")
+
+
+def test_watch_json_on_a_newer_format_prints_its_error_as_json(store_v1):
+    """``watch --json`` promises one JSON line with "error" where it cannot watch, as
+    ``status --json`` does; a store of a newer format printed nothing on stdout."""
+    head_path = os.path.join(store_v1, "dbsync.json")
+    head = json.loads(open(head_path).read())
+    head["format_version"] = 99
+    with open(head_path, "w") as f:
+        json.dump(head, f)
+    result = run("watch", store_v1, "--json", "--count", "1")
+    assert result.exit_code == 1
+    said = json.loads(result.stdout)
+    assert said["version"] is None and "format" in said["error"], said
+
+
 def test_watch_missing_root(tmp_path):
     result = run("watch", str(tmp_path / "missing"), "--count", "1")
     assert result.exit_code == 1

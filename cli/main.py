@@ -155,7 +155,43 @@ def _unexpected(exc: Exception) -> click.ClickException:
 
 #: ROOT of a command that reads a store: checked by ``root_problem`` (a clear message, and
 #: JSON for ``--json``), not by click (a usage error, exit 2, for an unreadable root or a file)
-READ_ROOT = click.Path(path_type=str, readable=False)
+class _RootPath(click.ParamType):
+    """A store's path, as given: not looked at here (click's ``Path`` stats it, which blocks
+    for good on a hung mount before any command could say so; see ``_unanswered``)."""
+
+    name = "root"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        return os.fsdecode(value)
+
+
+READ_ROOT = _RootPath()
+#: how long a command waits for a first look at ROOT before it says the mount does not answer
+HUNG_ROOT_S = 10.0
+
+
+def _unanswered(root: str) -> str | None:
+    """Why ``root`` cannot be looked at: a stat of it that has not returned within
+    ``HUNG_ROOT_S`` seconds (a hard-mounted NFS server gone, a FUSE daemon stopped: the
+    kernel blocks the call, uninterruptibly); None once it returns, whatever it says. The
+    stat runs in a daemon thread, left behind when it does not return (a process exiting
+    ends it)."""
+    answered = threading.Event()
+
+    def look() -> None:
+        try:
+            os.stat(root)
+        except (OSError, ValueError):
+            pass
+        answered.set()
+
+    threading.Thread(target=look, name="dbsync-root-look", daemon=True).start()
+    if answered.wait(HUNG_ROOT_S):
+        return None
+    return (f"{os.path.abspath(root)} does not answer: a look at it has not returned for "
+            f"{HUNG_ROOT_S:g} s (a hung mount: an NFS server gone away, a FUSE daemon "
+            "stopped); nothing was read. Check its mount, then try again")
 
 
 def _fail_as_json_unless_usable(root: str, indent: int | None = None) -> None:
@@ -163,7 +199,7 @@ def _fail_as_json_unless_usable(root: str, indent: int | None = None) -> None:
     JSON object saying why (``version`` null) and exit 1."""
     from dbsync.store import root_problem
 
-    if (problem := root_problem(root)) is not None:
+    if (problem := _unanswered(root) or root_problem(root)) is not None:
         click.echo(json_line({"root": os.path.abspath(root), "error": problem, "version": None},
                              indent=indent, sort_keys=True))
         fail(problem)
@@ -181,7 +217,7 @@ def _existing_store(root: str) -> Store:
     """A Store for reading; never creates ``root`` (a typo must not make a directory)."""
     from dbsync.store import Store, root_problem
 
-    problem = root_problem(root)
+    problem = _unanswered(root) or root_problem(root)
     if problem is not None:
         fail(problem)
     return Store(root, create=False)

@@ -307,13 +307,22 @@ class Watcher:
         return self
 
     def stop(self) -> None:
-        """Stop at once (every sleep is interruptible) and join the threads."""
+        """Stop at once (every sleep is interruptible) and join the threads. Hazard: a thread
+        blocked in a call its mount does not answer (a hung NFS or FUSE mount) cannot be
+        interrupted; it is waited for ``STOP_JOIN_S`` seconds, then left behind (a daemon
+        thread, with a WARNING), so that a process stopping is not held up by it."""
         self._stop.set()
         self._wake.set()
         self._stop_observer()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-            self._stop_observer()  # (one the loop restarted meanwhile)
+            self._thread.join(STOP_JOIN_S)
+            if self._thread.is_alive():  # (a daemon thread: it ends with the process)
+                log.warning("dbsync watcher: the watcher of %s did not stop within %.0f s: "
+                            "it waits in a call its mount does not answer (an NFS server "
+                            "gone, a FUSE daemon stopped); left behind", self.root,
+                            STOP_JOIN_S)
+            else:
+                self._stop_observer()  # (one the loop restarted meanwhile)
         self._thread = None
 
     def __enter__(self) -> Watcher:
@@ -331,7 +340,14 @@ class Watcher:
             events = self._events
             woken, seen_events = first or events != seen_events, events
             first = False
-            identity = _identity(self.root)  # (a stat: is another directory or mount there?)
+            # (a stat: is another directory or mount there? It blocks on a hung mount, as a
+            # read of the head does: watched the same way)
+            try:
+                with said_if_slow(f"reading {os.path.join(self.root, MANIFEST_FILE)}",
+                                  on_slow=self._hanging):
+                    identity = _identity(self.root)
+            finally:
+                self._hang = None
             moved = identity != self._root_identity
             if moved and self._mode_from_mount and identity is not None:
                 self._choose_mode_again()
@@ -540,6 +556,10 @@ class Watcher:
         else:
             self._unwatched_because = f"it is now on a {mount_type(self.root)} mount"
             self._rewatch.set()
+
+
+#: how long ``Watcher.stop`` waits for its thread (blocked only by a hung mount)
+STOP_JOIN_S = 5.0
 
 
 def _identity(path: str) -> tuple[int, int] | None:

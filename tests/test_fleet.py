@@ -528,6 +528,7 @@ def test_a_hung_mount_holds_no_timed_wait_past_its_timeout_and_silences_no_watch
     import signal
 
     from dbsync import slowcalls
+    from dbsync import watch as watch_module
     from dbsync.watch import Watcher
 
     monkeypatch.setattr(slowcalls, "SLOW_CALL_WARN_S", 0.5)
@@ -541,6 +542,8 @@ def test_a_hung_mount_holds_no_timed_wait_past_its_timeout_and_silences_no_watch
     rx = dbsync.Receiver(view, read_only=True)
     watcher = Watcher(view, lambda v: (seen.append(v), arrived.set()), poll_interval=0.1,
                       skip_current=True).start()
+    monkeypatch.setattr(watch_module, "STOP_JOIN_S", 0.5)
+    stuck = Watcher(view, lambda v: None, poll_interval=0.1).start()
     daemon = fuse._daemon.pid
     try:
         with caplog.at_level(logging.WARNING, logger="dbsync"):
@@ -553,6 +556,12 @@ def test_a_hung_mount_holds_no_timed_wait_past_its_timeout_and_silences_no_watch
             while not (watcher.read_problem or "").count("has not returned"):
                 assert time.monotonic() < deadline, watcher.read_problem
                 threading.Event().wait(0.05)  # (a bounded pause between looks at a status)
+            # A watcher stopped meanwhile (`dbsync watch` taking Ctrl-C or SIGTERM) returns:
+            # its thread, blocked in the kernel, is left behind (it waited for the mount).
+            stopping = threading.Thread(target=stuck.stop, daemon=True)
+            stopping.start()
+            stopping.join(10)
+            assert not stopping.is_alive(), "stop() waited for a mount that does not answer"
             os.kill(daemon, signal.SIGCONT)
         with dbsync.Sender(base) as sender:
             sender.push(weights_for(2))
@@ -561,10 +570,43 @@ def test_a_hung_mount_holds_no_timed_wait_past_its_timeout_and_silences_no_watch
         assert watcher.read_problem is None
         assert f"reading {view}/dbsync.json has not returned for 0.5 s" in caplog.text
         assert "did not answer in time (a hung mount?); returning None" in caplog.text
+        assert "did not stop within 0 s: it waits in a call its mount does not answer" in (
+            caplog.text)
     finally:
         os.kill(daemon, signal.SIGCONT)
         watcher.stop()
         rx.close()
+        fuse.close()
+
+
+@needs_root
+def test_operator_commands_on_a_hung_mount_say_so_instead_of_hanging(tmp_path):
+    """``dbsync status`` (and ``--json``, ``verify``, ``watch``) on a mount that stopped
+    answering hung for good at their first look at ROOT, printing nothing: an on-call
+    engineer's terminal, or a monitoring script, wedged. They now say the mount does not
+    answer, exit 1, and ``--json`` still prints its one JSON object."""
+    import signal
+
+    base = str(tmp_path / "base")
+    with dbsync.Sender(base) as sender:
+        sender.push(weights_for(1))
+    fuse = FuseView(base, tmp_path / "view", options="attr_timeout=0,entry_timeout=0")
+    view = fuse.mount()
+    daemon = fuse._daemon.pid
+    run_cli = ("import sys, cli.main as m; m.HUNG_ROOT_S = 1.0; "
+               "sys.argv = ['dbsync', *sys.argv[1:]]; m.main()")
+    try:
+        os.kill(daemon, signal.SIGSTOP)
+        for args in (["status", view], ["status", "--json", view], ["verify", view],
+                     ["watch", "--json", view]):
+            done = subprocess.run([sys.executable, "-c", run_cli, *args], cwd=REPO, env=ENV,
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 1, (args, done.stdout, done.stderr)
+            assert "does not answer" in done.stderr and "hung mount" in done.stderr, args
+            if "--json" in args:
+                assert "does not answer" in json.loads(done.stdout)["error"]
+    finally:
+        os.kill(daemon, signal.SIGCONT)
         fuse.close()
 
 

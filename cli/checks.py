@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from dbsync.errors import FormatError
-from dbsync.format import Manifest, shard_file
+from dbsync.errors import FormatError, UnsupportedFormatError
+from dbsync.format import INDEX_FILE, Manifest, shard_file
 from dbsync.store import Store
 
 
@@ -42,8 +42,18 @@ def slot_problems(store: Store, manifest: Manifest) -> dict[str, str]:
 
 
 def current_problems(store: Store, attempts: int = 3) -> tuple[Manifest | None, dict[str, str]]:
-    """(current manifest, its problems); retried while a writer flips the manifest meanwhile."""
-    manifest = store.read_manifest()
+    """(current manifest, its problems); retried while a writer flips the manifest meanwhile.
+    A head that reads well whose slot's index does not (missing, garbled, of another version)
+    is a problem of that version, not an error: the rest of the status is still shown."""
+    try:
+        manifest = store.read_manifest()
+    except UnsupportedFormatError:
+        raise
+    except FormatError as exc:
+        head = store.read_head()  # (raises as the manifest did where the head is the fault)
+        if head is None:
+            raise
+        return None, {f"slots/{head.slot}/{INDEX_FILE}": str(exc)}
     problems: dict[str, str] = {}
     for _ in range(attempts):
         if manifest is None:

@@ -545,6 +545,20 @@ def test_status_names_truncated_and_missing_slot_files(store_v1, damage):
     assert "damaged" in human.stderr and "dbsync push" in human.stderr
 
 
+def test_status_of_a_slot_without_its_index_shows_the_rest_and_names_it(store_v1):
+    """A missing index made ``status`` print one error line (``--json``: version null and no
+    receivers), though the head and the leases read well: now the index is the damage
+    named, beside everything else."""
+    os.unlink(os.path.join(store_v1, "slots", "a", "index.json"))
+    result = run("status", store_v1, "--json")
+    assert result.exit_code == 1
+    info = json.loads(result.stdout)
+    assert info["version"] == 1 and "receivers" in info, info
+    assert list(info["problems"]) == ["slots/a/index.json"], info["problems"]
+    human = run("status", store_v1)
+    assert human.exit_code == 1 and "DAMAGED    slots/a/index.json" in human.stdout
+
+
 def test_status_on_garbled_manifest(store_v1):
     with open(os.path.join(store_v1, MANIFEST_FILE), "wb") as f:
         f.write(b'{"format": "dbsync", "format_')

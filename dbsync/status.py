@@ -167,11 +167,14 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
 def _ages_by_store_clock(store: Store) -> dict[str, float]:
     """Seconds since each reader file was written, by the store's own clock (its files'
     mtimes against a probe's: on NFS the server stamps both, so a reader host whose clock
-    lags is not shown "dead"); empty where this process cannot write a probe there (then
-    the leases' own ``updated_at`` against this host's clock is all there is)."""
+    lags is not shown "dead"). Where this process cannot write a probe (a read-only view),
+    the mtimes are taken against this host's clock: right on the store's own host, and off
+    only by this host's skew to the store's, the same for every reader (the leases' own
+    ``updated_at`` would add each reader host's skew: a live reader whose clock lags 40 s
+    was shown dead)."""
     storage_now = store.storage_time()
     if storage_now is None:
-        return {}
+        storage_now = time.time()
     return {name: max(0.0, storage_now - mtime)
             for name, mtime in store.reader_file_times().items()}
 

@@ -580,6 +580,29 @@ def test_a_hung_mount_holds_no_timed_wait_past_its_timeout_and_silences_no_watch
 
 
 @needs_root
+def test_status_on_a_read_only_view_does_not_call_a_reader_with_a_lagging_clock_dead(tmp_path):
+    """On a read-only view ``dbsync status`` cannot write the probe that gives it the
+    store's clock, and judged each lease by its own ``updated_at``: a live reader on a host
+    whose clock lags 40 s was shown dead. The lease files' times (the store's clock) are
+    used against this host's instead."""
+    base = str(tmp_path / "base")
+    with dbsync.Sender(base) as sender:
+        sender.push(weights_for(1))
+    lease = {"reader_id": "skewed", "host": "node7", "boot_id": None, "pidns": None,
+             "pid": 4242, "pid_start": None, "reads_format": 3, "lease_timeout": 5.0,
+             "state": "idle", "slot": None, "version": None, "held": [],
+             "loaded_version": 1, "loaded_run_id": None, "loaded_at": None, "refused": None,
+             "beat": 7, "updated_at": time.time() - 40}  # (its host's clock, 40 s behind)
+    Store(base).write_lease("skewed", lease)  # (just written: its file is fresh)
+    with read_only_view(base, tmp_path / "view") as view:
+        done = subprocess.run([sys.executable, "-m", "cli.main", "status", "--json", view],
+                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    info = json.loads(done.stdout)
+    [reader] = info["receivers"]
+    assert reader["state"] != "dead" and reader["seconds_since_seen"] < 20, reader
+
+
+@needs_root
 def test_operator_commands_on_a_hung_mount_say_so_instead_of_hanging(tmp_path):
     """``dbsync status`` (and ``--json``, ``verify``, ``watch``) on a mount that stopped
     answering hung for good at their first look at ROOT, printing nothing: an on-call

@@ -13,7 +13,6 @@ command imports what it needs when it runs (``--help`` never imports torch).
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import signal
 import stat
@@ -566,6 +565,12 @@ def _foreign_format_view(store: Store) -> dict[str, Any]:
     return {"head": head, "receivers": found}
 
 
+def _unseen_for(receiver: dict[str, Any]) -> float:
+    """Seconds since ``receiver`` was last seen (unknown: the longest)."""
+    seconds = receiver.get("seconds_since_seen")
+    return float(seconds) if isinstance(seconds, int | float) else float("inf")
+
+
 def _status_lines(info: dict[str, Any], dead_listed: int | None = None) -> list[str]:
     """``info`` for people; at most ``dead_listed`` dead receivers listed (None: all), the
     rest counted in one line, so that thousands of dead leases do not bury the live ones."""
@@ -592,10 +597,12 @@ def _status_lines(info: dict[str, Any], dead_listed: int | None = None) -> list[
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     lines.append(f"receivers  {len(rx)}" + (f" ({summary})" if summary else ""))
     unlisted = 0
-    if dead_listed is not None:  # (the first ``dead_listed`` dead ones, in their order)
+    if dead_listed is not None:  # (the ``dead_listed`` dead ones seen last, in their order:
+        # one that died a minute ago matters more than those of hosts gone for weeks)
         unlisted = max(0, counts["dead"] - dead_listed)
-        dead_seen = itertools.count()
-        rx = [r for r in rx if r["state"] != "dead" or next(dead_seen) < dead_listed]
+        dead = [r for r in rx if r["state"] == "dead"]
+        recent = {id(r) for r in sorted(dead, key=_unseen_for)[:dead_listed]}
+        rx = [r for r in rx if r["state"] != "dead" or id(r) in recent]
     if rx:
         rows = [[r["id"], str(r.get("host")), str(r.get("state")),
                  "-" if r["version"] is None else str(r["version"]),
@@ -605,8 +612,9 @@ def _status_lines(info: dict[str, Any], dead_listed: int | None = None) -> list[
             ["ID", "HOST", "STATE", "LOADED", "LAG", "LAST SEEN"], rows)]
         lines += [f"  {r['id']} {r['state']}: {r['reason']}" for r in rx if r.get("reason")]
     if unlisted:
-        lines.append(f"  ... and {unlisted} more dead receivers, not listed (`--all` lists "
-                     "them; the next writer to start removes dead leases once old enough)")
+        lines.append(f"  ... and {unlisted} more dead receivers, seen longer ago, not listed "
+                     "(`--all` lists them; the next writer to start removes dead leases once "
+                     "old enough)")
     for reader_id, problem in info.get("malformed_reader_files", {}).items():
         lines.append(f"ignored    readers/{reader_id}.json: not a reader's lease ({problem})")
     if info.get("note"):

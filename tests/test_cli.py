@@ -452,14 +452,22 @@ def test_status_lists_the_live_receivers_and_counts_dead_ones_past_twenty(store_
                 json.dump(dict(record, host=f"gone-host-{i}", pid=4242, boot_id="other-boot",
                                updated_at=an_hour_ago), f)
             os.utime(path, (an_hour_ago, an_hour_ago))
+        # (one that died minutes ago, last by name: listed before those gone for an hour)
+        path = os.path.join(readers, "zz-recently-gone.json")
+        minutes_ago = time.time() - 300
+        with open(path, "w") as f:
+            json.dump(dict(record, host="zz-host", pid=4242, boot_id="other-boot",
+                           updated_at=minutes_ago), f)
+        os.utime(path, (minutes_ago, minutes_ago))
         text = run("status", store_v1).stdout
         every = run("status", store_v1, "--all").stdout
         info = json.loads(run("status", store_v1, "--json").stdout)
-    assert f"receivers  {DEAD_LISTED + 16} (1 idle, {DEAD_LISTED + 15} dead)" in text
-    assert "engine-0" in text and "... and 15 more dead receivers" in text
+    assert f"receivers  {DEAD_LISTED + 17} (1 idle, {DEAD_LISTED + 16} dead)" in text
+    assert "engine-0" in text and "... and 16 more dead receivers, seen longer ago" in text
+    assert "zz-recently-gone" in text  # (listed: it was seen last)
     assert text.count(" dead: ") == DEAD_LISTED  # (a reason line each, below the table)
-    assert every.count(" dead: ") == DEAD_LISTED + 15 and "more dead" not in every
-    assert len(info["receivers"]) == DEAD_LISTED + 16
+    assert every.count(" dead: ") == DEAD_LISTED + 16 and "more dead" not in every
+    assert len(info["receivers"]) == DEAD_LISTED + 17
 
 
 def test_status_does_not_compare_versions_of_two_runs(tmp_path):

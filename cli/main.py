@@ -199,16 +199,15 @@ def _fail_as_json_unless_usable(root: str, indent: int | None = None) -> None:
     from dbsync.store import root_problem
 
     if (problem := _unanswered(root) or root_problem(root)) is not None:
-        click.echo(json_line({"root": os.path.abspath(root), "error": problem, "version": None},
-                             indent=indent, sort_keys=True))
-        fail(problem)
+        _fail_as_json(root, problem, True, indent)
 
 
-def _fail_as_json(root: str, problem: str, as_json: bool) -> NoReturn:
+def _fail_as_json(root: str, problem: str, as_json: bool, indent: int | None = None
+                  ) -> NoReturn:
     """Exit 1 saying ``problem``, with one JSON object saying it first for --json."""
     if as_json:
         click.echo(json_line({"root": os.path.abspath(root), "error": problem,
-                              "version": None}, sort_keys=True))
+                              "version": None}, indent=indent, sort_keys=True))
     fail(problem)
 
 

@@ -554,8 +554,14 @@ def _check_fits(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     versions."""
     state = {k: v for k, v in model.state_dict(keep_vars=True).items()
              if isinstance(v, torch.Tensor)}
-    problems = fit_problems([(n, t.shape, t.dtype) for n, t in weights.items()], state,
-                            strict=True)
+    _refuse_unless_tied(fit_problems([(n, t.shape, t.dtype) for n, t in weights.items()],
+                                     state, strict=True), state, weights)
+
+
+def _refuse_unless_tied(problems: dict[str, str], state: Mapping[str, torch.Tensor],
+                        weights: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``IncompatibleWeightsError`` for ``problems``, unless they are only tensors the
+    version lacks that are tied to ones it has (``tied_to_published``)."""
     if problems and not tied_to_published(problems, state, list(weights)):
         raise IncompatibleWeightsError(
             f"the published version does not fit the model {problem_listing(problems)}; "
@@ -578,11 +584,7 @@ def _check_names_and_shapes(model: nn.Module, weights: Mapping[str, torch.Tensor
             problems[name] = (f"shape {list(tensor.shape)} != the model's "
                               f"{list(mine.shape)}")
     problems.update((name, MISSING) for name in state if name not in weights)
-    if problems and not tied_to_published(problems, state, list(weights)):
-        raise IncompatibleWeightsError(
-            f"the published version does not fit the model {problem_listing(problems)}; "
-            "nothing was applied. Receive into a model of the trainer's architecture",
-            problems)
+    _refuse_unless_tied(problems, state, weights)
 
 
 # ---- scheme ----------------------------------------------------------------------------------

@@ -733,14 +733,6 @@ def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
     d.collect([0], 600)
     push, takes = push_to(survivors, 5)
     out["after_kill"] = summary(push, takes)
-    if not survivors:  # (one receiver: it was the victim)
-        return out
-    # a byte flipped on arrival at the first survivor, before verification
-    flipped = survivors[0]
-    d.send([r for r in survivors if r != flipped], op="receive")
-    d.send([flipped], op="receive", flip=True)
-    push, takes = push_to(survivors, 6)
-    out["flip"] = summary(push, takes)
     bound = args.timeout + 2.0
     out["ok"] = (out["stall"]["push_wall_seconds"] < bound
                  and out["kill"]["push_wall_seconds"] < bound
@@ -748,8 +740,18 @@ def measure_faults(d: Driver, args: argparse.Namespace) -> dict[str, Any]:
                  and all(t["source"] == "broadcast" and t["exact"]
                          for key in ("after_stall", "after_kill")
                          for t in out[key]["takes"].values())
-                 and all(t["exact"] for key in ("stall", "kill", "flip")
-                         for t in out[key]["takes"].values())
+                 and all(t["exact"] for key in ("stall", "kill")
+                         for t in out[key]["takes"].values()))
+    if not survivors:  # (one receiver: it was the victim; no one is left for the flip)
+        return out
+    # a byte flipped on arrival at the first survivor, before verification
+    flipped = survivors[0]
+    d.send([r for r in survivors if r != flipped], op="receive")
+    d.send([flipped], op="receive", flip=True)
+    push, takes = push_to(survivors, 6)
+    out["flip"] = summary(push, takes)
+    out["ok"] = (out["ok"]
+                 and all(t["exact"] for t in out["flip"]["takes"].values())
                  and out["flip"]["takes"][str(flipped)]["source"] == "filesystem"
                  and "damaged" in str(out["flip"]["takes"][str(flipped)]["error"])
                  and all(t["source"] == "broadcast" for r, t in out["flip"]["takes"].items()

@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import os
 
-from dbsync.errors import FormatError, UnsupportedFormatError
-from dbsync.format import INDEX_FILE, Manifest, shard_file
+from dbsync.errors import FormatError, StoreUnreachableError, UnsupportedFormatError
+from dbsync.format import (
+    INDEX_FILE,
+    MAX_STAMP_BYTES,
+    SLOT_STAMP_FILE,
+    SLOTS_DIR,
+    Manifest,
+    shard_file,
+)
 from dbsync.store import Store
 
 
@@ -19,6 +26,8 @@ def slot_problems(store: Store, manifest: Manifest) -> dict[str, str]:
     """shard file (or ``slot <x>``) -> what is wrong, for ``manifest``'s slot."""
     problems: dict[str, str] = {}
     stamp = store.read_stamp(manifest.slot)
+    if stamp == (None, None):  # unreadable: a permission or mount failure is no damage
+        _raise_if_unreachable(store, manifest.slot)
     if stamp != (manifest.version, manifest.run_id):
         problems[f"slot {manifest.slot}"] = (
             f"stamp says {stamp[0]!r}, the head says version {manifest.version}")
@@ -39,6 +48,17 @@ def slot_problems(store: Store, manifest: Manifest) -> dict[str, str]:
         if size != nbytes:
             problems[shard_file(i)] = f"{where} has {size} bytes, expected {nbytes}"
     return problems
+
+
+def _raise_if_unreachable(store: Store, slot: str) -> None:
+    """Raise ``StoreUnreachableError`` where ``slot``'s stamp cannot be read by this process
+    (no permission, a failing mount): the operator is to fix access, not publish again."""
+    try:
+        store.read_record((SLOTS_DIR, slot, SLOT_STAMP_FILE), MAX_STAMP_BYTES)
+    except StoreUnreachableError:
+        raise
+    except (OSError, FormatError):
+        pass  # (damage, or gone: reported as the stamp's problem)
 
 
 def current_problems(store: Store, attempts: int = 3) -> tuple[Manifest | None, dict[str, str]]:

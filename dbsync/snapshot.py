@@ -121,11 +121,11 @@ class Snapshot:
                 raise
             except PermissionError as exc:  # not damage: this user may not read it
                 self.close()
-                raise DBSyncError(
+                raise StoreUnreachableError(
                     f"{os.path.join(store.slot_dir(manifest.slot), shard_file(i))}: "
                     f"{exc.strerror or exc} for this process (uid {os.getuid()}); nothing is "
-                    "known to be damaged: read the store as a user who may read its files"
-                ) from None
+                    "known to be damaged: read the store as a user who may read its files",
+                    exc.errno) from None
             except OSError as exc:  # the mount or this process's limit is no damage either
                 try:
                     failed = (self._read_failure(

@@ -649,6 +649,30 @@ def test_a_shard_this_user_may_not_read_is_not_called_damaged(root):
     assert out.returncode == 1, out
     assert "nothing is known to be damaged" in out.stderr and "Permission denied" in out.stderr
     assert "fail verification" not in out.stderr and "Publish again" not in out.stderr
+    # A load says so with the class and errno the README promises for no permission (*)
+    out = subprocess.run(
+        [setpriv, "--bounding-set", drop, "--inh-caps", drop, sys.executable, "-c",
+         "import errno, sys, dbsync\ntry:\n    dbsync.Receiver(sys.argv[1]).load(lambda p: None)\n"
+         "except dbsync.StoreUnreachableError as exc:\n"
+         "    print(isinstance(exc, OSError), errno.errorcode[exc.errno])", str(root)],
+        capture_output=True, text=True, cwd=repo, timeout=120,
+        env={**os.environ, "PYTHONPATH": repo})
+    assert out.stdout.split() == ["True", "EACCES"], out
+    # ... and `dbsync status` on a slot stamp it may not read says so, not DAMAGED (*)
+    os.chmod(path, 0o644)
+    stamp = os.path.join(os.path.dirname(path), "dbsync-slot.json")
+    os.chmod(stamp, 0o000)
+    for args in (["status"], ["status", "--json"]):
+        out = subprocess.run(
+            [setpriv, "--bounding-set", drop, "--inh-caps", drop, sys.executable, "-c",
+             "from cli.main import main; main()", *args, str(root)],
+            capture_output=True, text=True, cwd=repo, timeout=120,
+            env={**os.environ, "PYTHONPATH": repo})
+        assert out.returncode == 1, out
+        said = out.stdout + out.stderr
+        assert "Permission denied" in said and "nothing is wrong with the store's contents" in (
+            said), out
+        assert "DAMAGED" not in said and "publish again" not in said.lower(), out
 
 
 def test_a_dead_readers_lease_the_writer_may_not_remove_does_not_stop_its_pushes(root):

@@ -133,12 +133,22 @@ def name_problem(name: Any) -> str | None:
     return None
 
 
+#: the most characters of a name an error listing shows
+NAME_SHOWN = 300
+
+
 def describe_name(name: Any) -> str:
     """A printable form of any name, whatever its encoding (for error listings): the name
-    itself when it is printable, else its escaped ``ascii()`` form."""
+    itself when it is printable, else its escaped ``ascii()`` form; cut short past
+    ``NAME_SHOWN`` characters, saying how long it was (a listing of a store's names must not
+    carry megabytes into logs and status fields)."""
     if isinstance(name, str) and name.isprintable() and name_problem(name) is None:
-        return name
-    return ascii(name) if isinstance(name, str) else repr(name)
+        text = name
+    else:
+        text = ascii(name) if isinstance(name, str) else repr(name)
+    if len(text) <= NAME_SHOWN:
+        return text
+    return f"{text[:NAME_SHOWN * 3 // 4]}... ({len(text)} characters)"
 
 
 def loads_json(raw: bytes, source: str) -> Any:

@@ -1087,3 +1087,17 @@ def test_sockets_and_directories_in_place_of_records_are_named(root, target):
     error = refused(lambda: dbsync.Sender(root).close(), cls=DBSyncError)
     assert f"{path} is a directory" in str(error)
     assert files() == before
+
+
+def test_an_enormous_tensor_name_is_shown_cut_short_in_a_refusal(tmp_path):
+    """A store whose tensor name is 100,000 characters long, loaded into a model without it:
+    the refusal names it cut short (saying how long it was), so logs, status fields and
+    leases do not carry the whole name (*)."""
+    root = str(tmp_path / "store")
+    with dbsync.Sender(root) as sender:
+        sender.push({"x" * 100_000: torch.ones(2)})
+    with dbsync.Receiver(root) as rx, pytest.raises(dbsync.IncompatibleWeightsError) as err:
+        rx.load(torch.nn.Linear(2, 2))
+    text = str(err.value)
+    assert len(text) < 2_000, len(text)
+    assert "(100000 characters)" in text and "bias" in text and "weight" in text

@@ -484,8 +484,8 @@ class ShardView:
 
     def __init__(self, fd: int, nbytes: int, private_copy: bool, needed: int | None = None):
         """``nbytes``: the file's size (checked); ``needed``: how many of its first bytes a
-        private copy holds (default all: the rest, covered by no checked range, is never
-        read)."""
+        private copy holds, or a mapping maps (default all: the rest, covered by no checked
+        range, is never read)."""
         self.nbytes = nbytes
         self.private_copy = private_copy
         copied = nbytes if needed is None else min(max(needed, 0), nbytes)
@@ -510,8 +510,9 @@ class ShardView:
                         "raise the limit", errno.ENOMEM) from None
                 if not _read_whole(fd, memoryview(self._buf), 0):
                     raise OSError("shrank while being read")
-            elif nbytes and not private_copy:
-                self._buf = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+            elif copied and not private_copy:  # (only what checked ranges cover: a
+                # hostile index's 1 TB sparse shard maps as much as its tensors use)
+                self._buf = mmap.mmap(fd, copied, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
 

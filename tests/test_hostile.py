@@ -1101,3 +1101,23 @@ def test_an_enormous_tensor_name_is_shown_cut_short_in_a_refusal(tmp_path):
     text = str(err.value)
     assert len(text) < 2_000, len(text)
     assert "(100000 characters)" in text and "bias" in text and "weight" in text
+
+
+def test_a_terabyte_sparse_shard_the_index_agrees_with_maps_only_what_its_tensors_use(root):
+    """A store whose shard was grown to 1 TB (sparse, its bytes intact) with an index that
+    agrees: a leased load maps only the bytes its checked ranges cover and loads the
+    weights, instead of failing to map 1 TB and blaming this host's memory (*)."""
+    weights = {"a": torch.arange(64, dtype=torch.float32), "b": torch.ones(3, 5)}
+    publish(root, weights)
+    shard = os.path.join(current_slot_dir(root), "shard-00000.bin")
+    os.truncate(shard, 1 << 40)
+
+    def grow(index: dict) -> None:
+        index["shards"][0]["nbytes"] = 1 << 40
+
+    forge(root, index=grow)
+    got: dict[str, torch.Tensor] = {}
+    with dbsync.Receiver(root) as rx:
+        assert rx.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 1
+    assert got.keys() == weights.keys()
+    assert all(torch.equal(got[k], v) for k, v in weights.items())

@@ -174,7 +174,10 @@ def _check_header(data: Any, name: str, source: str) -> None:
     if not isinstance(data, dict):
         raise FormatError(f"{source}: expected a JSON object; publish again from the trainer")
     if data.get("format") != name:
-        raise FormatError(f"{source}: not a dbsync file (format={str(data.get('format'))[:40]!r})")
+        raise FormatError(f"{source}: not a dbsync file (format={str(data.get('format'))[:40]!r}, "
+                          f"not {name!r}): a file of something else stands where dbsync keeps "
+                          "its own; point dbsync at a store's directory, or publish again from "
+                          "the trainer")
     found = data.get("format_version")
     if not _is_int(found, 1, 1 << 30):
         raise FormatError(f"{source}: its format_version {str(found)[:20]!r} is no format "
@@ -276,7 +279,8 @@ class Head:
             if not _is_int(data.get(key, 0)):
                 problems.append(f"{key} must be a non-negative integer")
         if problems:
-            raise FormatError(f"{source} is invalid: " + "; ".join(problems))
+            raise FormatError(f"{source} is invalid: " + "; ".join(problems)
+                              + " (the file is damaged); publish again from the trainer")
         writer = data.get("writer")
         return cls(
             run_id=run_id, version=version, slot=slot, kind=kind,

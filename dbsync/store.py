@@ -507,6 +507,8 @@ class Store:
                 f"{index.run_id}, but its checksum matches the head of version {head.version}: "
                 "the store is damaged; publish again from the trainer"
             )
+        if head is not None:
+            _check_totals(index, head, os.path.join(self.slot_dir(slot), INDEX_FILE))
         return index
 
     def read_manifest(self) -> Manifest | None:
@@ -1118,6 +1120,18 @@ def _unreachable(root: str, exc: OSError) -> StoreUnreachableError:
 #: a read that failed with these failed in the store's disk or mount, not in its content
 MOUNT_READ_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT,
                                errno.EHOSTDOWN, errno.EHOSTUNREACH})
+
+
+def _check_totals(index: Index, head: Head, source: str) -> None:
+    """Raise ``FormatError`` unless ``index`` holds the number of tensors and bytes ``head``
+    says (a writer records both from the same tensors; a forged index with tensors left out
+    would otherwise pass verification as a smaller version)."""
+    count, total = len(index.tensors), sum(t.nbytes for t in index.tensors)
+    if (count, total) != (head.tensor_count, head.total_bytes):
+        raise FormatError(
+            f"{source} lists {count} tensor(s) of {total} bytes, but the head of version "
+            f"{head.version} says {head.tensor_count} of {head.total_bytes}: the store is "
+            "damaged; publish again from the trainer")
 
 
 def mount_read_error(path: str, exc: BaseException, doing: str

@@ -1121,3 +1121,34 @@ def test_a_terabyte_sparse_shard_the_index_agrees_with_maps_only_what_its_tensor
         assert rx.load(lambda pairs: got.update({n: t.clone() for n, t in pairs})) == 1
     assert got.keys() == weights.keys()
     assert all(torch.equal(got[k], v) for k, v in weights.items())
+
+
+def test_an_index_that_lost_tensors_the_head_counts_is_refused(root):
+    """A forged index (its checksum in the head made to match) that leaves tensors out: the
+    head still counts them, so readers and `dbsync verify` refuse the version as damaged
+    instead of loading or passing a smaller one (*)."""
+    publish(root, {"a": torch.ones(64), "b": torch.zeros(3, 5)})
+
+    def drop_all(index: dict) -> None:
+        tensors = index["tensors"]
+        for values in tensors.values():
+            del values[:]
+
+    forge(root, index=drop_all)
+    applied: list[Any] = []
+    with dbsync.Receiver(root) as rx:
+        error = refused(lambda: rx.load(lambda pairs: applied.extend(pairs)))
+    assert "lists 0 tensor(s) of 0 bytes, but the head of version 1 says 2 of" in str(error)
+    assert applied == []
+    cli_refuses(root, "lists 0 tensor(s)", "publish again")
+
+
+@pytest.mark.parametrize("field, value", [("slot", "c"), ("version", -1), ("run_id", "x"),
+                                          ("kind", "nope"), ("format", "nope")])
+def test_an_invalid_head_says_what_to_do(root, field, value):
+    """Every refusal of a garbled head says what to do, as the index's do."""
+    publish(root, {"a": torch.ones(4)})
+    forge(root, head=_set([field], value))
+    with dbsync.Receiver(root) as rx:
+        error = refused(lambda: rx.load(lambda pairs: None))
+    assert "publish again from the trainer" in str(error), error

@@ -75,7 +75,7 @@ from .pushlayout import LayoutCache, PushLayout
 from .sourcefiles import SourceFiles
 from .staleness import wait_for_lag
 from .status import printable, wait_for_receivers
-from .store import MOUNT_READ_ERRNOS, WRITING, Store, check_root_path
+from .store import HELD_SPACE, MOUNT_READ_ERRNOS, WRITING, Store, check_root_path
 
 log = logging.getLogger(__name__)
 
@@ -984,7 +984,8 @@ class Sender:
             raise StoreFullError(
                 f"version {self._version + 1} needs {need} more bytes in {self.store.root} but "
                 f"its filesystem has {free} free; nothing was written." + (two or (
-                    " Free space there (or publish in a smaller dtype), then push again")),
+                    " Free space there (or publish in a smaller dtype), then push again"
+                    + HELD_SPACE)),
                 errno.ENOSPC)
 
     def _free_slot(self, slot: str) -> None:

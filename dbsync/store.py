@@ -196,7 +196,7 @@ class Store:
         if out_of_files:
             return (f"no free inodes left on the filesystem of {root} (it has free space; "
                     "`df -i` shows inodes)", "Remove files there")
-        return f"no space left on the filesystem of {root}", "Free space there"
+        return f"no space left on the filesystem of {root}", "Free space there" + HELD_SPACE
 
     def full_error(self, code: int, what_failed: str) -> StoreFullError:
         """A ``StoreFullError`` for an ENOSPC or EDQUOT met while ``what_failed``."""
@@ -1120,6 +1120,12 @@ def _unreachable(root: str, exc: OSError) -> StoreUnreachableError:
 #: a read that failed with these failed in the store's disk or mount, not in its content
 MOUNT_READ_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT,
                                errno.EHOSTDOWN, errno.EHOSTUNREACH})
+
+
+#: why ``df`` can show space a push still cannot have
+HELD_SPACE = (" (a file deleted while a process still has it open or mapped keeps its space "
+              "until that process lets go: a reader that kept tensors of an older version "
+              "does; `lsof +L1` lists such files)")
 
 
 def _check_totals(index: Index, head: Head, source: str) -> None:

@@ -570,6 +570,20 @@ def _unseen_for(receiver: dict[str, Any]) -> float:
     return float(seconds) if isinstance(seconds, int | float) else float("inf")
 
 
+def _next_slot_lines(next_slot: dict[str, Any] | None) -> list[str]:
+    """A line on the slot a push is writing (``dbsync.status.next_slot``), if any."""
+    if not next_slot:
+        return []
+    slot, who, alive = next_slot["slot"], next_slot.get("writer"), next_slot.get("writer_alive")
+    if alive:
+        return [f"next slot  {slot}: being written by {who}"]
+    if alive is False:
+        return [f"next slot  {slot}: a push was cut short before it published (its writer, "
+                f"{who}, is gone); nothing is lost, the next push reuses the slot"]
+    return [f"next slot  {slot}: marked as being written by {who or 'an unknown writer'} (not "
+            "checkable from this host): a push under way, or one cut short"]
+
+
 def _status_lines(info: dict[str, Any], dead_listed: int | None = None) -> list[str]:
     """``info`` for people; at most ``dead_listed`` dead receivers listed (None: all), the
     rest counted in one line, so that thousands of dead leases do not bury the live ones."""
@@ -588,6 +602,7 @@ def _status_lines(info: dict[str, Any], dead_listed: int | None = None) -> list[
         ]
         if not info.get("durable", True):
             lines.append("durable    no (not fsynced: a power loss may damage it)")
+        lines += _next_slot_lines(info.get("next_slot"))
     for name, problem in info.get("problems", {}).items():
         lines.append(f"DAMAGED    {name}: {problem}")
     rx = info["receivers"]

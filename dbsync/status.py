@@ -12,7 +12,7 @@ import time
 from typing import Any, NamedTuple
 
 from .errors import DBSyncError, ReceiverRefusedError, check_int, check_seconds
-from .format import SLOTS_DIR
+from .format import SLOTS, SLOTS_DIR, WRITER_LOCK_FILE
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
     READING,
@@ -22,7 +22,10 @@ from .leases import (
     lease_timeout_of,
     same_pid_namespace,
 )
-from .store import Store
+from .store import WRITING, Store
+
+#: the most bytes of the writer lock's record read (a few dozen in practice)
+MAX_LOCK_RECORD_BYTES = 4096
 
 LIVE, IDLE, DEAD, REFUSED = "live", "idle", "dead", "refused"
 #: not renewed for longer than its lease timeout (but not yet twice it): a writer waits at most
@@ -235,6 +238,34 @@ def wait_for_receivers(store: Store, version: int, count: int, timeout: float | 
         time.sleep(interval)
 
 
+def next_slot(store: Store, current: str) -> dict[str, Any] | None:
+    """The slot the current version is not in, while it is marked as being written: who
+    writes it (the writer lock's record: ``writer``) and, where that process can be checked
+    from here (same host, boot and PID namespace), whether it still runs (``writer_alive``;
+    None where it cannot be told). None when that slot holds a version or nothing. A push
+    killed before its flip leaves this (nothing is lost: the next push reuses the slot).
+    Hazard: read while a writer flips, the answer may already be out of date."""
+    other = next(s for s in SLOTS if s != current)
+    if store.read_stamp(other)[0] != WRITING:
+        return None
+    try:
+        raw = store.read_small((WRITER_LOCK_FILE,), MAX_LOCK_RECORD_BYTES)
+    except (DBSyncError, OSError):
+        raw = None
+    fields = (raw or b"").decode("utf-8", "replace").split()
+    if len(fields) < 2 or not fields[1].isdigit():
+        return {"slot": other, "writer": None, "writer_alive": None}
+    extra = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
+
+    def number(text: str | None) -> int | None:
+        return int(text) if text is not None and text.isdigit() else None
+
+    record = {"host": fields[0], "pid": int(fields[1]), "boot_id": extra.get("boot"),
+              "pidns": number(extra.get("pidns")), "pid_start": number(extra.get("start"))}
+    alive = lease_pid_alive(record) if same_pid_namespace(record) else None
+    return {"slot": other, "writer": f"{fields[0]} pid {fields[1]}", "writer_alive": alive}
+
+
 def store_status(store: Store) -> dict[str, Any]:
     head = store.read_head()
     writable = store.writable()
@@ -256,6 +287,7 @@ def store_status(store: Store) -> dict[str, Any]:
         return {**base, "version": None}
     return {
         **base,
+        "next_slot": next_slot(store, head.slot),
         "version": head.version,
         "run_id": head.run_id,
         "kind": head.kind,

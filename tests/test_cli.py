@@ -567,6 +567,41 @@ def test_status_of_a_slot_without_its_index_shows_the_rest_and_names_it(store_v1
     assert human.exit_code == 1 and "DAMAGED    slots/a/index.json" in human.stdout
 
 
+def test_status_says_a_push_is_being_written_then_that_it_was_cut_short(store_v1):
+    """A trainer mid-push (held in its progress callback): status names the slot it writes
+    and who writes it; once that trainer is killed, it says the push was cut short and that
+    nothing is lost. (It said nothing of either: only the last published version.)"""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch, dbsync\n"
+         "calls = []\n"
+         "def held(done, total):\n"
+         "    calls.append(done)\n"
+         "    if len(calls) == 1:\n"
+         "        print('writing', flush=True); sys.stdin.readline()\n"
+         "with dbsync.Sender(sys.argv[1]) as s:\n"
+         "    s.push({'w': torch.ones(1 << 16)}, progress=held)", store_v1],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "writing"
+        during = run("status", store_v1)
+        info = json.loads(run("status", store_v1, "--json").stdout)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert during.exit_code == 0, during.output
+    assert f"next slot  b: being written by {os.uname().nodename} pid {trainer.pid}" in (
+        during.stdout), during.stdout
+    assert info["next_slot"] == {"slot": "b", "writer_alive": True,
+                                 "writer": f"{os.uname().nodename} pid {trainer.pid}"}
+    after = run("status", store_v1)
+    assert after.exit_code == 0 and "version    1 (slot a)" in after.stdout
+    assert (f"next slot  b: a push was cut short before it published (its writer, "
+            f"{os.uname().nodename} pid {trainer.pid}, is gone)") in after.stdout, after.stdout
+    with dbsync.Sender(store_v1) as sender:  # (and the next push reuses the slot)
+        assert sender.push({"w": torch.zeros(4)}) == 2
+    assert "next slot" not in run("status", store_v1).stdout
+
+
 def test_status_on_garbled_manifest(store_v1):
     with open(os.path.join(store_v1, MANIFEST_FILE), "wb") as f:
         f.write(b'{"format": "dbsync", "format_')

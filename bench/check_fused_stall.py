@@ -44,14 +44,14 @@ def receiver(root: str, timeout: float, q: Any) -> None:
 
     before: dict[str, torch.Tensor] = {}
 
-    def checked_load_fs(load_weights: Any, version: int) -> int:
+    def checked_load_fs(load_weights: Any, version: int, **kwargs: Any) -> int:
         # Before the filesystem repairs them: every element of every tensor must hold this
         # version's value or what it held before this receive, never bytes of another bucket.
         new, old = weights_for(version, "cuda:1"), before
         foreign = sum(int((~((params[n] == new[n]) | (params[n] == old[n]))).sum())
                       for n in SHAPES)
         provenance.append({"version": version, "foreign_elements": foreign})
-        return load_fs(load_weights, version)
+        return load_fs(load_weights, version, **kwargs)
 
     rx._load_fs = checked_load_fs  # type: ignore[method-assign]
     q.put("ready")

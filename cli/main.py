@@ -738,8 +738,7 @@ def _nothing_published(store: Store) -> bool:
     except UnsupportedFormatError as exc:
         if exc.newer:
             raise  # (not transient: only upgrading dbsync here helps)
-        click.echo(f"{exc}; waiting for a version in this format (Ctrl-C to stop)", err=True)
-        return False
+        return False  # (an older format: the watcher says so, once, and watches on)
     except (DBSyncError, OSError):
         return False
 

@@ -757,11 +757,9 @@ def test_a_trainer_with_umask_077_leaves_the_store_reachable_and_a_blocked_path_
         shutil.rmtree(base)
 
 
-def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
-    """A store written by the previous format (one checksum per tensor): readers say what to
-    do and apply nothing; a Sender continues its version numbers in format 3, which readers
-    then load."""
-    weights = {"a": torch.randn(64), "b": torch.randn(3, 5)}
+def _published_in_format_2(root, weights) -> dict:
+    """Publish ``weights`` and rewrite the store as the previous format wrote it (one checksum
+    per tensor); returns its head."""
     publish(root, weights)
     head_path = os.path.join(root, MANIFEST_FILE)
     head = json.load(open(head_path))
@@ -775,6 +773,16 @@ def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
     open(index_path, "wb").write(raw)
     head["index"].update(nbytes=len(raw), checksum=xxhash.xxh3_64_hexdigest(raw))
     open(head_path, "w").write(json.dumps(head))
+    return head
+
+
+def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
+    """A store written by the previous format (one checksum per tensor): readers say what to
+    do and apply nothing; a Sender continues its version numbers in format 3, which readers
+    then load."""
+    weights = {"a": torch.randn(64), "b": torch.randn(3, 5)}
+    head = _published_in_format_2(root, weights)
+    head_path = os.path.join(root, MANIFEST_FILE)
 
     calls = []
     with dbsync.Receiver(root) as rx:
@@ -798,6 +806,34 @@ def test_a_format_2_store_is_refused_by_readers_and_continued_by_a_writer(root):
     upgraded = json.load(open(head_path))
     assert upgraded["format_version"] == 3
     assert upgraded["run_id"] == head["run_id"]  # (a format upgrade is no new run)
+
+
+def test_watch_on_a_format_2_store_says_so_once_then_reports_the_upgraded_version(root):
+    """`dbsync watch` on a store of the previous format printed the notice twice (its own and
+    the watcher's); now once, and it reports the version the upgraded trainer then pushes."""
+    import subprocess
+    import sys
+
+    _published_in_format_2(root, {"a": torch.ones(8)})
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    watch = subprocess.Popen(
+        [sys.executable, "-c", "from cli.main import main; main()", "watch", str(root)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo,
+        env={**os.environ, "PYTHONPATH": repo})
+    try:
+        notice = ""
+        while "still watching" not in notice:  # (until the watcher itself has said it)
+            line = watch.stderr.readline()
+            assert line, notice
+            notice += line
+        with dbsync.Sender(root) as sender:
+            assert sender.push({"a": torch.zeros(8)}) == 2
+        line = watch.stdout.readline()
+    finally:
+        watch.terminate()
+        _, rest = watch.communicate(timeout=30)
+    assert line.startswith("version 2"), line
+    assert (notice + rest).count("older dbsync in format 2") == 1, notice + rest
 
 
 def test_destinations_nothing_can_be_copied_into_are_refused_before_any_byte_lands(root):

@@ -40,6 +40,7 @@ from .errors import (
 )
 from .fileio import ShardSizeError, ShardView, checksum, settle, wait_all
 from .format import (
+    SLOT_STAMP_FILE,
     Manifest,
     describe_name,
     is_extra_state,
@@ -716,6 +717,32 @@ class Snapshot:
         for _ in rereads():
             self.check_unchanged()
 
+    def _stamp_read_again(self) -> tuple[Any, Any]:
+        """The slot's stamp, after a read that failed: looked at again over the pauses of
+        ``rereads`` while this process is out of open files or memory (other threads free
+        theirs), then a ``ResourceLimitError``: whether the slot still holds the version
+        cannot be told, so what was read is not trusted; nor is it called a reused slot.
+        A failing mount raises ``StoreUnreachableError``. Any other failure reads as an
+        unreadable stamp ((None, None)), which the caller takes as a changed one."""
+        store, slot = self.receiver.store, self.manifest.slot
+        path = os.path.join(store.slot_dir(slot), SLOT_STAMP_FILE)
+        doing = f"checking that slot {slot} still holds version {self.version}"
+        failure: BaseException | None = None
+        for _ in rereads():
+            try:
+                return store.read_stamp_or_raise(slot)
+            except FormatError:
+                return None, None
+            except OSError as exc:
+                failure = (resource_limit(exc, doing, "nothing is known to be damaged, but "
+                                          "what was read cannot be trusted while this is not "
+                                          "known (load again)")
+                           or mount_read_error(path, exc, doing))
+                if failure is None:
+                    return None, None
+        assert failure is not None
+        raise failure
+
     def check_unchanged(self) -> None:
         """Raise ``LeaseExpiredError`` if the writer may have started reusing this slot. (A
         leaseless snapshot's private copy, once every checksum of it matched, is the version
@@ -725,6 +752,8 @@ class Snapshot:
             return
         keeper = self.receiver._keeper
         stamp = self.receiver.store.read_stamp(self.manifest.slot)
+        if stamp == (None, None):  # unreadable: a failure of this process is no reuse
+            stamp = self._stamp_read_again()
         if stamp != (self.version, self.run_id):
             cls: type[LeaseExpiredError] = SlotReused
             lapse = keeper.lapse_during(self._token) if self.leased else None

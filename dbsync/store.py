@@ -618,6 +618,13 @@ class Store:
             return None, None
         return absent if found is None else found
 
+    def read_stamp_or_raise(self, slot: str) -> tuple[Any, Any]:
+        """``read_stamp``, except that a stamp that cannot be read raises its ``OSError``
+        (no permission, a failing mount, this process out of open files) instead of giving
+        (None, None). FormatError as ``read_stamp``."""
+        found = self._slot_record(slot, SLOT_STAMP_FILE)
+        return (None, None) if found is None else found
+
     def write_stamp(self, slot: str, version: int | str, run_id: str | None, durable: bool,
                     sync_dir: bool = True) -> None:
         self._write_slot_record(slot, SLOT_STAMP_FILE, version, run_id, durable, sync_dir)

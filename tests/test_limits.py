@@ -390,3 +390,52 @@ def test_a_write_whose_thread_could_not_start_never_writes_after_the_push_fails(
         assert os.path.getsize(tmp_path / "unrelated") == 0
     finally:
         os.close(other)
+
+
+OUT_OF_FILES_AFTER_THE_APPLY = """
+    import io, json, logging, os, resource, sys
+    import torch, dbsync
+    root = sys.argv[1]
+    with dbsync.Sender(root) as sender:
+        sender.push({"w": torch.ones(16)})
+    said = io.StringIO()
+    logging.getLogger("dbsync").addHandler(logging.StreamHandler(said))
+    logging.getLogger("dbsync").setLevel(logging.INFO)
+    resource.setrlimit(resource.RLIMIT_NOFILE,
+                       (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    held = []
+
+    def use_every_descriptor(pairs):  # (the apply leaves no descriptor free)
+        for _ in pairs:
+            pass
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+
+    rx = dbsync.Receiver(root)
+    try:
+        rx.load(use_every_descriptor)
+        error = None
+    except Exception as exc:
+        error = [type(exc).__name__, str(exc)]
+    for fd in held:
+        os.close(fd)
+    again = rx.load(lambda pairs: None)
+    print(json.dumps({"error": error, "again": again, "said": said.getvalue()}))
+"""
+
+
+def test_out_of_files_when_checking_the_slot_after_the_apply_is_no_reused_slot(tmp_path):
+    """A reader whose process ran out of open files by the time it checks, after the apply,
+    that the slot still holds the version: it is told that limit (what was read is not
+    trusted), not that "a writer reused it without seeing this reader's lease ... NFS or
+    FUSE caches" (nothing was reused; it read the stamp as changed), and no "replaced while
+    it read it" is logged. It loads once descriptors are free (*)."""
+    out = run_limited(OUT_OF_FILES_AFTER_THE_APPLY, str(tmp_path / "store"))
+    assert out["error"] is not None and out["error"][0] == "ResourceLimitError", out
+    assert "checking that slot a still holds version 1" in out["error"][1], out
+    assert "open files" in out["error"][1] and "reused" not in out["error"][1], out
+    assert "replaced while" not in out["said"], out["said"]
+    assert out["again"] == 1

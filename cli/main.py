@@ -26,7 +26,7 @@ import click
 
 from dbsync import __version__
 from dbsync.errors import DBSyncError, UnsupportedFormatError, resource_limit, short_repr
-from dbsync.format import FORMAT_VERSION
+from dbsync.format import FORMAT_VERSION, SLOTS
 
 from . import pipes
 from .fmt import human_age, human_bytes, human_time, json_line, table
@@ -584,6 +584,25 @@ def _next_slot_lines(next_slot: dict[str, Any] | None) -> list[str]:
             "checkable from this host): a push under way, or one cut short"]
 
 
+#: receivers the "next push waits for" line names (the rest are counted)
+WAITED_FOR_LISTED = 5
+
+
+def _waited_for_lines(info: dict[str, Any]) -> list[str]:
+    """A line naming the receivers that hold the slot the next push writes, if any."""
+    waits = info.get("next_push_waits_for") or []
+    if not waits:
+        return []
+    other = next(s for s in SLOTS if s != info["slot"])
+    by_id = {r["id"]: r for r in info["receivers"]}
+    shown = [f"{rid} ({by_id[rid]['state']}, holding version "
+             f"{', '.join(str(v) for s, v in by_id[rid]['holding'] if s == other)})"
+             for rid in waits[:WAITED_FOR_LISTED]]
+    more = f" and {len(waits) - WAITED_FOR_LISTED} more" if len(waits) > WAITED_FOR_LISTED else ""
+    return [f"next push  waits for {'; '.join(shown)}{more} to release slot {other} (a "
+            "writer never overwrites a version a live receiver holds)"]
+
+
 def _status_lines(info: dict[str, Any], dead_listed: int | None = None) -> list[str]:
     """``info`` for people; at most ``dead_listed`` dead receivers listed (None: all), the
     rest counted in one line, so that thousands of dead leases do not bury the live ones."""
@@ -603,6 +622,7 @@ def _status_lines(info: dict[str, Any], dead_listed: int | None = None) -> list[
         if not info.get("durable", True):
             lines.append("durable    no (not fsynced: a power loss may damage it)")
         lines += _next_slot_lines(info.get("next_slot"))
+        lines += _waited_for_lines(info)
     for name, problem in info.get("problems", {}).items():
         lines.append(f"DAMAGED    {name}: {problem}")
     rx = info["receivers"]

@@ -161,10 +161,27 @@ def receivers(store: Store, malformed: dict[str, str] | None = None
             "last_seen": updated,
             "seconds_since_seen": (now - updated) if isinstance(updated, int | float) else None,
             "refused": None if refused is None else refused._asdict(),
+            #: [slot, version] of every version it holds open now (a writer does not
+            #: overwrite a slot a live receiver holds)
+            "holding": _holding(lease),
             "lease_timeout": lease.get("lease_timeout"),
             "reads_format": lease.get("reads_format"),  # (None: a release before 0.3)
         })
     return out
+
+
+def _holding(lease: dict[str, Any]) -> list[list[Any]]:
+    """[slot, version] of each hold a lease records (a version None where it names none)."""
+    held = lease.get("held")
+    out = []
+    for h in held if isinstance(held, list) else []:
+        if isinstance(h, list) and h and isinstance(h[0], str) and h[0] in SLOTS:
+            version = h[1] if len(h) > 1 and isinstance(h[1], int) else None
+            out.append([h[0], version])
+    if not out and lease.get("state") == READING and lease.get("slot") in SLOTS:
+        version = lease.get("version")
+        out.append([lease["slot"], version if isinstance(version, int) else None])
+    return sorted(out, key=lambda h: (h[0], h[1] or 0))
 
 
 def _ages_by_store_clock(store: Store) -> dict[str, float]:
@@ -285,9 +302,14 @@ def store_status(store: Store) -> dict[str, Any]:
                      "Sender would start a new store in this directory)")
             base["note"] = f"{base['note']}. {empty}" if "note" in base else empty
         return {**base, "version": None}
+    other = next(s for s in SLOTS if s != head.slot)
     return {
         **base,
         "next_slot": next_slot(store, head.slot),
+        # (the next push writes the other slot: a live or stale receiver holding it there
+        # makes that push wait, for a stale one at most its lease timeout)
+        "next_push_waits_for": [r["id"] for r in base["receivers"] if r["state"] != DEAD
+                                and any(h[0] == other for h in r["holding"])],
         "version": head.version,
         "run_id": head.run_id,
         "kind": head.kind,

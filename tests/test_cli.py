@@ -602,6 +602,27 @@ def test_status_says_a_push_is_being_written_then_that_it_was_cut_short(store_v1
     assert "next slot" not in run("status", store_v1).stdout
 
 
+def test_status_names_the_receivers_the_next_push_will_wait_for(store_v1):
+    """A receiver holding the version in the slot the next push must write: status says
+    that push will wait for it (and what it holds), in text and JSON; once it lets go, no
+    more. (The writer's own log said so; an operator's status did not.)"""
+    with dbsync.Receiver(store_v1, reader_id="slowpoke") as rx:
+        snap = rx.open()  # holds version 1, in slot a
+        with dbsync.Sender(store_v1) as sender:
+            assert sender.push({"w": torch.zeros(4)}) == 2  # (slot b: a holds nothing new)
+        try:
+            text = run("status", store_v1).stdout
+            info = json.loads(run("status", store_v1, "--json").stdout)
+        finally:
+            snap.close()
+        after = json.loads(run("status", store_v1, "--json").stdout)
+    assert ("next push  waits for slowpoke (live, holding version 1) to release slot a"
+            in text), text
+    assert info["next_push_waits_for"] == ["slowpoke"], info
+    assert [r["holding"] for r in info["receivers"]] == [[["a", 1]]], info["receivers"]
+    assert after["next_push_waits_for"] == [] and after["receivers"][0]["holding"] == []
+
+
 def test_status_on_garbled_manifest(store_v1):
     with open(os.path.join(store_v1, MANIFEST_FILE), "wb") as f:
         f.write(b'{"format": "dbsync", "format_')

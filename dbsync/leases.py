@@ -41,6 +41,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -208,6 +209,48 @@ def same_pid_namespace(lease: dict[str, Any]) -> bool:
 ABANDONED_MARGIN = 60.0
 #: the largest note of an old-looking lease a writer reads
 MAX_NOTE_BYTES = 4096
+
+
+#: readers a writer's log line names (the rest are counted)
+LISTED_READERS = 20
+
+
+def _listed(names: list[str], sep: str = "; ") -> str:
+    """``names`` joined by ``sep``, the first ``LISTED_READERS`` of them, then how many more
+    (500 stale leases made one log line of 500 names)."""
+    shown = sep.join(names[:LISTED_READERS])
+    more = len(names) - LISTED_READERS
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+class WaitShare:
+    """How much of a writer's recent time went to waiting for readers to release slots:
+    ``add(waited, now)`` after each push's wait returns that share of the last ``window``
+    seconds when it is at least ``share`` and no such warning was due in the last ``every``
+    seconds, else None. (One slow reader sets the push rate of the whole trainer; each wait
+    under ``SLOW_HOLDER_WARN_S`` is said only at INFO.)"""
+
+    def __init__(self, window: float = 60.0, share: float = 0.5, every: float = 300.0):
+        self.window, self.share, self.every = window, share, every
+        self._waits: deque[tuple[float, float]] = deque()  # (ended at, seconds waited)
+        self._started: float | None = None
+        self._warned: float | None = None
+
+    def add(self, waited: float, now: float) -> float | None:
+        if self._started is None:
+            self._started = now - waited
+        if waited > 0:
+            self._waits.append((now, waited))
+        while self._waits and self._waits[0][0] < now - self.window:
+            self._waits.popleft()
+        span = min(self.window, now - self._started)
+        if span < self.window / 2:
+            return None  # (too little seen yet to speak of a share)
+        part = sum(min(w, e - (now - span)) for e, w in self._waits) / span
+        if part < self.share or (self._warned is not None and now - self._warned < self.every):
+            return None
+        self._warned = now
+        return part
 
 
 def prune_abandoned(store: Store, default_timeout: float) -> list[str]:
@@ -748,7 +791,8 @@ class LeaseMonitor:
                     os.getpid(), slot, self.store.root)
                 told = 2
             elif told < 1 and waited > 1.0:
-                log.info("waiting for reader(s) %s to release slot %s", ", ".join(holding), slot)
+                log.info("waiting for reader(s) %s to release slot %s", _listed(holding, ", "),
+                         slot)
                 told = 1
             elif (told < 2 and waited > SLOW_HOLDER_WARN_S) or (
                     told == 2 and not here and waited - warned_at > SLOW_HOLDER_REPEAT_S):
@@ -758,7 +802,7 @@ class LeaseMonitor:
                     "release it, or once they stop renewing their lease (dead after their lease "
                     "timeout); stop or close those readers to publish now (a Sender's "
                     "reader_timeout, `dbsync push --reader-timeout`, bounds the wait)",
-                    waited, "; ".join(self._describe(r) for r in holding), slot,
+                    waited, _listed([self._describe(r) for r in holding]), slot,
                     self.store.root)
                 told, warned_at = 2, waited
             # (``timeout`` bounds the wait for readers seen alive: their lease moved during
@@ -770,7 +814,7 @@ class LeaseMonitor:
             beating = [r for r in holding if self._beat_of(r) != first_beats[r]]
             if timeout is not None and waited >= timeout and beating:
                 raise SlotHeldError(
-                    f"reader(s) {'; '.join(self._describe(r) for r in beating)} held slot "
+                    f"reader(s) {_listed([self._describe(r) for r in beating])} held slot "
                     f"{slot} of {self.store.root} for {waited:.1f} s, renewing their lease, "
                     f"longer than the push's reader_timeout ({timeout:g} s); nothing was "
                     "published. A writer never overwrites a version a live reader holds: stop "
@@ -790,8 +834,9 @@ class LeaseMonitor:
             level = logging.WARNING if waited_out else logging.INFO
             log.log(level, "slot %s of %s is free after %.1f s: %s", slot, self.store.root,
                      self.clock() - start, "; ".join(
-                         [f"{', '.join(dead)} judged dead (its lease timeout passed, or its "
+                         [f"{_listed(dead, ', ')} judged dead (its lease timeout passed, or its "
                           "process is gone): a snapshot it still reads is no longer "
                           "protected"] * bool(dead)
-                         + [f"{r} released it" for r in held_by if r not in dead]))
+                         + [f"{_listed([r for r in held_by if r not in dead], ', ')} "
+                            "released it"] * any(r not in dead for r in held_by)))
         return self.clock() - start

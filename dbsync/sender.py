@@ -67,6 +67,7 @@ from .format import (
 from .leases import (
     DEFAULT_LEASE_TIMEOUT,
     LeaseMonitor,
+    WaitShare,
     check_lease_timeout,
     prune_abandoned,
 )
@@ -475,6 +476,7 @@ class Sender:
         self._pruned_at = -math.inf
         self._prune_abandoned()
         self._leases = LeaseMonitor(self.store, lease_timeout)
+        self._wait_share = WaitShare()  # (a WARNING when pushes mostly wait for readers)
         #: target shard size (bytes); the same weights always get the same layout
         self.shard_bytes = SHARD_BYTES
         self._buffers = (_HostBuffer(), _HostBuffer())
@@ -807,6 +809,13 @@ class Sender:
         slot = SLOTS[0] if self._slot is None else SLOTS[1 - SLOTS.index(self._slot)]
         waited = self._leases.wait_until_free(slot, stop=abort, waiter=waiter,
                                               timeout=self.reader_timeout)
+        share = self._wait_share.add(waited, time.monotonic())
+        if share is not None:
+            log.warning("pushes to %s spent %.0f%% of the last %.0f s waiting for readers to "
+                        "release the slot they write: slow readers set the push rate (`dbsync "
+                        "status %s` names those the next push waits for; reader_timeout bounds "
+                        "a wait)", self.store.root, 100 * share, self._wait_share.window,
+                        self.store.root)
         if abort.is_set():
             raise _Aborted("push interrupted while waiting for readers; nothing was published")
         self._check_root_unchanged()  # (again: the wait may have been long)

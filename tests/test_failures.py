@@ -1777,3 +1777,20 @@ def test_a_file_rewritten_in_place_while_it_is_pushed_publishes_nothing(root, tm
         dest = {name: torch.empty(4096) for name in new}
         assert rx.load(dest) == 2
         assert all(torch.equal(dest[n], new[n]) for n in new)
+
+
+def test_a_writer_that_mostly_waits_for_readers_is_told_once_in_a_while():
+    """One slow reader sets a trainer's push rate, each wait said only at INFO: a writer
+    whose pushes spent at least half of the last minute waiting is warned, and then not
+    again for five minutes; one that waits a little never is."""
+    from dbsync.leases import WaitShare
+
+    slow, quick = WaitShare(), WaitShare()
+    warned, never = [], []
+    for i in range(1, 81):  # a push every 5.1 s, 5 s of it waiting for a reader
+        share = slow.add(5.0, 5.1 * i)
+        if share is not None:
+            warned.append((round(5.1 * i, 1), round(share, 2)))
+        never.append(quick.add(0.05, 1.0 * i))
+    assert warned == [(30.6, 0.98), (331.5, 0.98)], warned
+    assert set(never) == {None}

@@ -8,6 +8,7 @@ Receivers on a read-only view of the store cannot write leases: they are invisib
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any, NamedTuple
 
@@ -26,6 +27,8 @@ from .store import WRITING, Store
 
 #: the most bytes of the writer lock's record read (a few dozen in practice)
 MAX_LOCK_RECORD_BYTES = 4096
+_PID = re.compile(r"[1-9][0-9]{0,9}")  # (a pid of a lock record; no other digits)
+_NUMBER = re.compile(r"[0-9]{1,20}")
 
 LIVE, IDLE, DEAD, REFUSED = "live", "idle", "dead", "refused"
 #: not renewed for longer than its lease timeout (but not yet twice it): a writer waits at most
@@ -263,19 +266,19 @@ def next_slot(store: Store, current: str) -> dict[str, Any] | None:
     killed before its flip leaves this (nothing is lost: the next push reuses the slot).
     Hazard: read while a writer flips, the answer may already be out of date."""
     other = next(s for s in SLOTS if s != current)
-    if store.read_stamp(other)[0] != WRITING:
-        return None
     try:
+        if store.read_stamp(other)[0] != WRITING:
+            return None
         raw = store.read_small((WRITER_LOCK_FILE,), MAX_LOCK_RECORD_BYTES)
-    except (DBSyncError, OSError):
-        raw = None
+    except (DBSyncError, OSError):  # (a stamp or lock file that is no such record: nothing
+        return None  # to say here; the current version's checks are what status reports)
     fields = (raw or b"").decode("utf-8", "replace").split()
-    if len(fields) < 2 or not fields[1].isdigit():
+    if len(fields) < 2 or not _PID.fullmatch(fields[1]):
         return {"slot": other, "writer": None, "writer_alive": None}
     extra = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
 
     def number(text: str | None) -> int | None:
-        return int(text) if text is not None and text.isdigit() else None
+        return int(text) if text is not None and _NUMBER.fullmatch(text) else None
 
     record = {"host": fields[0], "pid": int(fields[1]), "boot_id": extra.get("boot"),
               "pidns": number(extra.get("pidns")), "pid_start": number(extra.get("start"))}

@@ -11,14 +11,7 @@ from __future__ import annotations
 import os
 
 from dbsync.errors import FormatError, StoreUnreachableError, UnsupportedFormatError
-from dbsync.format import (
-    INDEX_FILE,
-    MAX_STAMP_BYTES,
-    SLOT_STAMP_FILE,
-    SLOTS_DIR,
-    Manifest,
-    shard_file,
-)
+from dbsync.format import INDEX_FILE, Manifest, shard_file
 from dbsync.store import Store
 
 
@@ -54,7 +47,7 @@ def _raise_if_unreachable(store: Store, slot: str) -> None:
     """Raise ``StoreUnreachableError`` where ``slot``'s stamp cannot be read by this process
     (no permission, a failing mount): the operator is to fix access, not publish again."""
     try:
-        store.read_record((SLOTS_DIR, slot, SLOT_STAMP_FILE), MAX_STAMP_BYTES)
+        store.read_stamp_or_raise(slot)
     except StoreUnreachableError:
         raise
     except (OSError, FormatError):

@@ -23,11 +23,10 @@ from .leases import (
     lease_timeout_of,
     same_pid_namespace,
 )
-from .store import WRITING, Store
+from .store import WRITING, Store, parse_lock_record
 
 #: the most bytes of the writer lock's record read (a few dozen in practice)
 MAX_LOCK_RECORD_BYTES = 4096
-_PID = re.compile(r"[1-9][0-9]{0,9}")  # (a pid of a lock record; no other digits)
 _NUMBER = re.compile(r"[0-9]{1,20}")
 
 LIVE, IDLE, DEAD, REFUSED = "live", "idle", "dead", "refused"
@@ -272,18 +271,17 @@ def next_slot(store: Store, current: str) -> dict[str, Any] | None:
         raw = store.read_small((WRITER_LOCK_FILE,), MAX_LOCK_RECORD_BYTES)
     except (DBSyncError, OSError):  # (a stamp or lock file that is no such record: nothing
         return None  # to say here; the current version's checks are what status reports)
-    fields = (raw or b"").decode("utf-8", "replace").split()
-    if len(fields) < 2 or not _PID.fullmatch(fields[1]):
+    lock = parse_lock_record((raw or b"").decode("utf-8", "replace"))
+    if lock is None:
         return {"slot": other, "writer": None, "writer_alive": None}
-    extra = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
 
     def number(text: str | None) -> int | None:
         return int(text) if text is not None and _NUMBER.fullmatch(text) else None
 
-    record = {"host": fields[0], "pid": int(fields[1]), "boot_id": extra.get("boot"),
-              "pidns": number(extra.get("pidns")), "pid_start": number(extra.get("start"))}
+    record = {"host": lock["host"], "pid": int(lock["pid"]), "boot_id": lock.get("boot"),
+              "pidns": number(lock.get("pidns")), "pid_start": number(lock.get("start"))}
     alive = lease_pid_alive(record) if same_pid_namespace(record) else None
-    return {"slot": other, "writer": f"{fields[0]} pid {fields[1]}", "writer_alive": alive}
+    return {"slot": other, "writer": f"{lock['host']} pid {lock['pid']}", "writer_alive": alive}
 
 
 def store_status(store: Store) -> dict[str, Any]:

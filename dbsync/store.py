@@ -1204,15 +1204,24 @@ def _lock_record() -> str:
             f"start={own_start()}\n")
 
 
+def parse_lock_record(text: str) -> dict[str, str] | None:
+    """A lock record (``_lock_record``; before: '<host> <pid>') as {"host", "pid", and its
+    ``key=value`` fields: "boot", "pidns", "start"}; None unless it names a plain pid."""
+    fields = text.split()
+    if len(fields) < 2 or not re.fullmatch(r"[1-9][0-9]{0,9}", fields[1]):
+        return None
+    extra = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
+    return {**extra, "host": fields[0], "pid": fields[1]}
+
+
 def _lock_holder_note(holder: str) -> str:
     """What a lock's record (``_lock_record``; before: '<host> <pid>') says of its holder
     from here: this very process, a stopped process of this host, a process of another PID
     namespace of this host, or nothing known."""
-    fields = holder.split()
-    if len(fields) < 2 or not fields[1].isdigit():
+    record = parse_lock_record(holder)
+    if record is None:
         return ""
-    host, pid = fields[0], fields[1]
-    extra = dict(f.split("=", 1) for f in fields[2:] if "=" in f)
+    host, pid, extra = record["host"], record["pid"], record
     me = host_identity()
     if host != me["host"] or extra.get("boot", str(me["boot_id"])) != str(me["boot_id"]):
         return ""
